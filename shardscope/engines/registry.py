@@ -1,0 +1,110 @@
+"""The registry of strategies: the one place where strategy names live.
+
+Importing this module must not import torch: ``config.py`` validates presets against it
+and the app must open without torch. Each entry names the module and function that applies
+the strategy inside a rank (imported lazily by the worker), declares its typed options and
+what it needs (GPU, DeepSpeed, a minimum world size, a tensor-parallel degree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One typed option of a strategy."""
+
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    minimum: int | None = None
+
+    def describe(self) -> str:
+        """Return what values are allowed, for error messages."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.type is bool:
+            return "true or false"
+        if self.minimum is not None:
+            return f"an integer >= {self.minimum}"
+        return f"a {self.type.__name__}"
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """What the registry knows of one strategy."""
+
+    name: str
+    entry: str  # "module:function" applied inside each rank
+    description: str
+    options: dict[str, OptionSpec] = field(default_factory=dict)
+    gpu_only: bool = False
+    needs_deepspeed: bool = False
+    min_world_size: int = 1
+    tp_option: str | None = None  # name of the option holding the tensor-parallel degree
+    models: tuple[str, ...] = ("transformer", "hf", "vit")
+    shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
+    extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
+
+    def tp_degree(self, options: dict[str, Any]) -> int:
+        """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
+        if self.tp_option is None:
+            return 1
+        return int(options.get(self.tp_option, self.options[self.tp_option].default))
+
+
+_BOOL_RESHARD = OptionSpec(bool, True, "free gathered parameters after forward (re-gather in backward)")
+
+STRATEGIES: dict[str, StrategyInfo] = {}
+
+
+def register(info: StrategyInfo) -> StrategyInfo:
+    """Add a strategy to the registry and return it; raises ValueError on a duplicate name."""
+    if info.name in STRATEGIES:
+        raise ValueError(f"strategy {info.name!r} registered twice")
+    STRATEGIES[info.name] = info
+    return info
+
+
+register(
+    StrategyInfo(
+        name="ddp",
+        entry="shardscope.engines.ddp:apply",
+        description="DistributedDataParallel: full replica per rank, gradients all-reduced in buckets",
+        options={
+            "bucket_cap_mb": OptionSpec(int, 25, "gradient bucket size in MiB", minimum=1),
+            "static_graph": OptionSpec(bool, False, "tell DDP the graph does not change between steps"),
+        },
+        shards="none",
+    )
+)
+
+register(
+    StrategyInfo(
+        name="fsdp2",
+        entry="shardscope.engines.fsdp2:apply",
+        description="FSDP2 (fully_shard): per-parameter DTensor sharding, one unit per transformer block",
+        options={
+            "reshard_after_forward": _BOOL_RESHARD,
+            "param_dtype": OptionSpec(str, "auto", "dtype of gathered parameters", choices=("auto", "fp32", "bf16", "fp16")),
+            "reduce_dtype": OptionSpec(str, "auto", "dtype of gradient reduce-scatter", choices=("auto", "fp32", "bf16", "fp16")),
+        },
+        shards="all",
+    )
+)
+
+
+def get(name: str) -> StrategyInfo:
+    """Return the strategy named ``name``; raises KeyError naming the allowed strategies."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(STRATEGIES))}") from None
+
+
+def names() -> list[str]:
+    """Return all registered strategy names, sorted."""
+    return sorted(STRATEGIES)

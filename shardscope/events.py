@@ -1,0 +1,142 @@
+"""Metric records: the one contract between ranks and the orchestrator.
+
+Every rank appends one flat JSON object per line to ``<run>/metrics/rank<R>.jsonl`` and
+flushes after each line. Every record carries ``v`` (schema version), ``kind``, ``run``,
+``rank``, ``t`` (unix seconds) and, where it applies, ``step``. Metric names carry their unit
+(``step_time_s``, ``mem_peak_bytes``). Readers ignore keys they do not know and count and skip
+lines that are not valid JSON objects.
+
+This module never imports torch: the orchestrator and the app use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+SCHEMA_VERSION = 1
+
+# Kinds of record, and what each carries beyond the common keys.
+START = "start"  # spec (resolved RunSpec dict), world_size, device, backend, versions, precision{...}
+STEP = "step"  # step, loss, grad_norm, lr, step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes
+MEMORY = "memory"  # param_bytes, grad_bytes, optim_bytes, model_state_bytes, mem_*_bytes, rss_bytes
+TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "tensorboard"), steps
+LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
+COMM = "comm"  # collective summary computed in-rank, optional
+ERROR = "error"  # message, traceback
+END = "end"  # status ("ok" | "failed" | "stopped"), steps_completed
+
+KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
+COMMON_KEYS = ("v", "kind", "run", "rank", "t")
+
+
+def make_record(kind: str, run: str, rank: int, **fields: Any) -> dict[str, Any]:
+    """Return a record dict with the common keys first, then ``fields``.
+
+    Raises ValueError for an unknown kind.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown record kind {kind!r}; allowed: {', '.join(KINDS)}")
+    record: dict[str, Any] = {"v": SCHEMA_VERSION, "kind": kind, "run": run, "rank": rank, "t": time.time()}
+    record.update(fields)
+    return record
+
+
+def encode(record: dict[str, Any]) -> str:
+    """Return the record as one JSON line (with the trailing newline)."""
+    return json.dumps(record, separators=(",", ":"), default=_jsonable) + "\n"
+
+
+def _jsonable(value: Any) -> Any:
+    # Tensors, numpy scalars and paths sneak into records; turn them into plain values.
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+class RecordWriter:
+    """Appends records for one rank to its JSONL file, one line per record, flushed per line.
+
+    Used by ranks. The file is opened in append mode so a restarted rank keeps earlier records.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], run: str, rank: int) -> None:
+        self.path = os.fspath(path)
+        self.run = run
+        self.rank = rank
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Write one record of ``kind`` and return it."""
+        record = make_record(kind, self.run, self.rank, **fields)
+        self._file.write(encode(record))
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        """Close the file; further writes raise ValueError."""
+        self._file.close()
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class LineDecoder:
+    """Turns appended bytes into records, keeping a torn last line until its newline arrives.
+
+    ``invalid`` counts lines that were not JSON objects; they are skipped, never fatal.
+    """
+
+    invalid: int = 0
+    _pending: bytes = field(default=b"", repr=False)
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Return the complete records in ``_pending + data``; keep the unterminated tail."""
+        buf = self._pending + data
+        lines = buf.split(b"\n")
+        self._pending = lines.pop()  # b"" when data ended with a newline
+        return list(self._decode_lines(lines))
+
+    def _decode_lines(self, lines: Iterable[bytes]) -> Iterable[dict[str, Any]]:
+        for raw in lines:
+            if not raw.strip():
+                continue
+            record = decode_line(raw)
+            if record is None:
+                self.invalid += 1
+            else:
+                yield record
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of a torn last line still waiting for a newline."""
+        return len(self._pending)
+
+
+def decode_line(raw: bytes | str) -> dict[str, Any] | None:
+    """Return the record in one line, or None when it is not a JSON object with a ``kind``."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict) or "kind" not in value:
+        return None
+    return value
+
+
+def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """Read a whole rank file; return (records, invalid line count). A torn last line is ignored."""
+    decoder = LineDecoder()
+    with open(path, "rb") as fh:
+        records = decoder.feed(fh.read())
+    return records, decoder.invalid

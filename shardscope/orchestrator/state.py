@@ -1,0 +1,260 @@
+"""Run state and the updates the orchestrator publishes.
+
+The orchestrator (or a replay of a run directory) publishes batches of ``Update`` objects to
+subscribers. Each view keeps its own ``RunState`` per run and folds updates into it with
+``RunState.apply`` — the same fold for the headless printer, the Textual app and the report,
+so they can never disagree. Nothing here imports torch or textual.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from shardscope import events
+
+QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED = "queued", "starting", "running", "ok", "failed", "stopped"
+ACTIVE = (STARTING, RUNNING)
+FINISHED = (OK, FAILED, STOPPED)
+STATUSES = (QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED)
+
+
+# --- updates -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunDefined:
+    """A run exists (sent once per run, first): its static facts."""
+
+    run: str
+    strategy: str
+    world_size: int
+    steps_total: int
+    precision: str
+    options: dict[str, Any]
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class RecordsArrived:
+    """New records read from the run's rank files (any ranks, file order within a rank)."""
+
+    run: str
+    records: tuple[dict[str, Any], ...]
+    invalid_lines: int = 0  # running total of skipped invalid lines for this run
+
+
+@dataclass(frozen=True)
+class StatusChanged:
+    """The run moved to a new status. ``error``/``traceback`` are set for failed runs."""
+
+    run: str
+    status: str
+    error: str = ""
+    traceback: str = ""
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class ConsoleText:
+    """Text appended to the run's console.log (stdout and stderr of torchrun)."""
+
+    run: str
+    text: str
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One device (GPU via NVML) or one rank process (CPU fallback) at one moment."""
+
+    label: str  # "GPU0 NVIDIA H100" or "ddp rank 1 (process RSS)"
+    kind: str  # "gpu" | "process"
+    used_bytes: int
+    total_bytes: int | None = None
+    util_pct: float | None = None
+    power_w: float | None = None
+    run: str = ""
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A batch of device readings taken together."""
+
+    readings: tuple[DeviceReading, ...]
+    source: str  # "nvml" | "process-rss"
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class ComparisonFinished:
+    """All runs ended (or were stopped); reports were written."""
+
+    out_dir: str
+    exit_code: int
+    summary_path: str = ""
+    report_path: str = ""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A human-readable message for the user (launch commands, warnings, report progress)."""
+
+    text: str
+    level: str = "info"  # info | warning | error
+
+
+Update = Union[RunDefined, RecordsArrived, StatusChanged, ConsoleText, DeviceSample, ComparisonFinished, Notice]
+
+
+# --- the fold ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    """Everything a view knows about one run, folded from updates."""
+
+    name: str
+    strategy: str = ""
+    world_size: int = 0
+    steps_total: int = 0
+    precision: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    run_dir: str = ""
+    status: str = QUEUED
+    step: int = -1  # last step reported by rank 0
+    steps_completed: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    peak_mem_bytes: int | None = None  # max over ranks of mem_peak_bytes (allocator or RSS)
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    throughput: list[tuple[int, float]] = field(default_factory=list)  # (step, tokens/s or samples/s)
+    step_times: list[tuple[int, float]] = field(default_factory=list)
+    memory: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> latest memory record
+    start: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> start record
+    traces: list[dict[str, Any]] = field(default_factory=list)
+    comm: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> latest comm record
+    error: str = ""
+    traceback: str = ""
+    invalid_lines: int = 0
+    started_at: float | None = None
+    ended_at: float | None = None
+    first_step_t: float | None = None
+    last_step_t: float | None = None
+
+    # -- queries --
+    @property
+    def unit(self) -> str:
+        """'samples/s' for image models, else 'tokens/s'."""
+        return "samples/s" if self.samples_per_s is not None and self.tokens_per_s is None else "tokens/s"
+
+    @property
+    def rate(self) -> float | None:
+        """Current throughput in ``unit``."""
+        return self.tokens_per_s if self.tokens_per_s is not None else self.samples_per_s
+
+    @property
+    def progress(self) -> float:
+        """Fraction of steps completed, 0..1."""
+        return min(1.0, self.steps_completed / self.steps_total) if self.steps_total else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the mean step time so far, or None before two steps."""
+        if self.first_step_t is None or self.last_step_t is None or self.steps_completed < 2:
+            return None
+        per_step = (self.last_step_t - self.first_step_t) / (self.steps_completed - 1)
+        return max(0.0, per_step * (self.steps_total - self.steps_completed))
+
+    # -- the fold --
+    def apply(self, update: Update) -> bool:
+        """Fold one update addressed to this run into the state; return True if anything changed."""
+        if isinstance(update, RunDefined):
+            self.strategy, self.world_size = update.strategy, update.world_size
+            self.steps_total, self.precision = update.steps_total, update.precision
+            self.options, self.run_dir = dict(update.options), update.run_dir
+            return True
+        if isinstance(update, StatusChanged):
+            self.status = update.status
+            if update.status == STARTING:
+                self.started_at, self.ended_at = update.t, None
+            if update.status in FINISHED:
+                self.ended_at = update.t
+            if update.error:
+                self.error = update.error
+            if update.traceback:
+                self.traceback = update.traceback
+            return True
+        if isinstance(update, RecordsArrived):
+            self.invalid_lines = update.invalid_lines
+            for record in update.records:
+                self.apply_record(record)
+            return bool(update.records)
+        return False
+
+    def apply_record(self, r: dict[str, Any]) -> None:
+        """Fold one metric record (see ``events``) into the state."""
+        kind, rank = r.get("kind"), int(r.get("rank", 0))
+        if kind == events.STEP:
+            peak = r.get("mem_peak_bytes")
+            if isinstance(peak, (int, float)):
+                self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
+            if rank != 0:
+                return
+            step = int(r.get("step", self.step + 1))
+            self.step = step
+            self.steps_completed = step + 1
+            self.loss = r.get("loss", self.loss)
+            self.grad_norm = r.get("grad_norm", self.grad_norm)
+            self.lr = r.get("lr", self.lr)
+            if "tokens_per_s" in r:
+                self.tokens_per_s = r["tokens_per_s"]
+            if "samples_per_s" in r:
+                self.samples_per_s = r["samples_per_s"]
+            if isinstance(self.loss, (int, float)):
+                self.losses.append((step, float(self.loss)))
+            if self.rate is not None:
+                self.throughput.append((step, float(self.rate)))
+            if "step_time_s" in r:
+                self.step_times.append((step, float(r["step_time_s"])))
+            t = float(r.get("t", time.time()))
+            if self.first_step_t is None:
+                self.first_step_t = t
+            self.last_step_t = t
+            if self.status in (QUEUED, STARTING):
+                self.status = RUNNING
+        elif kind == events.MEMORY:
+            self.memory[rank] = r
+            peak = r.get("mem_peak_bytes")
+            if isinstance(peak, (int, float)):
+                self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
+        elif kind == events.START:
+            self.start[rank] = r
+            if self.status in (QUEUED, STARTING):
+                self.status = RUNNING
+        elif kind == events.TRACE:
+            self.traces.append(r)
+        elif kind == events.COMM:
+            self.comm[rank] = r
+        elif kind == events.ERROR and not self.error:
+            self.error = str(r.get("message", "error"))
+            self.traceback = str(r.get("traceback", ""))
+
+
+def fold(updates: list[Update], states: dict[str, RunState]) -> set[str]:
+    """Fold a batch of updates into ``states`` (creating runs on RunDefined); return changed run names."""
+    changed: set[str] = set()
+    for update in updates:
+        name = getattr(update, "run", None)
+        if name is None:
+            continue
+        state = states.get(name)
+        if state is None:
+            state = states[name] = RunState(name=name)
+        if state.apply(update):
+            changed.add(name)
+    return changed
