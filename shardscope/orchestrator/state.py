@@ -141,6 +141,7 @@ class RunState:
     error: str = ""
     traceback: str = ""
     invalid_lines: int = 0
+    tokens_per_step: int | None = None
     started_at: float | None = None
     ended_at: float | None = None
     first_step_t: float | None = None
@@ -217,8 +218,10 @@ class RunState:
                 self.samples_per_s = r["samples_per_s"]
             if isinstance(self.loss, (int, float)):
                 self.losses.append((step, float(self.loss)))
-            if self.rate is not None:
+            if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
+            if "tokens" in r:
+                self.tokens_per_step = r["tokens"]
             if "step_time_s" in r:
                 self.step_times.append((step, float(r["step_time_s"])))
             t = float(r.get("t", time.time()))
@@ -253,7 +256,7 @@ def fold(updates: list[Update], states: dict[str, RunState]) -> set[str]:
         if name is None:
             continue
         state = states.get(name)
-        if state is None:
+        if state is None or isinstance(update, RunDefined):  # RunDefined starts a run afresh (restart)
             state = states[name] = RunState(name=name)
         if state.apply(update):
             changed.add(name)

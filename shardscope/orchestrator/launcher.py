@@ -1,0 +1,197 @@
+"""Build and start one run's ``torchrun`` job, and stop it without leaving a process behind.
+
+torchrun starts each worker in a session of its own (``start_new_session=True`` in
+torch.distributed.elastic), so signalling torchrun's process group does not reach the ranks.
+``RunProcess`` therefore remembers every descendant it has seen (psutil) and, on stop, sends
+SIGTERM to torchrun's group (torchrun forwards it to the ranks), then SIGKILL after the grace
+period to the group and to every remembered descendant still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start one run: the command, its environment additions and log file."""
+
+    run: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    console_path: str
+    cwd: str
+
+    def shell_line(self) -> str:
+        """Return the command as one copy-pasteable shell line (env additions first)."""
+        import shlex
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + " ".join(shlex.quote(a) for a in self.argv)
+
+
+def torchrun_argv(
+    spec_path: str,
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "shardscope",
+    python: str = sys.executable,
+) -> tuple[str, ...]:
+    """Return the exact torchrun command for one run.
+
+    Single node without an endpoint gets a free local port; several nodes use the given
+    c10d rendezvous endpoint (``host:port``) and node rank.
+    """
+    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    argv = [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes),
+        "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", rdzv_id,
+        "--max-restarts", "0",
+    ]
+    if nnodes > 1:
+        argv += ["--node-rank", str(node_rank)]
+    argv += ["-m", "shardscope.engines.worker", spec_path]
+    return tuple(argv)
+
+
+def worker_env(device: str) -> dict[str, str]:
+    """Return environment additions for ranks: thread counts that do not oversubscribe CPUs."""
+    env = {"PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if device == "cpu":
+        # Several ranks share the cores; one intra-op thread each keeps them from thrashing.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@dataclass
+class RunProcess:
+    """A started torchrun job: its Popen, and every descendant pid ever seen."""
+
+    plan: LaunchPlan
+    popen: subprocess.Popen
+    seen: dict[int, float] = field(default_factory=dict)  # pid -> create_time
+    _log: object = None
+
+    @property
+    def pid(self) -> int:
+        """The torchrun process id (also its process-group id)."""
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """Return torchrun's exit code, or None while it runs."""
+        return self.popen.poll()
+
+    def refresh_descendants(self) -> dict[int, int]:
+        """Remember torchrun's current descendants; return {pid: local rank} for worker processes."""
+        ranks: dict[int, int] = {}
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return ranks
+        for child in children:
+            try:
+                self.seen.setdefault(child.pid, child.create_time())
+                env_rank = child.environ().get("LOCAL_RANK")
+                if env_rank is not None:
+                    ranks[child.pid] = int(env_rank)
+            except (psutil.Error, ValueError):
+                continue
+        return ranks
+
+    def alive_pids(self) -> list[int]:
+        """Return the pids of torchrun and of remembered descendants that are still alive (not zombies)."""
+        alive = []
+        for pid, created in [(self.pid, None), *self.seen.items()]:
+            try:
+                proc = psutil.Process(pid)
+                if created is not None and abs(proc.create_time() - created) > 0.01:
+                    continue  # the pid was reused by an unrelated process
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                continue
+        return alive
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the job, wait up to ``grace_s``, then SIGKILL whatever is left; reap torchrun."""
+        self.refresh_descendants()
+        _signal_group(self.pid, signal.SIGTERM)
+        for pid in self.alive_pids():
+            _signal_pid(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.alive_pids():
+            self.poll()
+            time.sleep(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL torchrun's group and every remembered descendant still alive; reap torchrun."""
+        _signal_group(self.pid, signal.SIGKILL)
+        for pid in self.alive_pids():
+            _signal_pid(pid, signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.close_log()
+
+    def close_log(self) -> None:
+        """Close the console log file handle."""
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pid(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start(plan: LaunchPlan) -> RunProcess:
+    """Start the plan's command in a new process group, stdout and stderr appended to its console log."""
+    os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
+    log = open(plan.console_path, "ab", buffering=0)
+    log.write(f"$ {plan.shell_line()}\n".encode())
+    env = dict(os.environ)
+    env.update(plan.env)
+    popen = subprocess.Popen(
+        plan.argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=plan.cwd,
+        env=env,
+        start_new_session=True,  # its own process group, so the whole job can be signalled
+    )
+    return RunProcess(plan=plan, popen=popen, _log=log)

@@ -1,0 +1,117 @@
+"""The core of summary.json: per-run results and their comparison with the baseline run.
+
+Keys named in DESIGN.md keep their names and meaning; other modules add sections. Pure Python
+(no torch): the orchestrator calls it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from shardscope import config
+from shardscope.config import Comparison
+from shardscope.orchestrator.state import RunState
+
+SUMMARY_VERSION = 1
+
+
+def median_rate(state: RunState) -> float | None:
+    """Median tokens/s (or samples/s) over steps, leaving out step 0 (warm-up) when there are more."""
+    rates = [rate for step, rate in state.throughput if step > 0] or [rate for _, rate in state.throughput]
+    return statistics.median(rates) if rates else None
+
+
+def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | None, int | None]:
+    """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps."""
+    base_losses = dict(base.losses)
+    diffs = [abs(loss - base_losses[step]) for step, loss in run.losses if step in base_losses]
+    if not diffs:
+        return None, None, None
+    return max(diffs), sum(diffs) / len(diffs), len(diffs)
+
+
+def fairness_flags(c: Comparison, run: RunState, base: RunState) -> list[str]:
+    """Return human-readable reasons why ``run`` is not like-for-like with the baseline (empty if fair)."""
+    flags = []
+    if run.precision != base.precision:
+        flags.append(f"precision {run.precision} vs baseline {base.precision}")
+    if run.tokens_per_step is not None and base.tokens_per_step is not None and run.tokens_per_step != base.tokens_per_step:
+        flags.append(f"tokens per step {run.tokens_per_step} vs baseline {base.tokens_per_step}")
+    if run.losses and base.losses and run.losses[0][0] == base.losses[0][0] == 0:
+        gap = abs(run.losses[0][1] - base.losses[0][1])
+        if gap > max(c.loss_tolerance, 1e-3 if run.precision != "fp32" or base.precision != "fp32" else 0):
+            flags.append(f"step-0 loss differs by {gap:.2e}: initial weights or data order differ")
+    hashes = {_start_value(s, "init_sha256") for s in (run, base)}
+    if None not in hashes and len(hashes) > 1:
+        flags.append("initial weights differ (init_sha256)")
+    for key in ("data_order", "global_batch"):
+        values = {_start_value(s, key) for s in (run, base)}
+        if None not in values and len(values) > 1:
+            flags.append(f"{key} differs")
+    return flags
+
+
+def _start_value(state: RunState, key: str) -> Any:
+    record = state.start.get(0) or {}
+    value = record.get(key)
+    return str(value) if value is not None else None
+
+
+def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
+    """Return the summary entry of one run (core keys plus error and fairness details)."""
+    rate, base_rate = median_rate(state), median_rate(base)
+    max_diff, mean_diff, common = loss_diffs(state, base)
+    spec = next((r for r in c.runs if r.name == state.name), None)
+    entry: dict[str, Any] = {
+        "name": state.name,
+        "strategy": state.strategy,
+        "world_size": state.world_size,
+        "status": state.status if state.status in ("ok", "failed", "stopped") else "stopped",
+        "steps_completed": state.steps_completed,
+        "final_loss": state.losses[-1][1] if state.losses else None,
+        "median_tokens_per_s": rate if state.unit == "tokens/s" else None,
+        "median_samples_per_s": rate if state.unit == "samples/s" else None,
+        "peak_mem_bytes": state.peak_mem_bytes,
+        "loss_max_abs_diff": max_diff,
+        "loss_mean_abs_diff": mean_diff,
+        "loss_steps_compared": common,
+        "speedup": (rate / base_rate) if rate and base_rate else None,
+        "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)
+        if state.peak_mem_bytes and base.peak_mem_bytes else None,
+        "precision": state.precision,
+        "options": state.options,
+        "tp": (spec and config.registry.get(spec.strategy).tp_degree(state.options)) or 1,
+        "fairness_flags": fairness_flags(c, state, base) if state is not base else [],
+        "within_tolerance": (max_diff <= c.loss_tolerance) if max_diff is not None else None,
+        "invalid_lines": state.invalid_lines,
+        "wall_time_s": (state.ended_at - state.started_at) if state.started_at and state.ended_at else None,
+    }
+    if state.error:
+        entry["error"] = state.error
+        entry["traceback_tail"] = "\n".join(state.traceback.splitlines()[-15:])
+    return entry
+
+
+def build_summary(c: Comparison, states: dict[str, RunState], out_dir: str) -> dict[str, Any]:
+    """Return the core summary dict for a comparison whose runs are folded into ``states``."""
+    order = [r.name for r in c.runs if r.name in states] or list(states)
+    baseline = c.baseline if c.baseline in states else order[0]
+    base = states[baseline]
+    runs = [run_entry(c, states[name], base) for name in order]
+    return {
+        "summary_version": SUMMARY_VERSION,
+        "preset": c.name,
+        "description": c.description,
+        "baseline": baseline,
+        "out_dir": out_dir,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "loss_tolerance": c.loss_tolerance,
+        "shared": {
+            "steps": c.steps, "global_batch": c.global_batch, "grad_accum": c.grad_accum, "seed": c.seed,
+            "precision": c.precision, "model": c.to_dict()["model"], "data": c.to_dict()["data"],
+        },
+        "all_ok": all(r["status"] == "ok" for r in runs),
+        "runs": runs,
+    }
