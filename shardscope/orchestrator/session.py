@@ -148,7 +148,8 @@ class Session:
                 self._define(run)
             self._queue.extend(self.run_names)
             self._flush()
-            dump_json(os.path.join(self.out_dir, "comparison.json"), self.comparison.to_dict())
+            if self.comparison.launch.node_rank == 0:
+                dump_json(os.path.join(self.out_dir, "comparison.json"), self.comparison.to_dict())
             if not self._write_init_weights():
                 self._queue.clear()
             self._start_sampler()
@@ -183,6 +184,8 @@ class Session:
         init_path = os.path.join(self.out_dir, "init.safetensors")
         if os.path.exists(init_path):
             return True
+        if self.comparison.launch.node_rank > 0:
+            return self._wait_for_file(init_path)
         self._emit(state.Notice("writing shared initial weights (init.safetensors)"))
         self._flush()
         log_path = os.path.join(self.out_dir, "init.log")
@@ -199,6 +202,19 @@ class Session:
         self._emit(state.Notice(message, "error"))
         for name in self.run_names:
             self._emit(state.StatusChanged(name, state.FAILED, message, text))
+        return False
+
+    def _wait_for_file(self, path: str, timeout_s: float = 600.0) -> bool:
+        """Other nodes of a multi-node comparison wait for node 0's shared weights (shared filesystem)."""
+        self._emit(state.Notice(f"waiting for node 0 to write {path}"))
+        self._flush()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                return True
+            time.sleep(1.0)
+        for name in self.run_names:
+            self._emit(state.StatusChanged(name, state.FAILED, f"node 0 never wrote {path}"))
         return False
 
     def _loop(self) -> None:
@@ -358,6 +374,11 @@ class Session:
         statuses = [self.states[n].status for n in self.run_names]
         self.exit_code = 0 if statuses and all(s == state.OK for s in statuses) else 1
         summary_path = report_path = ""
+        if self.comparison.launch.node_rank > 0:  # node 0 writes the reports
+            self._emit(state.ComparisonFinished(self.out_dir, self.exit_code))
+            self._flush()
+            self._done.set()
+            return
         try:
             self.paths = write_reports(self.out_dir, self.comparison, self.states)
             summary_path, report_path = self.paths.get("summary", ""), self.paths.get("report", "")

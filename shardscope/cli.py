@@ -1,0 +1,301 @@
+"""The command line: ``shardscope`` opens the app; ``shardscope run --headless`` runs without it.
+
+Exit codes (DESIGN.md): 0 every run ok; 1 a run failed, was stopped, or a requested check
+failed; 2 bad usage or input, with one line on stderr and no traceback. Nothing here imports
+torch: the app must open fast, and a broken torch must not break ``presets`` or ``report``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from shardscope import config
+from shardscope.config import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def fail_usage(message: str) -> None:
+    """Print one error line on stderr and exit with code 2."""
+    click.echo(f"shardscope: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def default_preset(device: str) -> str:
+    """The preset used when none is named: ``smoke`` without a GPU, ``ddp-vs-fsdp`` with one."""
+    return "ddp-vs-fsdp" if device == "cuda" else "smoke"
+
+
+def _launch_overrides(device: str | None, nnodes: int | None, node_rank: int | None, rdzv: str | None) -> list[str]:
+    out = []
+    if device:
+        out.append(f"launch.device={json.dumps(device)}")
+    if nnodes is not None:
+        out.append(f"launch.nnodes={nnodes}")
+    if node_rank is not None:
+        out.append(f"launch.node_rank={node_rank}")
+    if rdzv:
+        out.append(f"launch.rdzv_endpoint={json.dumps(rdzv)}")
+    return out
+
+
+def resolve(preset: str | None, overrides: list[str]) -> tuple[config.Comparison, str]:
+    """Load and validate a preset for this machine; return (comparison, device). Exits 2 on bad input."""
+    from shardscope.orchestrator import devices
+
+    try:
+        requested = "auto"
+        for item in overrides:
+            keys, value = config.parse_override(item)
+            if keys == ["launch", "device"]:
+                requested = str(value)
+        if requested not in config.DEVICES:
+            raise ConfigError(f"--set launch.device = {requested!r}: allowed: {', '.join(config.DEVICES)}")
+        device = devices.resolve_device(requested)
+        name = preset or default_preset(device)
+        comparison = config.load_preset(name, overrides, host=devices.host_info(device))
+    except ConfigError as err:
+        fail_usage(str(err))
+        raise  # unreachable; keeps type checkers calm
+    return comparison, device
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardscope")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """Run PyTorch's parallel training strategies side by side and see how they differ.
+
+    With no command, opens the terminal app.
+    """
+    if ctx.invoked_subcommand is None:
+        _open_app(preset=None)
+
+
+def _open_app(**kwargs: Any) -> None:
+    try:
+        from shardscope.tui.app import build_app
+    except ImportError as err:
+        fail_usage(f"the terminal app is unavailable ({err}); use `shardscope run --headless`")
+    app = build_app(**kwargs)
+    code = app.run()
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+@main.command("presets")
+def presets_cmd() -> None:
+    """List built-in presets with their descriptions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="built-in presets (shardscope run --preset NAME)")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, desc in config.list_presets():
+        table.add_row(name, desc)
+    Console().print(table)
+
+
+@main.command("run")
+@click.option("--preset", "-p", default=None, help="Built-in preset name or path to a .toml file.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a preset key (dotted): steps=50, model.n_layers=2, runs.fsdp2.options.reshard_after_forward=false.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default ./shardscope-runs/<time>-<preset>).")
+@click.option("--headless", is_flag=True, help="No app: a live table, then the comparison table.")
+@click.option("--dry-run", is_flag=True, help="Print the resolved settings and torchrun commands; launch nothing.")
+@click.option("--device", type=click.Choice(config.DEVICES), default=None, help="Force cpu or cuda (default auto).")
+@click.option("--nnodes", type=int, default=None, help="Number of nodes (torchrun rendezvous).")
+@click.option("--node-rank", type=int, default=None, help="This node's rank when --nnodes > 1.")
+@click.option("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous for several nodes.")
+@click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
+def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
+            device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
+            check_parity: bool) -> None:
+    """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
+    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint)
+    comparison, dev = resolve(preset, all_overrides)
+    from shardscope.orchestrator.session import Session, default_out_dir
+
+    out = out_dir or default_out_dir(comparison.name)
+    if dry_run:
+        _print_dry_run(comparison, dev, out)
+        return
+    if not headless:
+        _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
+        return
+    if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
+        fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
+    session = Session(comparison, out, device=dev)
+    code = _run_headless(session)
+    summary = _load_summary(out)
+    if check_parity and summary is not None and code == EXIT_OK:
+        code = _check_parity(summary)
+    sys.exit(code)
+
+
+def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
+    from shardscope.orchestrator.session import Session
+
+    resolved = comparison.to_dict()
+    click.echo(f"# preset {comparison.name} ({comparison.source}) on {device}; run directory {out}")
+    click.echo(json.dumps(resolved, indent=2))
+    for plan in Session(comparison, out, device=device).plans():
+        click.echo(f"# run {plan.run}")
+        click.echo(plan.shell_line())
+
+
+def _run_headless(session) -> int:
+    from rich.console import Console
+
+    from shardscope.headless import HeadlessView, comparison_table
+
+    console = Console()
+    view = HeadlessView(console, session.run_names)
+    session.subscribe(view)
+    session.start()
+    interrupted = False
+
+    def wait_step() -> bool:
+        nonlocal interrupted
+        try:
+            return session.wait(0.25) is not None
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted = True
+                console.print("[yellow]interrupted: stopping every run (summary still written)...[/]")
+                session.stop_all()
+            return False
+
+    while True:
+        try:
+            view.run_live(wait_step)
+            break
+        except KeyboardInterrupt:  # a Ctrl-C that landed outside wait_step
+            if not interrupted:
+                interrupted = True
+                session.stop_all()
+    code = session.exit_code if session.exit_code is not None else EXIT_FAILED
+    summary = _load_summary(session.out_dir)
+    if summary is not None:
+        console.print(comparison_table(summary))
+    for notice in view.notices:
+        if notice.level != "info":
+            console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
+    console.print("written:")
+    for label, path in sorted((session.paths or {}).items()):
+        console.print(f"  {label}: {path}", highlight=False)
+    return code
+
+
+def _load_summary(out: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_parity(summary: dict[str, Any]) -> int:
+    tol = float(summary.get("loss_tolerance", 1e-5))
+    bad = []
+    for r in summary.get("runs", []):
+        if r.get("fairness_flags"):
+            click.echo(f"parity: {r['name']} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
+            continue
+        diff = r.get("loss_max_abs_diff")
+        if diff is not None and diff > tol:
+            bad.append(f"{r['name']} max |Δloss| {diff:.3e} > {tol:g}")
+    for line in bad:
+        click.echo(f"parity check failed: {line}", err=True)
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+@main.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def report_cmd(out_dir: str) -> None:
+    """Regenerate summary.json, report.md and plots from a run directory alone."""
+    from shardscope.orchestrator import replay
+    from shardscope.orchestrator.session import write_reports
+
+    try:
+        comparison = replay.load_comparison(out_dir)
+    except (OSError, ValueError) as err:
+        fail_usage(f"{out_dir}: not a shardscope run directory (comparison.json: {err})")
+    states = replay.replay_states(out_dir)
+    paths = write_reports(out_dir, comparison, states)
+    for label, path in sorted(paths.items()):
+        click.echo(f"{label}: {path}")
+
+
+@main.command("open")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def open_cmd(out_dir: str) -> None:
+    """Open a finished or interrupted run directory in the app."""
+    if not os.path.isfile(os.path.join(out_dir, "comparison.json")):
+        fail_usage(f"{out_dir}: not a shardscope run directory (no comparison.json)")
+    _open_app(replay_dir=out_dir)
+
+
+@main.command("estimate")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
+@click.option("--world-size", "-n", type=int, required=True, help="World size to predict for.")
+@click.option("--device-memory", default=None, help="Device memory to check against, e.g. 80GiB.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
+def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overrides: tuple[str, ...]) -> None:
+    """Predict per-rank memory of each run at a world size this machine may not have."""
+    try:
+        comparison = config.load_preset(preset, [*overrides, f"world_size={world_size}"])
+        from shardscope.profiling import estimate
+    except ConfigError as err:
+        fail_usage(str(err))
+    except ImportError as err:
+        fail_usage(f"memory estimates are unavailable: {err}")
+    limit = None
+    if device_memory:
+        try:
+            limit = parse_size(device_memory)
+        except ValueError as err:
+            fail_usage(f"--device-memory {device_memory!r}: {err}")
+    estimate.print_estimate(comparison, world_size, limit)
+
+
+def parse_size(text: str) -> int:
+    """Parse ``80GiB``, ``80GB``, ``512MiB`` or a byte count; raises ValueError."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError("expected a size like 80GiB, 40GB or 512MiB")
+    value, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
+    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "KI": 1, "MI": 2, "GI": 3, "TI": 4}
+    if unit not in powers:
+        raise ValueError("unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
+    base = 1024 if unit.endswith("I") or unit == "" else 1000
+    return int(value * base ** powers[unit])
+
+
+@main.command("slurm")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
+@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--time", "time_limit", default="01:00:00", show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+def slurm_cmd(preset: str, nodes: int, gpus_per_node: int, time_limit: str, overrides: tuple[str, ...]) -> None:
+    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch)."""
+    from shardscope.orchestrator.slurm import sbatch_script
+
+    try:
+        config.load_preset(preset, [*overrides, f"world_size={nodes * gpus_per_node}", f"launch.nnodes={nodes}"])
+    except ConfigError as err:
+        fail_usage(str(err))
+    click.echo(sbatch_script(preset, nodes=nodes, gpus_per_node=gpus_per_node, time_limit=time_limit,
+                             overrides=list(overrides)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,153 @@
+"""The headless view: a live progress table while runs go, then the comparison table.
+
+Consumes the same update stream as the Textual app (``orchestrator.state``). On a terminal it
+draws a rich ``Live`` table; elsewhere (CI logs, pipes) it prints one line per status change and
+per tenth of progress, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shardscope.orchestrator import state
+from shardscope.orchestrator.state import RunState, Update
+
+STATUS_STYLE = {"queued": "dim", "starting": "yellow", "running": "cyan", "ok": "green",
+                "failed": "bold red", "stopped": "magenta"}
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Return bytes in binary units (``1.5 GiB``), or ``-``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+def fmt_num(x: float | None, spec: str = ".4f") -> str:
+    """Format a number or return ``-`` for None."""
+    return "-" if x is None else format(x, spec)
+
+
+def fmt_rate(x: float | None) -> str:
+    """Format a throughput with thousands separators."""
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def fmt_eta(seconds: float | None) -> str:
+    """Format seconds as ``1m05s``."""
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class HeadlessView:
+    """Folds updates into run states (any thread) and renders them (main thread)."""
+
+    def __init__(self, console: Console | None = None, names: list[str] | None = None) -> None:
+        self.console = console or Console(stderr=False)
+        self.states: dict[str, RunState] = {}
+        self.order = list(names or [])
+        self.notices: list[state.Notice] = []
+        self._lock = threading.Lock()
+        self._plain_marks: dict[str, int] = {}
+        self.live = self.console.is_terminal
+
+    def __call__(self, updates: list[Update]) -> None:
+        """Subscriber entry: fold a batch; in plain mode print what changed."""
+        with self._lock:
+            changed = state.fold(updates, self.states)
+            for u in updates:
+                if isinstance(u, state.RunDefined) and u.run not in self.order:
+                    self.order.append(u.run)
+                if isinstance(u, state.Notice):
+                    self.notices.append(u)
+        if not self.live:
+            self._print_plain(updates, changed)
+
+    def _print_plain(self, updates: list[Update], changed: set[str]) -> None:
+        for u in updates:
+            if isinstance(u, state.StatusChanged):
+                st = self.states.get(u.run)
+                extra = f": {u.error}" if u.error else ""
+                self.console.print(f"[{u.run}] {u.status}{extra}", highlight=False, markup=False)
+                if st and u.status in state.FINISHED and st.loss is not None:
+                    self.console.print(f"[{u.run}] steps {st.steps_completed}/{st.steps_total} loss {st.loss:.4f}",
+                                       highlight=False, markup=False)
+            elif isinstance(u, state.Notice) and u.level != "info":
+                self.console.print(f"{u.level}: {u.text}", highlight=False, markup=False)
+        for name in changed:
+            st = self.states[name]
+            if not st.steps_total or st.loss is None:
+                continue
+            tenth = int(10 * st.progress)
+            if tenth > self._plain_marks.get(name, 0):
+                self._plain_marks[name] = tenth
+                self.console.print(
+                    f"[{name}] step {st.steps_completed}/{st.steps_total} loss {st.loss:.4f} "
+                    f"{st.unit} {fmt_rate(st.rate)} mem {fmt_bytes(st.peak_mem_bytes)}",
+                    highlight=False, markup=False)
+
+    def table(self) -> Table:
+        """Return the live progress table."""
+        table = Table(title="shardscope", expand=False)
+        for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
+                             ("step", "right"), ("loss", "right"), ("tokens/s", "right"),
+                             ("peak mem", "right"), ("eta", "right")):
+            table.add_column(col, justify=justify)
+        with self._lock:
+            for name in self.order:
+                st = self.states.get(name)
+                if st is None:
+                    continue
+                unit_rate = fmt_rate(st.rate) + ("" if st.unit == "tokens/s" else " smp/s")
+                table.add_row(
+                    name, st.strategy, str(st.world_size),
+                    f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
+                    f"{max(st.steps_completed, 0)}/{st.steps_total}", fmt_num(st.loss), unit_rate,
+                    fmt_bytes(st.peak_mem_bytes), fmt_eta(st.eta_s) if st.status == "running" else "-",
+                )
+        return table
+
+    def run_live(self, wait_step) -> None:
+        """Redraw the table until ``wait_step()`` returns True (it should block briefly)."""
+        if not self.live:
+            while not wait_step():
+                pass
+            return
+        with Live(self.table(), console=self.console, refresh_per_second=4, transient=False) as live:
+            while not wait_step():
+                live.update(self.table())
+            live.update(self.table())
+
+
+def comparison_table(summary: dict[str, Any]) -> Table:
+    """Return the final comparison table built from a summary dict."""
+    base = summary.get("baseline", "")
+    table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
+    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|", "throughput/s",
+                "speedup", "peak mem", "mem ratio", "flags"):
+        table.add_column(col, justify="left" if col in ("run", "strategy", "status", "flags") else "right")
+    for r in summary.get("runs", []):
+        rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
+        flags = "; ".join(r.get("fairness_flags") or [])
+        if r.get("error"):
+            flags = (flags + "; " if flags else "") + str(r["error"])[:80]
+        table.add_row(
+            r["name"] + (" (baseline)" if r["name"] == base else ""), r.get("strategy", ""),
+            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
+            str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
+            fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
+            fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
+            fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"), flags,
+        )
+    return table
