@@ -39,7 +39,9 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
     if errors:
         return state.StatusChanged(name, state.FAILED, str(errors[0].get("message", "error")),
                                    str(errors[0].get("traceback", "")))
-    if ends and all(e.get("status") == "ok" for e in ends):
+    ranks = {r.get("rank") for r in records}
+    ended = {e.get("rank") for e in ends}
+    if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
     if not records:
         return state.StatusChanged(name, state.STOPPED, "no records: the run never started")

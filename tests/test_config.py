@@ -1,0 +1,117 @@
+"""Preset validation: every bad input gives one line naming file, key, value and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shardscope import config
+from shardscope.config import ConfigError, HostInfo
+
+HOST = HostInfo("cpu", 4, "2 CPU cores", True)
+
+
+def test_builtin_smoke_loads_with_defaults():
+    c = config.load_preset("smoke", host=HOST)
+    assert c.name == "smoke" and c.baseline == "ddp"
+    assert [r.strategy for r in c.runs] == ["ddp", "fsdp2"]
+    assert config.resolved_world_size(c, c.runs[0]) == 2
+
+
+def test_overrides_are_typed():
+    c = config.load_preset("smoke", ["steps=7", "lr=0.01", "model.n_layers=1",
+                                     "runs.fsdp2.options.reshard_after_forward=false", "precision=bf16-autocast"], host=HOST)
+    assert c.steps == 7 and c.lr == 0.01 and c.model.n_layers == 1 and c.precision == "bf16-autocast"
+    assert c.run("fsdp2").options == {"reshard_after_forward": False}
+
+
+def test_user_file_by_path(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('description = "mine"\nsteps = 3\n[[runs]]\nname = "a"\nstrategy = "ddp"\n')
+    c = config.load_preset(str(p), host=HOST)
+    assert c.name == "mine" and c.steps == 3 and c.source == str(p)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("bogus=1", "unknown key 'bogus'; allowed:"),
+    ("steps='x'", "steps = 'x': expected an integer"),
+    ("steps=true", "expected an integer"),
+    ("world_size=0", "world_size = 0: must be > 0"),
+    ("world_size=64", "hosts at most 4 (2 CPU cores)"),
+    ("runs.ddp.strategy='nope'", "runs.ddp.strategy = 'nope': allowed: "),
+    ("precision='fp8'", "precision = 'fp8': allowed: fp32"),
+    ("model.n_heads=3", "model.n_heads = 3: must divide model.d_model = 64"),
+    ("global_batch=3", "global_batch = 3: must be divisible by dp (2)"),
+    ("runs.fsdp2.options.nope=1", "runs.fsdp2.options.nope: unknown option of fsdp2; allowed:"),
+    ("runs.fsdp2.options.reshard_after_forward=3", "allowed: true or false"),
+    ("runs.ddp.fault='rank=1,step=2,kind=explode'", "kind must be one of raise, exit, hang"),
+    ("baseline='zzz'", "baseline = 'zzz': not a run; runs: ddp, fsdp2"),
+    ("runs.zzz.steps=1", "no run named 'zzz'"),
+    ("model.kind='cnn'", "model.kind = 'cnn': allowed: transformer, hf, vit"),
+    ("data.kind='text'", "data.path = '': no such text file"),
+    ("launch.device='tpu'", "launch.device = 'tpu': allowed: auto, cpu, cuda"),
+    ("precision='fp16'", "needs a GPU"),
+])
+def test_bad_inputs_name_key_value_and_allowed(override, needle):
+    with pytest.raises(ConfigError) as info:
+        config.load_preset("smoke", [override], host=HOST)
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+    assert "smoke" in message or "--set" in message
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such preset file"):
+        config.load_preset(str(tmp_path / "absent.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load_preset(str(bad))
+    norun = tmp_path / "norun.toml"
+    norun.write_text("steps = 3\n")
+    with pytest.raises(ConfigError, match="at least one"):
+        config.load_preset(str(norun))
+    with pytest.raises(ConfigError, match="built-in presets: "):
+        config.load_preset("no-such-preset")
+
+
+def test_parse_fault():
+    assert config.parse_fault("rank=1,step=3,kind=hang") == {"rank": 1, "step": 3, "kind": "hang"}
+    with pytest.raises(ValueError):
+        config.parse_fault("rank=x")
+
+
+def test_spec_payload_resolves_defaults(tmp_path):
+    c = config.load_preset("smoke", host=HOST)
+    payload = config.run_spec_payload(c, c.run("fsdp2"), out_dir=str(tmp_path), device="cpu")
+    assert payload["run"]["world_size"] == 2 and payload["run"]["dp"] == 2 and payload["run"]["tp"] == 1
+    assert payload["run"]["options"]["reshard_after_forward"] is True
+    assert payload["init_path"].endswith("init.safetensors")
+    assert config.Comparison.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "--preset", "nope", "--headless"],
+    ["run", "--preset", "smoke", "--headless", "--set", "world_size=0"],
+    ["run", "--preset", "smoke", "--headless", "--set", "steps"],
+    ["estimate", "--preset", "smoke", "--world-size", "0"],
+])
+def test_cli_bad_input_exits_2_with_one_line(args):
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardscope: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_prints_torchrun_commands_and_launches_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run",
+                           "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("torch.distributed.run") == 2
+    assert "--nproc-per-node 2" in proc.stdout and "shardscope.engines.worker" in proc.stdout
+    assert not out.exists()

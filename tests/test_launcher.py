@@ -1,0 +1,47 @@
+"""Stopping a job leaves no process behind, even ranks that started sessions of their own."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+
+from shardscope.orchestrator import launcher
+
+# A stand-in for torchrun (pure logic of process handling, no torch): a parent that starts two
+# children in new sessions, as torch elastic does, and ignores SIGTERM like a hung rank would.
+PARENT = r"""
+import signal, subprocess, sys, time
+child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+for _ in range(2):
+    subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_kills_whole_tree(tmp_path):
+    plan = launcher.LaunchPlan("t", (sys.executable, "-c", PARENT), {}, str(tmp_path / "console.log"), str(tmp_path))
+    proc = launcher.start(plan)
+    deadline = time.time() + 20
+    while time.time() < deadline and len(psutil.Process(proc.pid).children(recursive=True)) < 2:
+        time.sleep(0.1)
+    proc.refresh_descendants()
+    pids = [proc.pid, *proc.seen]
+    assert len(pids) == 3
+    t0 = time.time()
+    proc.stop(grace_s=1.0)
+    assert time.time() - t0 < 10
+    time.sleep(0.2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert "started" in (tmp_path / "console.log").read_text()
+
+
+def test_torchrun_argv():
+    argv = launcher.torchrun_argv("/x/spec.json", nproc_per_node=4, nnodes=2, node_rank=1, rdzv_endpoint="h:29500")
+    s = " ".join(argv)
+    assert "--nproc-per-node 4" in s and "--nnodes 2" in s and "--node-rank 1" in s and "--rdzv-endpoint h:29500" in s
+    assert s.endswith("-m shardscope.engines.worker /x/spec.json")
