@@ -1,0 +1,114 @@
+"""End to end through the real command line: real torchrun jobs, gloo on CPU, world size 2.
+
+Covers the spine: `smoke` runs both strategies from the same weights and tokens and agrees to 1e-5
+in fp32; a rank that raises, exits or hangs fails only its run, exits 1 and leaves no process; Ctrl-C
+leaves runs `stopped`, a summary, and no process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from shardscope import events
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "shardscope.cli"]
+
+
+def run_cli(args, timeout=300):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out, run, rank=0):
+    records, _ = events.read_records(out / run / "metrics" / f"rank{rank}.jsonl")
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "step"}
+
+
+def leftover_processes(marker: str) -> list[str]:
+    """Processes whose command line mentions ``marker`` (the run directory), zombies aside."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
+                continue
+            if marker in " ".join(proc.info["cmdline"] or []):
+                found.append(f"{proc.pid} {' '.join(proc.info['cmdline'])[:120]}")
+        except psutil.Error:
+            continue
+    return found
+
+
+def load_summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
+    out = tmp_path / "smoke"
+    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=12",
+                    "--set", "profile.start_step=6"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = load_summary(out)
+    assert summary["preset"] == "smoke" and summary["baseline"] == "ddp"
+    runs = {r["name"]: r for r in summary["runs"]}
+    assert set(runs) == {"ddp", "fsdp2"}
+    for r in runs.values():
+        assert r["status"] == "ok" and r["steps_completed"] == 12 and r["world_size"] == 2
+        assert r["median_tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0
+    ddp, fsdp = losses(out, "ddp"), losses(out, "fsdp2")
+    assert sorted(ddp) == list(range(12)) == sorted(fsdp)
+    assert ddp[0] == fsdp[0], "step-0 loss must be identical: same weights, same tokens"
+    worst = max(abs(ddp[s] - fsdp[s]) for s in ddp)
+    assert worst <= 1e-5, f"DDP vs FSDP2 fp32 max |diff| {worst:.3e}"
+    assert runs["fsdp2"]["loss_max_abs_diff"] <= 1e-5
+    assert ddp[11] < ddp[0] - 0.5, "loss should fall on the learnable synthetic stream"
+    assert (out / "init.safetensors").exists() and (out / "comparison.json").exists()
+    assert "comparison with baseline ddp" in proc.stdout
+    assert leftover_processes(str(out)) == []
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit", "hang"])
+def test_fault_fails_only_its_run(tmp_path, kind):
+    out = tmp_path / f"fault-{kind}"
+    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
+                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=12",
+                    "--set", f"runs.ddp.fault='rank=1,step=3,kind={kind}'"])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["name"]: r for r in load_summary(out)["runs"]}
+    failed = runs["ddp"]
+    assert failed["status"] == "failed" and failed["error"]
+    if kind == "raise":
+        assert "injected" in failed["error"].lower() or "RuntimeError" in failed["error"]
+        assert "Traceback" in failed["traceback_tail"] or "RuntimeError" in failed["traceback_tail"]
+    if kind == "hang":
+        assert "stalled" in failed["error"]
+    assert runs["fsdp2"]["status"] == "ok", "the other run goes on"
+    kept = losses(out, "ddp")
+    assert sorted(kept)[:3] == [0, 1, 2], "records written before the failure are kept"
+    assert leftover_processes(str(out)) == []
+
+
+def test_sigint_stops_runs_and_writes_summary(tmp_path):
+    out = tmp_path / "sigint"
+    proc = subprocess.Popen([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(out),
+                             "--set", "steps=100000", "--set", "profile.enabled=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank0 = out / "ddp" / "metrics" / "rank0.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (rank0.exists() and '"kind":"step"' in rank0.read_text()):
+        time.sleep(0.5)
+    assert rank0.exists(), "the first run never started"
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 1, output[-3000:]
+    runs = {r["name"]: r for r in load_summary(out)["runs"]}
+    assert runs["ddp"]["status"] == "stopped" and runs["ddp"]["steps_completed"] >= 1
+    assert runs["fsdp2"]["status"] == "stopped" and runs["fsdp2"]["steps_completed"] == 0
+    assert leftover_processes(str(out)) == []
