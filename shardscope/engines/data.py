@@ -1,0 +1,149 @@
+"""Data: the global batch at step s is a pure function of (seed, s).
+
+Every rank generates the whole global batch on CPU from a ``torch.Generator`` seeded from
+(seed, s) and keeps its own contiguous slice, so every strategy sees the same tokens in the same
+order whatever its layout. Tensor-parallel peers share a data-parallel rank, hence the same slice.
+With gradient accumulation each rank's slice is split, in order, into ``grad_accum`` micro-batches.
+
+``build_batches`` dispatches on ``data.kind`` through ``DATA_SOURCES`` (``"module:function"``
+entries, imported lazily). Hook point for other data: add an entry whose function takes the
+``Comparison`` and returns a ``BatchSource``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from shardscope.engines.model import resolve
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), on CPU
+
+
+@dataclass(frozen=True)
+class BatchSource:
+    """A deterministic global-batch generator.
+
+    ``global_batch(step)`` returns (inputs, targets) for all ``global_batch`` samples of ``step``.
+    ``tokens_per_sample`` is the sequence length for token models, 0 for images (the loop then
+    reports samples/s instead of tokens/s).
+    """
+
+    global_batch: Callable[[int], Batch]
+    tokens_per_sample: int
+
+
+def step_seed(seed: int, step: int, stream: int = 0) -> int:
+    """Return the generator seed for (seed, step, stream): distinct, reproducible, 63-bit."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB + 1) % (2**63 - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic tokens: a fixed random first-order Markov chain with low-entropy transitions.
+
+_BRANCHES = 4  # each token has this many likely successors...
+_BRANCH_PROBS = (0.6, 0.25, 0.1, 0.05)  # ...with these probabilities (about 1.1 nats)
+_NOISE = 0.05  # and with this probability the next token is uniform instead
+
+
+def markov_table(vocab_size: int, seed: int) -> torch.Tensor:
+    """Return the chain's successor table ``[vocab, _BRANCHES]`` (int64), fixed by ``seed``."""
+    gen = torch.Generator().manual_seed(step_seed(seed, 0, stream=1))
+    return torch.randint(vocab_size, (vocab_size, _BRANCHES), generator=gen)
+
+
+def markov_batch(table: torch.Tensor, seed: int, step: int, batch: int, length: int) -> torch.Tensor:
+    """Return ``[batch, length]`` tokens of the chain for ``step`` (pure function of its arguments)."""
+    vocab = table.shape[0]
+    gen = torch.Generator().manual_seed(step_seed(seed, step))
+    probs = torch.tensor(_BRANCH_PROBS)
+    choices = torch.multinomial(probs, batch * length, replacement=True, generator=gen).view(batch, length)
+    noisy = torch.rand(batch, length, generator=gen) < _NOISE
+    noise = torch.randint(vocab, (batch, length), generator=gen)
+    tokens = torch.empty(batch, length, dtype=torch.long)
+    tokens[:, 0] = noise[:, 0]
+    for t in range(1, length):  # first-order chain: each column depends on the previous one
+        nxt = table[tokens[:, t - 1], choices[:, t]]
+        tokens[:, t] = torch.where(noisy[:, t], noise[:, t], nxt)
+    return tokens
+
+
+def synthetic_source(comparison: Any) -> BatchSource:
+    """Return the Markov-chain token source for ``comparison`` (next-token targets)."""
+    m, seed, n = comparison.model, comparison.seed, comparison.global_batch
+    table = markov_table(m.vocab_size, seed)
+
+    def global_batch(step: int) -> Batch:
+        tokens = markov_batch(table, seed, step, n, m.seq_len + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return BatchSource(global_batch, m.seq_len)
+
+
+# ------------------------------------------------------------------------------------------------
+# A user's text file as byte-level tokens (vocab 256).
+
+
+def text_source(comparison: Any) -> BatchSource:
+    """Return windows of the UTF-8 file ``data.path`` as byte tokens, positions drawn from (seed, s).
+
+    Raises ValueError when the model's vocabulary is under 256 or the file is shorter than one window.
+    """
+    m, seed, n, path = comparison.model, comparison.seed, comparison.global_batch, comparison.data.path
+    if m.vocab_size < 256:
+        raise ValueError(f"data.kind = 'text' uses byte tokens: model.vocab_size = {m.vocab_size} must be >= 256")
+    with open(path, "rb") as fh:
+        data = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).long()
+    window = m.seq_len + 1
+    if data.numel() < window:
+        raise ValueError(f"data.path = {path!r}: {data.numel()} bytes, need at least seq_len + 1 = {window}")
+    offsets = torch.arange(window)
+
+    def global_batch(step: int) -> Batch:
+        gen = torch.Generator().manual_seed(step_seed(seed, step))
+        starts = torch.randint(data.numel() - window + 1, (n,), generator=gen)
+        tokens = data[starts[:, None] + offsets]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return BatchSource(global_batch, m.seq_len)
+
+
+# data.kind -> "module:function(comparison) -> BatchSource". Imported lazily.
+DATA_SOURCES: dict[str, str] = {
+    "synthetic": "shardscope.engines.data:synthetic_source",
+    "text": "shardscope.engines.data:text_source",
+    "images": "shardscope.engines.vit:image_source",
+}
+
+
+def make_source(comparison: Any) -> BatchSource:
+    """Return the ``BatchSource`` for ``comparison.data.kind``; raises ValueError for an unknown kind."""
+    entry = DATA_SOURCES.get(comparison.data.kind)
+    if entry is None:
+        raise ValueError(f"data.kind = {comparison.data.kind!r}: allowed: {', '.join(DATA_SOURCES)}")
+    return resolve(entry)(comparison)
+
+
+def rank_slice(batch: Batch, dp_size: int, dp_rank: int, grad_accum: int) -> list[Batch]:
+    """Return this data-parallel rank's contiguous slice of ``batch`` as ``grad_accum`` micro-batches,
+    in order. Raises ValueError when the batch does not divide into dp_size x grad_accum."""
+    inputs, targets = batch
+    n = inputs.shape[0]
+    if n % (dp_size * grad_accum):
+        raise ValueError(f"global batch {n} is not divisible by dp ({dp_size}) x grad_accum ({grad_accum})")
+    per_rank = n // dp_size
+    lo = dp_rank * per_rank
+    x, y = inputs[lo:lo + per_rank], targets[lo:lo + per_rank]
+    return list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
+
+
+def build_batches(comparison: Any, dp_size: int, dp_rank: int) -> tuple[Callable[[int], list[Batch]], BatchSource]:
+    """Return (``micro_batches(step)``, source): this rank's micro-batches for a step, and the source."""
+    source = make_source(comparison)
+
+    def micro_batches(step: int) -> list[Batch]:
+        return rank_slice(source.global_batch(step), dp_size, dp_rank, comparison.grad_accum)
+
+    return micro_batches, source

@@ -1,0 +1,90 @@
+"""FSDP2 (``fully_shard``): every parameter becomes a DTensor sharded on dim 0 across the
+data-parallel mesh. One FSDP unit per transformer block, then the root (embeddings, final norm,
+head). Each unit all-gathers its parameters before its forward, frees them after it when
+``reshard_after_forward`` (re-gathering in backward), and reduce-scatters gradients in backward."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from shardscope.engines import memory_accounting, norms
+from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
+from shardscope.engines.optim import make_optimizer, optimizer_clip_and_step
+from shardscope.engines.parallelize import blocks_of, parallelize
+from shardscope.engines.precision import option_dtype
+
+
+def mixed_precision(options: dict[str, Any], policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """Return FSDP2's MixedPrecisionPolicy from the ``param_dtype``/``reduce_dtype`` options
+    ("auto" = the precision policy's parameter and reduction dtypes)."""
+    param = option_dtype(options.get("param_dtype", "auto"), policy.param_dtype)
+    reduce = option_dtype(options.get("reduce_dtype", "auto"), policy.reduce_dtype)
+    # None = keep the sharded parameter's dtype (fp32): no casts at all in the fp32 case.
+    return MixedPrecisionPolicy(
+        param_dtype=None if param == torch.float32 else param,
+        reduce_dtype=None if reduce == torch.float32 and param == torch.float32 else reduce,
+    )
+
+
+def dp_mesh(ctx: RankContext) -> Any:
+    """Return the data-parallel sub-mesh (the whole mesh when it is 1-D)."""
+    names = getattr(ctx.mesh, "mesh_dim_names", None) or ()
+    return ctx.mesh["dp"] if len(names) > 1 else ctx.mesh
+
+
+def shard_model(model: nn.Module, mesh: Any, *, reshard_after_forward: bool, mp: MixedPrecisionPolicy) -> nn.Module:
+    """``fully_shard`` each block, then the root; return the model (now an FSDPModule)."""
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # The root's parameters are used first and last in each step; FSDP2 never reshards the root
+    # after forward, so the flag does not matter there.
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
+
+
+def fsdp2_prepared(model: nn.Module, settings: TrainSettings, mp: MixedPrecisionPolicy, notes: dict[str, Any]) -> Prepared:
+    """Return the Prepared for a model already sharded with ``fully_shard`` (shared with FSDP2+TP)."""
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, settings)
+    named = list(model.named_parameters())
+
+    @contextmanager
+    def no_sync() -> Iterator[None]:
+        # FSDP2's equivalent of DDP.no_sync: accumulate unsharded grads, reduce-scatter on the last micro-batch.
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return Prepared(
+        model=model,
+        optimizer=optimizer,
+        clip_and_step=optimizer_clip_and_step(params, optimizer),
+        model_state_bytes=lambda: memory_accounting.model_state_bytes(params, optimizer),
+        no_sync=no_sync,
+        layer_norms=lambda: norms.param_and_grad_norms(named),
+        handles_precision=mp.param_dtype is not None,
+        notes=notes,
+    )
+
+
+def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
+    """Shard ``model`` with FSDP2 over the data-parallel mesh; return the Prepared the loop drives.
+
+    Options: ``reshard_after_forward`` (bool), ``param_dtype`` and ``reduce_dtype`` ("auto" | fp32 | bf16 | fp16).
+    """
+    mp = mixed_precision(options, settings.precision)
+    reshard = options["reshard_after_forward"]
+    sharded = parallelize(
+        model, ctx, settings,
+        data_parallel=lambda m: shard_model(m, dp_mesh(ctx), reshard_after_forward=reshard, mp=mp),
+    )
+    notes = {"param_dtype": str(mp.param_dtype or "float32"), "reduce_dtype": str(mp.reduce_dtype or "float32"),
+             "reshard_after_forward": reshard, "units": len(blocks_of(sharded)) + 1}
+    return fsdp2_prepared(sharded, settings, mp, notes)

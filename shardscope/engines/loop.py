@@ -1,0 +1,166 @@
+"""The training loop shared by every strategy: same schedule, accumulation, clipping, precision
+handling and records, so a difference in results is a difference of strategy, not of loop.
+
+Per step: set the lr, run ``grad_accum`` micro-batches (``no_sync`` on all but the last; loss
+scaled by 1/grad_accum), start an async all-reduce of the loss over the data-parallel group,
+clip by the global norm and step (``Prepared.clip_and_step``), then write a ``step`` record.
+The loss all-reduce overlaps the optimizer step; reading the norm back (a float) is the one
+host sync per step, which the step time needs anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardscope import events
+from shardscope.engines.api import Prepared, RankContext, TrainSettings
+from shardscope.engines.data import Batch
+from shardscope.engines.faults import Fault
+from shardscope.engines.optim import LossScaler, lr_at
+from shardscope.engines.precision import loop_autocast_dtype
+from shardscope.profiling.capture import ProfilerWindow
+
+
+@dataclass
+class LoopConfig:
+    """What the loop needs beyond the strategy's Prepared and the TrainSettings."""
+
+    global_batch: int
+    tokens_per_sample: int  # 0 = image model: report samples/s
+    min_lr_ratio: float
+    parity: bool = False
+    log_every: int = 1
+    fault: Fault | None = None
+    profiler: ProfilerWindow | None = None
+    steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy in fp32 over all positions (tokens) or samples (images)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """Return allocator figures on CUDA (alloc, peak, reserved) or process RSS and peak RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "mem_alloc_bytes": torch.cuda.memory_allocated(device),
+            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+        }
+    # ru_maxrss is in KiB on Linux: the peak resident set of this process.
+    return {"rss_bytes": psutil.Process().memory_info().rss,
+            "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopConfig,
+          micro_batches: Callable[[int], list[Batch]], writer: events.RecordWriter) -> int:
+    """Train for ``settings.steps`` steps, writing step/memory/layers/trace records; return the
+    number of steps completed. Exceptions propagate (the worker records them)."""
+    autocast_dtype = loop_autocast_dtype(settings.precision, prep.handles_precision)
+    scaler = LossScaler() if settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision else None
+    tokens = cfg.global_batch * cfg.tokens_per_sample
+    rates: list[float] = []
+    for step in range(settings.steps):
+        if cfg.fault is not None:
+            cfg.fault.maybe_fire(ctx.rank, step)
+        profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
+        if cfg.profiler is not None:
+            cfg.profiler.begin_step(step)
+        t0 = time.perf_counter()
+        lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
+                   min_lr_ratio=cfg.min_lr_ratio)
+        assert prep.set_lr is not None and prep.zero_grad is not None
+        prep.set_lr(lr)
+        prep.zero_grad()
+        loss_sum = _forward_backward(prep, ctx, micro_batches(step), autocast_dtype, scaler)
+        # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
+        handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
+        layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
+        grad_norm, skipped = _clip_and_step(prep, settings, scaler, ctx)
+        handle.wait()
+        loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
+        _sync(ctx.device)
+        dt = time.perf_counter() - t0
+        if cfg.profiler is not None:
+            for trace in cfg.profiler.end_step(step):
+                writer.write(events.TRACE, **trace)
+        rate = (tokens or cfg.global_batch) / dt
+        if not profiled:
+            rates.append(rate)
+        if step % cfg.log_every == 0 or step == settings.steps - 1:
+            record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
+            if tokens:
+                record.update(tokens=tokens, tokens_per_s=rate)
+            else:
+                record.update(samples=cfg.global_batch, samples_per_s=rate)
+            if profiled:
+                record["profiled"] = True
+            if skipped:
+                record["skipped"] = True  # fp16 overflow: no optimizer step
+            writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
+        if layer_record is not None:
+            writer.write(events.LAYERS, step=step, grad_norms=layer_record["grad"], param_norms=layer_record["param"])
+        if step == 0:
+            write_memory(prep, ctx, writer, step, "after_first_step")
+        cfg.steps_completed = step + 1
+    write_memory(prep, ctx, writer, settings.steps - 1, "end")
+    writer.write(events.END, status="ok", steps_completed=settings.steps,
+                 median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
+                 median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
+    return settings.steps
+
+
+def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
+                      scaler: LossScaler | None) -> torch.Tensor:
+    """Run every micro-batch forward and backward; return the detached sum of their losses."""
+    loss_sum = torch.zeros(1, device=ctx.device)
+    for i, (inputs, targets) in enumerate(micro):
+        inputs = inputs.to(ctx.device, non_blocking=True)
+        targets = targets.to(ctx.device, non_blocking=True)
+        last = i == len(micro) - 1
+        with contextlib.nullcontext() if last else prep.no_sync():
+            autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                        else contextlib.nullcontext())
+            with autocast:
+                logits = prep.model(inputs)
+            loss = loss_fn(logits, targets)
+            scaled = loss / len(micro)
+            prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def _clip_and_step(prep: Prepared, settings: TrainSettings, scaler: LossScaler | None,
+                   ctx: RankContext) -> tuple[float, bool]:
+    """Return (global grad norm, skipped). With fp16 loss scaling, unscale first and skip on overflow."""
+    if scaler is None:
+        return float(prep.clip_and_step(settings.grad_clip)), False
+    assert prep.optimizer is not None
+    finite = scaler.unscale_and_check(prep.optimizer)
+    scaler.update(finite)
+    if not finite:
+        return float("inf"), True
+    return float(prep.clip_and_step(settings.grad_clip)), False
+
+
+def write_memory(prep: Prepared, ctx: RankContext, writer: events.RecordWriter, step: int, when: str) -> None:
+    """Write a ``memory`` record: exact local model-state bytes plus allocator/RSS figures."""
+    states = prep.model_state_bytes()
+    total = sum(states.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+    writer.write(events.MEMORY, step=step, when=when, **states, model_state_bytes=total, **device_memory(ctx.device))

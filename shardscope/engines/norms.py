@@ -1,0 +1,76 @@
+"""Per-layer gradient and parameter norms for parity mode (the divergence locator).
+
+Names are normalised so every strategy reports the same layer keys: wrapper prefixes
+(``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_orig_mod.``) are dropped,
+blocks are keyed ``layers.<i>``, everything else by its top-level module (``tok_emb``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+_WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def layer_key(name: str) -> str:
+    """Return the layer a parameter called ``name`` belongs to."""
+    parts = [p for p in name.split(".") if p not in _WRAPPERS]
+    if len(parts) >= 2 and parts[0] == "layers":
+        return f"layers.{parts[1]}"
+    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers":  # Hugging Face layout
+        return f"layers.{parts[2]}"
+    return parts[0] if parts else name
+
+
+def _square_sum(t: torch.Tensor) -> torch.Tensor:
+    sq = t.detach().float().pow(2).sum()
+    full = getattr(sq, "full_tensor", None)  # DTensor: reduce partial sums across the mesh
+    return full() if callable(full) else sq
+
+
+def layer_norms(named: Iterable[tuple[str, torch.Tensor | None]], *, shard_group: Any = None,
+                sharded: bool = False) -> dict[str, float]:
+    """Return {layer: L2 norm} over the tensors in ``named`` (None skipped).
+
+    Plain tensors that are disjoint local shards (``sharded=True``) have their squared sums added
+    across ``shard_group``; DTensors are reduced by their own placements; replicated plain tensors
+    need nothing.
+    """
+    keys: list[str] = []
+    sums: list[torch.Tensor] = []
+    for name, t in named:
+        if t is None:
+            continue
+        key = layer_key(name)
+        sq = _square_sum(t)
+        if key in keys:
+            sums[keys.index(key)] = sums[keys.index(key)] + sq
+        else:
+            keys.append(key)
+            sums.append(sq)
+    if not sums:
+        return {}
+    vec = torch.stack(sums)
+    if sharded and dist.is_initialized():
+        dist.all_reduce(vec, group=shard_group)
+    return {k: float(v) for k, v in zip(keys, vec.sqrt().tolist())}
+
+
+def param_and_grad_norms(named_params: list[tuple[str, torch.Tensor]], **kwargs: Any) -> dict[str, dict[str, float]]:
+    """Return ``{"grad": {...}, "param": {...}}`` for ``named_params`` (see ``layer_norms``)."""
+    return {
+        # A parameter without a gradient contributes zero; keeping its key keeps every rank's
+        # vector the same length for the all-reduce.
+        "grad": layer_norms(((n, _grad_or_empty(p)) for n, p in named_params), **kwargs),
+        "param": layer_norms(named_params, **kwargs),
+    }
+
+
+def _grad_or_empty(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is not None:
+        return p.grad
+    local = p.to_local() if callable(getattr(p, "to_local", None)) else p
+    return torch.zeros(0, device=local.device)

@@ -1,0 +1,176 @@
+"""The entry point of every rank: ``torchrun ... -m shardscope.engines.worker <run_dir>/spec.json``.
+
+Reads the spec (``config.run_spec_payload``), initialises the process group (gloo on CPU, NCCL on
+CUDA) and the device mesh (1-D ``dp`` or 2-D ``dp x tp``), builds the model, loads the shared
+initial weights, applies the strategy looked up lazily through the registry, runs the shared loop
+and writes records to ``<run_dir>/metrics/rank<R>.jsonl``.
+
+Any exception becomes an ``error`` record (one-line message and full traceback) and an ``end``
+record with status "failed", then a non-zero exit. SIGTERM becomes ``end`` status "stopped".
+The process group is always destroyed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardscope import events
+from shardscope.config import Comparison
+from shardscope.engines import registry
+from shardscope.engines.api import RankContext, TrainSettings
+from shardscope.engines.data import build_batches
+from shardscope.engines.faults import Fault
+from shardscope.engines.init_weights import load_init
+from shardscope.engines.loop import LoopConfig, train
+from shardscope.engines.model import build_model, count_parameters, resolve
+from shardscope.engines.precision import policy_for
+from shardscope.profiling.capture import ProfilerWindow
+
+EXIT_FAILED, EXIT_STOPPED = 1, 143
+
+
+class Stopped(BaseException):
+    """Raised in the main thread by the SIGTERM handler (BaseException: no ``except Exception`` eats it)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills outright
+    raise Stopped()
+
+
+def versions() -> dict[str, str]:
+    """Return the versions of Python, torch and the optional libraries present (without importing them)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist_name in ("deepspeed", "transformers", "safetensors"):
+        try:
+            out[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
+
+
+def init_distributed(spec: dict[str, Any]) -> RankContext:
+    """Initialise the process group and device mesh from torchrun's environment; return the RankContext.
+
+    Raises ValueError when the launched world size differs from the spec's, or dp x tp does not match.
+    """
+    run, comparison = spec["run"], spec["comparison"]
+    cuda = spec["device"] == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    # Long enough for slow first steps (compile, big all-gathers); a hung peer is the orchestrator's
+    # stall timeout to catch, this only bounds how long a surviving rank blocks in a collective.
+    timeout = datetime.timedelta(seconds=max(300.0, 2 * float(comparison.get("stall_timeout_s", 120))))
+    dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, dp = int(run["tp"]), int(run["dp"])
+    if world != run["world_size"] or dp * tp != world:
+        raise ValueError(f"launched world size {world} does not match the spec: world_size {run['world_size']}, "
+                         f"dp {dp} x tp {tp}")
+    if tp > 1:
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+        dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    else:
+        mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+        dp_group, tp_group, dp_rank, tp_rank = mesh.get_group("dp"), None, rank, 0
+    return RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
+                       dp_size=dp, dp_rank=dp_rank, tp_size=tp, tp_rank=tp_rank, mesh=mesh,
+                       dp_group=dp_group, tp_group=tp_group)
+
+
+def train_settings(comparison: Comparison, run: dict[str, Any], dp: int) -> TrainSettings:
+    """Return the TrainSettings for ``run`` in ``comparison`` (micro-batch = global / (dp x accum))."""
+    return TrainSettings(
+        lr=comparison.lr, weight_decay=comparison.weight_decay, grad_clip=comparison.grad_clip,
+        grad_accum=comparison.grad_accum, micro_batch_size=comparison.global_batch // (dp * comparison.grad_accum),
+        steps=comparison.steps, warmup_steps=comparison.warmup_steps, precision=policy_for(run["precision"]),
+        activation_checkpointing=bool(run.get("activation_checkpointing")), compile=bool(run.get("compile")),
+    )
+
+
+def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter, cfg: LoopConfig) -> None:
+    """Build, load, apply the strategy and train on this rank, filling in ``cfg``. Exceptions propagate."""
+    comparison = Comparison.from_dict({**spec["comparison"], "runs": []})
+    run = spec["run"]
+    torch.manual_seed(comparison.seed)  # any runtime randomness is identical across runs
+    settings = train_settings(comparison, run, ctx.dp_size)
+    model = build_model(comparison.model, comparison.seed)
+    load_init(model, spec["init_path"])  # identical on every rank and in every run
+    n_params = count_parameters(model)
+    model.to(ctx.device)
+    info = registry.get(run["strategy"])
+    prep = resolve(info.entry)(model, ctx, settings, dict(run["options"]))
+    micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
+    prof = comparison.profile
+    window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
+                            steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
+                            cuda=ctx.device.type == "cuda")
+    writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
+                 versions=versions(), precision=settings.precision.describe(), params=n_params,
+                 dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
+                 grad_accum=settings.grad_accum, notes=prep.notes)
+    cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
+    cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
+    cfg.fault, cfg.profiler = Fault.parse(run.get("fault", "")), window
+    try:
+        train(prep, ctx, settings, cfg, micro_batches, writer)
+    finally:
+        window.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; return its exit code (0 ok, 1 failed, 143 stopped, 2 bad usage)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: torchrun ... -m shardscope.engines.worker <run_dir>/spec.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    writer = events.RecordWriter(os.path.join(spec["run_dir"], "metrics", f"rank{rank}.jsonl"), spec["run"]["name"], rank)
+    code = 0
+    cfg = LoopConfig(global_batch=0, tokens_per_sample=0, min_lr_ratio=0.0)  # filled in by run_rank
+    try:
+        ctx = init_distributed(spec)
+        run_rank(spec, ctx, writer, cfg)
+    except Stopped:
+        writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
+        code = EXIT_STOPPED
+    except BaseException as exc:  # noqa: BLE001 - recorded, then the rank exits non-zero
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        writer.write(events.ERROR, message=message, traceback=text)
+        writer.write(events.END, status="failed", steps_completed=cfg.steps_completed)
+        code = EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # do not interrupt the cleanup
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        writer.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

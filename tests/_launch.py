@@ -1,0 +1,122 @@
+"""Helpers for tests that launch real torchrun jobs (gloo on CPU).
+
+Typical use::
+
+    comparison = tiny_comparison(runs=[RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2")], steps=5)
+    out = prepare(tmp_path, comparison)          # writes comparison.json and init.safetensors
+    result = launch(out, comparison, "ddp")      # runs torchrun, returns a LaunchResult
+    steps = result.steps(rank=0)                 # the step records of rank 0
+
+Each launch uses a fresh free port for the c10d rendezvous and a hard timeout; on timeout the whole
+process group of torchrun is killed so no rank is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardscope import config, events
+from shardscope.config import Comparison, ModelSpec, ProfileSpec, RunSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_comparison(runs: list[RunSpec], **overrides: Any) -> Comparison:
+    """Return a validated Comparison with a tiny transformer (2 layers, d 32, vocab 128, seq 16),
+    global batch 4, 2 ranks, fp32, profiler off; ``overrides`` set Comparison fields."""
+    fields: dict[str, Any] = dict(
+        name="test", steps=5, global_batch=4, lr=3e-3, warmup_steps=2, world_size=2, seed=1234,
+        model=ModelSpec(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16),
+        profile=ProfileSpec(enabled=False), stall_timeout_s=60.0,
+    )
+    fields.update(overrides)
+    comparison = Comparison(runs=runs, **fields)
+    config.validate(comparison)
+    return comparison
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(out_dir: Path, comparison: Comparison) -> Path:
+    """Write ``comparison.json`` and ``init.safetensors`` (via the init_weights module) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.dump_json(out_dir / "comparison.json", comparison.to_dict())
+    subprocess.run([sys.executable, "-m", "shardscope.engines.init_weights", str(out_dir / "comparison.json"),
+                    str(out_dir / "init.safetensors")], check=True, cwd=REPO, capture_output=True, timeout=120)
+    return out_dir
+
+
+@dataclass
+class LaunchResult:
+    """What one torchrun job left behind."""
+
+    returncode: int
+    run_dir: Path
+    console: str
+    records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> records
+
+    def of_kind(self, kind: str, rank: int = 0) -> list[dict[str, Any]]:
+        """Return the records of ``kind`` written by ``rank``."""
+        return [r for r in self.records.get(rank, []) if r["kind"] == kind]
+
+    def steps(self, rank: int = 0) -> list[dict[str, Any]]:
+        """Return rank's step records in order."""
+        return self.of_kind(events.STEP, rank)
+
+    def losses(self, rank: int = 0) -> list[float]:
+        """Return rank's per-step losses."""
+        return [r["loss"] for r in self.steps(rank)]
+
+
+def launch(out_dir: Path, comparison: Comparison, run_name: str, *, device: str = "cpu",
+           timeout_s: float = 110.0) -> LaunchResult:
+    """Run ``run_name`` of ``comparison`` under torchrun; return its LaunchResult.
+
+    Raises subprocess.TimeoutExpired (after killing the job) when it outlives ``timeout_s``.
+    """
+    run = comparison.run(run_name)
+    payload = config.run_spec_payload(comparison, run, out_dir=str(out_dir), device=device)
+    run_dir = Path(payload["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.dump_json(run_dir / "spec.json", payload)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(payload["run"]["world_size"]),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "-m", "shardscope.engines.worker", str(run_dir / "spec.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        console, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session holds torchrun and every rank
+        proc.communicate()
+        raise
+    records = {}
+    for path in sorted((run_dir / "metrics").glob("rank*.jsonl")):
+        records[int(path.stem[4:])], _ = events.read_records(path)
+    return LaunchResult(proc.returncode, run_dir, console, records)
+
+
+def assert_ok(result: LaunchResult) -> None:
+    """Raise AssertionError with the console tail when the job failed."""
+    assert result.returncode == 0, f"torchrun exited {result.returncode}:\n{result.console[-4000:]}"
+    ends = result.of_kind(events.END)
+    assert ends and ends[-1]["status"] == "ok", f"no ok end record:\n{result.console[-4000:]}"
+
+
+def read_json(path: Path) -> Any:
+    """Return the JSON in ``path``."""
+    return json.loads(path.read_text())
