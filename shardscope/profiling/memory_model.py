@@ -1,0 +1,366 @@
+"""Memory model: predicted per-rank bytes of parameters, gradients, optimizer state and activations.
+
+Pure Python (no torch), so ``shardscope estimate`` and the report work anywhere. The model
+starts from the *parameter shapes* of the comparison's model (the built-in transformer, a
+Hugging Face architecture from ``hf_archs``, the ViT), so sharding is computed tensor by tensor
+the way the strategies shard (FSDP2 chunks dim 0 of each parameter over the data-parallel ranks;
+ZeRO partitions one flat buffer), not from a rounded total. Which states a strategy shards comes
+from the registry (``StrategyInfo.shards``: none | optim | grads | all), its tensor-parallel
+degree from ``StrategyInfo.tp_degree``: no strategy name appears here.
+
+The optimizer is AdamW (two fp32 moments per element plus a 4-byte step counter per parameter
+tensor, as ``torch.optim.AdamW`` keeps it). Low-precision parameters with an fp32 master copy
+are modelled for strategies that declare ``needs_deepspeed`` (DeepSpeed keeps bf16/fp16 params
+and fp32 masters in the optimizer); FSDP keeps its sharded parameters in fp32 and gathers them in
+the compute dtype. Activations follow Korthikanti et al. 2022 (REFERENCE.md), scaled to the
+compute dtype, with full recomputation when activation checkpointing is on.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shardscope.config import Comparison, ModelSpec, RunSpec, resolved_options, resolved_precision, resolved_world_size
+from shardscope.engines import registry
+from shardscope.hf_archs import ARCHS
+
+# Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1
+# (bias replicated), absent = replicated. Megatron-style plan for attention and MLP projections.
+TP_SPLIT = {
+    "q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row",
+    "fc_in": "col", "fc_out": "row", "gate_proj": "col", "up_proj": "col", "down_proj": "row",
+}
+PRECISION_BYTES = {  # precision policy -> (param held, grad, compute) bytes for strategies keeping fp32 params
+    "fp32": (4, 4, 4),
+    "bf16-autocast": (4, 4, 2),
+    "bf16-params": (4, 4, 2),
+    "fp16": (4, 4, 2),
+}
+_LAYER = re.compile(r"layers\.\d+\.")
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+STEP_COUNTER_BYTES = 4  # torch AdamW keeps a float32 scalar "step" per parameter tensor
+MASTER_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor: its name, shape and tensor-parallel split."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def tp_split(self) -> str:
+        """'col', 'row' or '' (replicated) under tensor parallelism."""
+        parts = self.name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        split = TP_SPLIT.get(module, "")
+        if split == "row" and parts[-1] == "bias":
+            return ""
+        return split
+
+
+# --- parameter shapes per model kind ----------------------------------------------------------
+
+
+def transformer_params(m: ModelSpec) -> list[Param]:
+    """Shapes of the built-in decoder-only transformer (engines/model.py): untied embeddings,
+    learned positions, pre-norm LayerNorm blocks with biased q/k/v/o and a GELU MLP."""
+    d, f = m.d_model, m.d_ff
+    out = [Param("tok_emb.weight", (m.vocab_size, d)), Param("pos_emb.weight", (m.seq_len, d))]
+    for i in range(m.n_layers):
+        p = f"layers.{i}."
+        out += [Param(p + "ln1.weight", (d,)), Param(p + "ln1.bias", (d,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out += [Param(f"{p}attn.{proj}.weight", (d, d)), Param(f"{p}attn.{proj}.bias", (d,))]
+        out += [Param(p + "ln2.weight", (d,)), Param(p + "ln2.bias", (d,))]
+        out += [Param(p + "mlp.fc_in.weight", (f, d)), Param(p + "mlp.fc_in.bias", (f,)),
+                Param(p + "mlp.fc_out.weight", (d, f)), Param(p + "mlp.fc_out.bias", (d,))]
+    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("lm_head.weight", (m.vocab_size, d))]
+    return out
+
+
+def hf_params(m: ModelSpec) -> list[Param]:
+    """Shapes of a Qwen2-style causal LM from ``hf_archs`` with ``m.hf_layers`` decoder layers
+    (q/k/v with bias, o and the SwiGLU MLP without, RMSNorm weights, tied output embedding)."""
+    a = ARCHS[m.hf_arch]
+    h, inter, vocab = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
+    heads, kv = a["num_attention_heads"], a["num_key_value_heads"]
+    hd = h // heads
+    out = [Param("model.embed_tokens.weight", (vocab, h))]
+    for i in range(m.hf_layers):
+        p = f"model.layers.{i}."
+        out += [Param(p + "self_attn.q_proj.weight", (heads * hd, h)), Param(p + "self_attn.q_proj.bias", (heads * hd,)),
+                Param(p + "self_attn.k_proj.weight", (kv * hd, h)), Param(p + "self_attn.k_proj.bias", (kv * hd,)),
+                Param(p + "self_attn.v_proj.weight", (kv * hd, h)), Param(p + "self_attn.v_proj.bias", (kv * hd,)),
+                Param(p + "self_attn.o_proj.weight", (h, heads * hd)),
+                Param(p + "mlp.gate_proj.weight", (inter, h)), Param(p + "mlp.up_proj.weight", (inter, h)),
+                Param(p + "mlp.down_proj.weight", (h, inter)),
+                Param(p + "input_layernorm.weight", (h,)), Param(p + "post_attention_layernorm.weight", (h,))]
+    out.append(Param("model.norm.weight", (h,)))
+    if not a.get("tie_word_embeddings", False):
+        out.append(Param("lm_head.weight", (vocab, h)))
+    return out
+
+
+def vit_params(m: ModelSpec) -> list[Param]:
+    """Shapes of the ViT classifier: a patch-embedding conv, class token, learned positions, the
+    same pre-norm blocks as the transformer, a final LayerNorm and a linear head."""
+    d, f = m.d_model, m.d_ff
+    n_patches = (m.image_size // m.patch_size) ** 2
+    out = [Param("patch_emb.weight", (d, m.channels, m.patch_size, m.patch_size)), Param("patch_emb.bias", (d,)),
+           Param("cls_token", (1, 1, d)), Param("pos_emb", (1, n_patches + 1, d))]
+    blocks = transformer_params(ModelSpec(vocab_size=1, d_model=d, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=f,
+                                          seq_len=1))
+    out += [p for p in blocks if p.name.startswith("layers.")]
+    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("head.weight", (m.num_classes, d)),
+            Param("head.bias", (m.num_classes,))]
+    return out
+
+
+PARAM_SHAPES = {"transformer": transformer_params, "hf": hf_params, "vit": vit_params}
+
+
+def model_params(m: ModelSpec) -> list[Param]:
+    """Parameter tensors of the model a ``ModelSpec`` describes; raises ValueError for an unknown kind."""
+    fn = PARAM_SHAPES.get(m.kind)
+    if fn is None:
+        raise ValueError(f"model.kind = {m.kind!r}: allowed: {', '.join(PARAM_SHAPES)}")
+    return fn(m)
+
+
+def param_count(m: ModelSpec) -> int:
+    """Total parameter elements of the model (shared tensors once)."""
+    return sum(p.numel for p in model_params(m))
+
+
+def embedding_count(m: ModelSpec) -> int:
+    """Parameter elements in embedding tables (left out of FLOPs per token)."""
+    return sum(p.numel for p in model_params(m) if "emb" in p.name)
+
+
+def flops_per_token(m: ModelSpec) -> float | None:
+    """Training FLOPs per token, as torchtitan counts: 6 (N - N_emb) + 12 L H d_head T; None for images."""
+    if m.kind == "vit":
+        return None
+    if m.kind == "hf":
+        a = ARCHS[m.hf_arch]
+        layers, heads, hd, t = m.hf_layers, a["num_attention_heads"], a["hidden_size"] // a["num_attention_heads"], m.seq_len
+    else:
+        layers, heads, hd, t = m.n_layers, m.n_heads, m.d_model // m.n_heads, m.seq_len
+    return 6.0 * (param_count(m) - embedding_count(m)) + 12.0 * layers * heads * hd * t
+
+
+# --- sharding ---------------------------------------------------------------------------------
+
+
+def tp_local(p: Param, tp: int) -> tuple[int, ...]:
+    """Shape of ``p`` on one tensor-parallel rank."""
+    if tp <= 1 or not p.tp_split:
+        return p.shape
+    dim = 0 if p.tp_split == "col" or len(p.shape) == 1 else 1
+    shape = list(p.shape)
+    shape[dim] = math.ceil(shape[dim] / tp)
+    return tuple(shape)
+
+
+def dim0_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
+    """Elements rank ``rank`` of ``dp`` holds when dim 0 is chunked like ``torch.chunk`` (FSDP2)."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    chunk = math.ceil(shape[0] / dp)
+    rows = max(0, min(chunk, shape[0] - rank * chunk))
+    return rows * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run places model states: data- and tensor-parallel degrees and what is sharded."""
+
+    world_size: int
+    tp: int
+    dp: int
+    shards: str  # none | optim | grads | all
+    precision: str
+    low_precision_params: bool  # params/grads held in the compute dtype, fp32 masters in the optimizer
+    activation_checkpointing: bool
+
+
+def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None) -> Layout:
+    """Return the run's layout at ``world_size`` (default: the run's own)."""
+    info = registry.get(run.strategy)
+    ws = world_size or resolved_world_size(c, run)
+    tp = info.tp_degree(resolved_options(run))
+    precision = resolved_precision(c, run)
+    low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
+    return Layout(ws, tp, max(1, ws // tp), info.shards, precision, low, run.activation_checkpointing)
+
+
+def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
+    """Predicted ``param_bytes``, ``grad_bytes``, ``optim_bytes`` and ``model_state_bytes`` on ``rank``.
+
+    ``rank`` is the data-parallel rank (it matters only where dim-0 chunks are uneven).
+    """
+    p_bytes, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
+    if layout.low_precision_params:
+        p_bytes = g_bytes = compute_bytes
+    dp, r = layout.dp, rank % max(1, layout.dp)
+    full = sum(math.prod(tp_local(p, layout.tp)) for p in params)
+    # FSDP2-style: each tensor's dim 0 chunked; ZeRO-style flat partitions are within a few elements of it.
+    shard = sum(dim0_shard_numel(tp_local(p, layout.tp), dp, r) for p in params)
+    flat_shard = math.ceil(full / dp)
+    sharded_p = layout.shards == "all"
+    sharded_g = layout.shards in ("grads", "all")
+    sharded_o = layout.shards in ("optim", "grads", "all")
+    param_numel = shard if sharded_p else full
+    grad_numel = (shard if sharded_p else flat_shard) if sharded_g else full
+    optim_numel = (shard if sharded_p else flat_shard) if sharded_o else full
+    # Per-tensor step counters where the optimizer sees the model's tensors; a flat ZeRO partition has one group.
+    counters = len(params) if (sharded_p or not sharded_o) else 1
+    optim = optim_numel * ADAM_MOMENT_BYTES + counters * STEP_COUNTER_BYTES
+    if layout.low_precision_params:
+        optim += optim_numel * MASTER_BYTES
+    out = {"param_bytes": param_numel * p_bytes, "grad_bytes": grad_numel * g_bytes, "optim_bytes": optim}
+    out["model_state_bytes"] = sum(out.values())
+    return out
+
+
+def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
+    """Predicted activation memory per rank for one micro-batch: ``layers`` (all blocks) and ``logits``.
+
+    Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit without recomputation; the
+    attention-score term is left out because the models use fused scaled-dot-product attention;
+    tensor parallelism divides the 24 sharded units of the 34 by tp; fp32 compute doubles it;
+    full recomputation keeps 2·s·b·h per layer. Logits and their gradient: 2 x b·s·V x 4 bytes.
+    """
+    m = c.model
+    micro = max(1, c.global_batch // max(1, layout.dp * c.grad_accum))
+    scale = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2] / 2
+    if m.kind == "hf":
+        a = ARCHS[m.hf_arch]
+        s, h, layers, vocab = m.seq_len, a["hidden_size"], m.hf_layers, a["vocab_size"]
+        ffn_ratio = a["intermediate_size"] / (4 * h)
+    elif m.kind == "vit":
+        s, h, layers, vocab = (m.image_size // m.patch_size) ** 2 + 1, m.d_model, m.n_layers, 0
+        ffn_ratio = m.d_ff / (4 * m.d_model)
+    else:
+        s, h, layers, vocab = m.seq_len, m.d_model, m.n_layers, m.vocab_size
+        ffn_ratio = m.d_ff / (4 * m.d_model)
+    sbh = s * micro * h
+    if layout.activation_checkpointing:
+        per_layer = 2 * sbh
+    else:
+        # 10 units replicated (norm inputs, residuals), 24 split by tp; the MLP's share (19 of 24) scales with d_ff/4h.
+        per_layer = sbh * (10 + (5 + 19 * ffn_ratio) / layout.tp)
+    logits = 2 * micro * s * vocab * 4 // max(1, layout.tp if vocab else 1) if vocab else 0
+    return {"layers": int(per_layer * scale * layers), "logits": int(logits), "micro_batch": micro}
+
+
+def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> dict[str, Any]:
+    """Predicted per-rank memory of one run: model states (rank 0), activations and their total.
+
+    Returns a dict with the layout, ``param_count``, ``param_bytes``, ``grad_bytes``,
+    ``optim_bytes``, ``model_state_bytes``, ``activation_bytes`` and ``total_bytes``. Raises
+    KeyError for an unknown strategy and ValueError for an unknown model kind.
+    """
+    layout = layout_for(c, run, world_size)
+    params = model_params(c.model)
+    states = model_state_bytes(params, layout)
+    acts = activation_bytes(c, layout)
+    # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one.
+    gathered = 0
+    if layout.shards == "all" and layout.dp > 1:
+        blocks: dict[str, int] = {}
+        for p in params:
+            match = _LAYER.search(p.name)
+            key = match.group(0) if match else "root"
+            blocks[key] = blocks.get(key, 0) + math.prod(tp_local(p, layout.tp))
+        compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
+        # Without reshard-after-forward every unit stays gathered from its forward to its backward.
+        keep = not resolved_options(run).get("reshard_after_forward", True)
+        gathered = (sum(blocks.values()) if keep else max(blocks.values(), default=0)) * compute_bytes
+    activation_total = acts["layers"] + acts["logits"]
+    return {
+        "run": run.name,
+        "strategy": run.strategy,
+        "world_size": layout.world_size,
+        "dp": layout.dp,
+        "tp": layout.tp,
+        "shards": layout.shards,
+        "precision": layout.precision,
+        "activation_checkpointing": layout.activation_checkpointing,
+        "param_count": sum(p.numel for p in params),
+        **states,
+        "gathered_unit_bytes": gathered,
+        "activation_bytes": activation_total,
+        "micro_batch": acts["micro_batch"],
+        "total_bytes": states["model_state_bytes"] + gathered + activation_total,
+    }
+
+
+def predict_comparison(c: Comparison, world_size: int | None = None) -> list[dict[str, Any]]:
+    """``predict_run`` for every run of the comparison (at ``world_size`` if given)."""
+    return [predict_run(c, run, world_size) for run in c.runs]
+
+
+# --- communication theory -------------------------------------------------------------------------
+
+
+def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
+    """Theoretical bytes per optimizer step for a run, from its ``spec.json`` payload.
+
+    Sizes as nccl-tests counts them (the full buffer): DDP-like (nothing sharded) all-reduces
+    every gradient once; optimizer/gradient sharding (ZeRO-1/2) reduce-scatters gradients and
+    all-gathers parameters; full sharding all-gathers parameters in forward and again in backward
+    (unless ``reshard_after_forward`` is off) and reduce-scatters gradients; tensor parallelism
+    adds two all-reduces of the activations per layer in forward and two in backward. Returns
+    ``bytes_per_step``, a ``basis`` sentence and the per-type parts.
+    """
+    comp = Comparison.from_dict({**spec["comparison"], "runs": []})
+    resolved = spec["run"]
+    run = RunSpec(name=resolved["name"], strategy=resolved["strategy"], world_size=resolved.get("world_size", 0),
+                  precision=resolved.get("precision", ""), options=resolved.get("options", {}),
+                  activation_checkpointing=resolved.get("activation_checkpointing", False))
+    layout = layout_for(comp, run)
+    params = model_params(comp.model)
+    local = sum(math.prod(tp_local(p, layout.tp)) for p in params)
+    p_bytes, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
+    opts = resolved.get("options", {})
+    reduce_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}.get(str(opts.get("reduce_dtype", "auto")), g_bytes)
+    gather_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}.get(str(opts.get("param_dtype", "auto")), p_bytes)
+    if layout.low_precision_params:
+        gather_bytes = compute_bytes
+    parts: dict[str, float] = {}
+    basis = []
+    accum = max(1, comp.grad_accum)
+    if layout.dp > 1:
+        if layout.shards == "none":
+            parts["all_reduce"] = local * reduce_bytes
+            basis.append("all-reduce of every gradient")
+        elif layout.shards in ("optim", "grads"):
+            parts["reduce_scatter"] = local * reduce_bytes
+            parts["all_gather"] = local * gather_bytes
+            basis.append("reduce-scatter of gradients + all-gather of updated parameters")
+        else:
+            regather = bool(opts.get("reshard_after_forward", True))
+            parts["all_gather"] = local * gather_bytes * (2 if regather else 1) * (accum if regather else 1)
+            parts["reduce_scatter"] = local * reduce_bytes
+            basis.append("all-gather in forward" + (" and backward" if regather else "") + " + reduce-scatter of gradients")
+    if layout.tp > 1:
+        micro = max(1, comp.global_batch // (layout.dp * accum))
+        m = comp.model
+        h = ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
+        layers = m.hf_layers if m.kind == "hf" else m.n_layers
+        seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2 + 1
+        parts["all_reduce"] = parts.get("all_reduce", 0) + 4 * layers * micro * seq * h * compute_bytes * accum
+        basis.append("tensor parallel: 2 all-reduces of activations per layer in forward and 2 in backward")
+    return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
+            "dp": layout.dp, "tp": layout.tp, "shards": layout.shards}

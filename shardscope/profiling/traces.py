@@ -1,0 +1,650 @@
+"""Trace analysis: collectives, bytes, bandwidth, compute vs communication, MFU, merged trace.
+
+Reads the Chrome JSON traces torch.profiler exports (``<run>/traces/rank<R>.trace.json``, or
+``.json.gz``) with plain Python: no torch, so the orchestrator and ``shardscope report`` can use it.
+
+What torch emits, and so what this module reads (checked on torch 2.13):
+
+- ``ProfilerStep#N`` user annotations on the main thread bound each profiled step.
+- The API-level collective is a ``cpu_op`` on the launching thread: ``c10d::allreduce_``,
+  ``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``, ``c10d::broadcast_``... with
+  ``Input Dims`` / ``Input type`` args. With NCCL a ``record_param_comms`` op also carries
+  ``Collective name``, ``In msg nelems``, ``Out msg nelems``, ``dtype`` and ``Group size``;
+  where present it is preferred. gloo (torch 2.13) emits no ``record_param_comms``.
+- The collective's execution: ``gloo:<op>`` annotations on gloo's runloop threads (gloo runs a
+  reduce-scatter as an all-reduce, so the launch names the type), or ``nccl*`` GPU kernels.
+  Launches and executions are paired in time order; the execution gives the time, the launch
+  gives type and size.
+
+Sizes follow nccl-tests: all-reduce and broadcast count the buffer, all-gather the gathered
+output, reduce-scatter the full input; algbw = size / time, busbw = algbw x 2(n-1)/n for
+all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for broadcast/reduce.
+
+Parsing is a regular expression over the exporter's fixed key order (``ph, cat, name, pid, tid,
+ts, dur``), about ten times faster than ``json.loads``; a file the expression does not fit is
+parsed with ``json`` instead. Only collective events have their ``args`` decoded.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# --- reading -----------------------------------------------------------------------------------
+
+_X_EVENT = re.compile(
+    rb'"ph":\s*"X",\s*"cat":\s*"([^"]*)",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*("?[^,"]*"?),'
+    rb'\s*"tid":\s*("?[^,"]*"?),\s*"ts":\s*([-0-9.eE]+),\s*"dur":\s*([-0-9.eE]+)'
+)
+_COMM_NAME = re.compile(rb'"name":\s*"(c10d::[^"]*|record_param_comms|gloo:[^"]*|nccl[^"]*)"')
+_STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+
+# Collective type from the launch op name (c10d ops, record_param_comms "Collective name").
+_LAUNCH_TYPES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allreduce_sparse": "all_reduce",
+    "all_reduce": "all_reduce",
+    "allgather": "all_gather", "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+    "allgather_coalesced": "all_gather", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast", "reduce": "reduce", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+    "all_to_all": "all_to_all", "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv",
+    "recv_any_source": "recv", "barrier": "barrier",
+}
+# Execution events: gloo annotation suffix or NCCL kernel name fragment -> type.
+_EXEC_TYPES = (
+    ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("allgather", "all_gather"),
+    ("all_gather", "all_gather"), ("reducescatter", "reduce_scatter"), ("reduce_scatter", "reduce_scatter"),
+    ("broadcast", "broadcast"), ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"),
+    ("sendrecv", "send"), ("send", "send"), ("recv", "recv"), ("reduce", "reduce"), ("gather", "gather"),
+    ("scatter", "scatter"), ("barrier", "barrier"),
+)
+_DTYPE_BYTES = {
+    "float": 4, "float32": 4, "double": 8, "float64": 8, "c10::bfloat16": 2, "bfloat16": 2, "c10::half": 2,
+    "half": 2, "float16": 2, "long int": 8, "long": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
+    "short": 2, "int16": 2, "signed char": 1, "unsigned char": 1, "char": 1, "byte": 1, "uint8": 1, "int8": 1,
+    "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+BUS_FACTORS = {  # busbw = algbw * factor(n), nccl-tests doc/PERFORMANCE.md
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+@dataclass
+class Collective:
+    """One collective as seen on one rank: what was launched, and when it ran."""
+
+    type: str
+    size_bytes: int
+    group_size: int
+    dtype: str
+    launch_ts: float  # microseconds, trace clock
+    start_us: float  # execution start (the launch itself when no execution event was paired)
+    dur_us: float
+    timed_by: str  # "gloo-thread" | "gpu-kernel" | "launch"
+    step: int | None = None  # index of the profiled step it falls in (0-based), None outside
+
+
+@dataclass
+class RankTrace:
+    """What one rank's trace holds, reduced to what the analysis needs."""
+
+    path: str
+    rank: int
+    world_size: int
+    backend: str
+    device_name: str
+    steps: list[tuple[int, float, float]]  # (ProfilerStep number, start_us, end_us), time order
+    collectives: list[Collective]
+    compute: list[tuple[float, float]]  # busy intervals (start_us, end_us) of compute
+    events: list[tuple[str, str, Any, Any, float, float]]  # every X event (cat, name, pid, tid, ts, dur)
+    thread_names: dict[Any, str] = field(default_factory=dict)
+
+
+def _read_bytes(path: str) -> bytes:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:  # type: ignore[operator]
+        return fh.read()
+
+
+def _scalar(raw: bytes) -> Any:
+    text = raw.strip(b'"').decode()
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _decode_object_at(data: bytes, pos: int) -> dict[str, Any] | None:
+    """Decode the JSON object enclosing ``pos`` (an event), or None."""
+    start = data.rfind(b"{", 0, pos)
+    if start < 0:
+        return None
+    size = 4096
+    decoder = json.JSONDecoder()
+    while True:
+        chunk = data[start:start + size].decode("utf-8", "replace")
+        try:
+            obj, _ = decoder.raw_decode(chunk)
+            return obj if isinstance(obj, dict) else None
+        except ValueError:
+            if start + size >= len(data):
+                return None
+            size *= 4
+
+
+def _header_value(data: bytes, key: str) -> Any:
+    """Decode a top-level value written before ``traceEvents`` (torch writes its metadata first)."""
+    head_end = data.find(b'"traceEvents"')
+    m = re.search(rb'"' + key.encode() + rb'":\s*', data[: head_end if head_end > 0 else 65536])
+    if not m:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(data[m.end(): m.end() + (1 << 20)].decode("utf-8", "replace"))
+        return value
+    except ValueError:
+        return None
+
+
+def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, str], dict[str, Any]]:
+    """Return (X events as tuples, full comm events, thread names, header) from a trace's bytes."""
+    events = [
+        (cat.decode(), name.decode("unicode_escape") if b"\\" in name else name.decode(), _scalar(pid),
+         _scalar(tid), float(ts), float(dur))
+        for cat, name, pid, tid, ts, dur in _X_EVENT.findall(data)
+    ]
+    header = {k: _header_value(data, k) for k in ("distributedInfo", "deviceProperties")}
+    if not events and b'"traceEvents"' in data:  # another writer's layout: parse it whole
+        return _scan_json(json.loads(data))
+    comm = []
+    for m in _COMM_NAME.finditer(data):
+        obj = _decode_object_at(data, m.start())
+        if obj is not None and obj.get("ph") == "X":
+            comm.append(obj)
+    threads = {}
+    for m in re.finditer(rb'"name":\s*"thread_name",[^}]*?"tid":\s*("?[^,"]*"?),\s*"args":\s*\{\s*"name":\s*"([^"]*)"',
+                         data):
+        threads[_scalar(m.group(1))] = m.group(2).decode()
+    return events, comm, threads, header
+
+
+def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, str], dict[str, Any]]:
+    raw_events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+    events, comm, threads = [], [], {}
+    for e in raw_events:
+        if e.get("ph") == "X" and "dur" in e:
+            events.append((e.get("cat", ""), e.get("name", ""), e.get("pid"), e.get("tid"),
+                           float(e["ts"]), float(e["dur"])))
+            if _COMM_NAME.match(b'"name": "' + str(e.get("name", "")).encode() + b'"'):
+                comm.append(e)
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[e.get("tid")] = str(e.get("args", {}).get("name", ""))
+    header = {k: doc.get(k) for k in ("distributedInfo", "deviceProperties")} if isinstance(doc, dict) else {}
+    return events, comm, threads, header
+
+
+# --- one rank ------------------------------------------------------------------------------------
+
+
+def _numel(dims: Any) -> int:
+    """Elements in a (possibly nested, for tensor lists) ``Input Dims`` entry."""
+    if not isinstance(dims, list) or not dims:
+        return 0
+    if all(isinstance(d, int) for d in dims):
+        return math.prod(dims)
+    return sum(_numel(d) for d in dims)
+
+
+def dtype_bytes(name: str) -> int | None:
+    """Bytes per element for a dtype as torch's profiler spells it ("float", "c10::BFloat16", "BFloat16")."""
+    return _DTYPE_BYTES.get(str(name).strip().lower())
+
+
+def _launch_type(name: str, args: dict[str, Any]) -> str | None:
+    if name == "record_param_comms":
+        base = str(args.get("Collective name", "")).strip("_")
+    elif name.startswith("c10d::"):
+        base = name[len("c10d::"):].rstrip("_").lstrip("_")
+    else:
+        return None
+    base = base.lower()
+    return _LAUNCH_TYPES.get(base) or _LAUNCH_TYPES.get("_" + base)
+
+
+def _exec_type(name: str) -> str | None:
+    low = name.lower()
+    if low.startswith("gloo:"):
+        low = low[5:]
+    elif "nccl" not in low:
+        return None
+    for key, kind in _EXEC_TYPES:
+        if key in low:
+            return kind
+    return None
+
+
+def _launch(e: dict[str, Any], world_size: int) -> Collective | None:
+    args = e.get("args", {}) or {}
+    kind = _launch_type(str(e.get("name", "")), args)
+    if kind is None:
+        return None
+    if e.get("name") == "record_param_comms":
+        dtype = str(args.get("dtype", ""))
+        elem = dtype_bytes(dtype) or 0
+        n_in, n_out = int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0)
+        group = int(args.get("Group size", 0) or 0) or world_size
+    else:
+        dims, types = args.get("Input Dims", []), args.get("Input type", [])
+        n_in = _numel(dims[0]) if dims else 0
+        n_out = _numel(dims[1]) if len(dims) > 1 and types[1:2] and types[1] not in ("", "Scalar") else 0
+        dtype = next((t for t in types if dtype_bytes(t)), "")
+        elem = dtype_bytes(dtype) or 0
+        group = world_size
+        if kind in ("all_gather", "reduce_scatter") and n_in and n_out:
+            group = max(n_in, n_out) // max(1, min(n_in, n_out))
+    if kind in ("all_gather", "reduce_scatter"):
+        numel = max(n_in, n_out)
+    else:
+        numel = n_in or n_out
+    ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+    return Collective(kind, numel * elem, max(1, group), dtype, ts, ts, dur, "launch")
+
+
+def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, str]]) -> None:
+    """Give each launch the time of its execution: the next unclaimed compatible one in time order."""
+    compatible = {"reduce_scatter": ("reduce_scatter", "all_reduce"), "all_gather": ("all_gather",)}
+    used = [False] * len(execs)
+    first_free = 0
+    for c in sorted(launches, key=lambda c: c.launch_ts):
+        kinds = compatible.get(c.type, (c.type,))
+        while first_free < len(execs) and used[first_free]:
+            first_free += 1
+        for i in range(first_free, min(len(execs), first_free + 64)):
+            kind, start, dur, timed_by, dtype = execs[i]
+            if not used[i] and kind in kinds and start >= c.launch_ts - 1.0:
+                used[i] = True
+                c.start_us, c.dur_us, c.timed_by = start, dur, timed_by
+                if not c.dtype and dtype:  # tensor-list launches do not say their dtype
+                    c.dtype = dtype
+                break
+
+
+def load_rank_trace(path: str) -> RankTrace:
+    """Read one rank's Chrome trace; return a RankTrace. Raises OSError or ValueError on an unreadable file."""
+    data = _read_bytes(path)
+    events, comm_events, threads, header = _scan(data)
+    info = header.get("distributedInfo") or {}
+    devices = header.get("deviceProperties") or []
+    world = int(info.get("world_size", 1) or 1)
+    rank = int(info.get("rank", _rank_from_path(path)))
+    device_name = str(devices[0].get("name", "")) if devices and isinstance(devices[0], dict) else ""
+
+    steps = []
+    for cat, name, pid, tid, ts, dur in events:
+        m = _STEP_NAME.match(name) if name.startswith("ProfilerStep#") else None
+        if m:
+            steps.append((int(m.group(1)), ts, ts + dur))
+    steps.sort(key=lambda s: s[1])
+
+    use_rpc = any(e.get("name") == "record_param_comms" for e in comm_events)
+    launches, execs = [], []
+    launch_names = set()
+    for e in comm_events:
+        name = str(e.get("name", ""))
+        if use_rpc and name.startswith("c10d::"):
+            continue  # the nested record_param_comms describes the same collective
+        c = _launch(e, world)
+        if c is not None:
+            launches.append(c)
+            launch_names.add(name)
+            continue
+        kind = _exec_type(name)
+        if kind is not None:
+            types = (e.get("args") or {}).get("Input type", [])
+            dtype = next((t for t in types if dtype_bytes(t)), "")
+            timed_by = "gloo-thread" if name.startswith("gloo:") else "gpu-kernel"
+            execs.append((kind, float(e["ts"]), float(e.get("dur", 0.0)), timed_by, dtype))
+    execs.sort(key=lambda x: x[1])
+    _pair(launches, execs)
+    _fill_sizes_from_dtype(launches, comm_events, world)
+    for c in launches:
+        c.step = _step_index(steps, c.launch_ts)
+
+    gpu = any(cat == "kernel" for cat, *_ in events)
+    comm_names = launch_names | {"record_param_comms"}
+    compute: list[tuple[float, float]] = []
+    if gpu:
+        compute = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events
+                   if cat == "kernel" and "nccl" not in name.lower()]
+    else:
+        main = _main_thread(events, steps)
+        compute = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events
+                   if cat == "cpu_op" and tid == main and name not in comm_names and "wait" not in name.lower()
+                   and not name.startswith("c10d::")]
+    return RankTrace(path, rank, world, str(info.get("backend", "")), device_name, steps, launches,
+                     compute, events, threads)
+
+
+def _fill_sizes_from_dtype(launches: list[Collective], comm_events: list[dict[str, Any]], world: int) -> None:
+    """Tensor-list launches (``c10d::allreduce_``) carry dims but no dtype: size them once the pair gave one."""
+    by_ts = {float(e["ts"]): e for e in comm_events if str(e.get("name", "")).startswith("c10d::")}
+    for c in launches:
+        if c.size_bytes or not c.dtype:
+            continue
+        e = by_ts.get(c.launch_ts)
+        if e is None:
+            continue
+        dims = (e.get("args") or {}).get("Input Dims", [])
+        numel = _numel(dims[0]) if dims else 0
+        c.size_bytes = numel * (dtype_bytes(c.dtype) or 0)
+
+
+def _rank_from_path(path: str) -> int:
+    m = re.search(r"rank(\d+)", os.path.basename(path))
+    return int(m.group(1)) if m else 0
+
+
+def _main_thread(events: list[tuple], steps: list[tuple[int, float, float]]) -> Any:
+    """The thread that runs the training loop: the one holding ProfilerStep annotations (else the busiest)."""
+    for cat, name, pid, tid, ts, dur in events:
+        if name.startswith("ProfilerStep#"):
+            return tid
+    busy: dict[Any, float] = {}
+    for cat, name, pid, tid, ts, dur in events:
+        if cat == "cpu_op":
+            busy[tid] = busy.get(tid, 0.0) + dur
+    return max(busy, key=busy.get) if busy else None
+
+
+def _step_index(steps: list[tuple[int, float, float]], ts: float) -> int | None:
+    for i, (_, start, end) in enumerate(steps):
+        if start <= ts <= end:
+            return i
+    return None
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the overlap of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def analyse_rank(trace: RankTrace) -> dict[str, Any]:
+    """Return per-collective counts, bytes, times and bandwidths, and per-step compute/comm/exposed time.
+
+    Figures are per profiled step (averaged over the steps the trace holds). Times in seconds,
+    bytes in bytes, bandwidths in GB/s (1e9). Collectives outside the profiled steps are ignored.
+    """
+    n_steps = max(1, len(trace.steps))
+    inside = [c for c in trace.collectives if c.step is not None or not trace.steps]
+    per_type: dict[str, dict[str, Any]] = {}
+    for c in inside:
+        t = per_type.setdefault(c.type, {"count": 0, "bytes": 0, "time_us": 0.0, "group_size": c.group_size,
+                                         "dtype": c.dtype, "timed_by": c.timed_by})
+        t["count"] += 1
+        t["bytes"] += c.size_bytes
+        t["time_us"] += c.dur_us
+        t["group_size"] = max(t["group_size"], c.group_size)
+        t["dtype"] = t["dtype"] or c.dtype
+    collectives = {}
+    for kind, t in sorted(per_type.items()):
+        secs = t["time_us"] / 1e6
+        algbw = t["bytes"] / secs / 1e9 if secs > 0 else None
+        factor = BUS_FACTORS.get(kind)
+        busbw = algbw * factor(t["group_size"]) if algbw is not None and factor else None
+        collectives[kind] = {
+            "count_per_step": t["count"] / n_steps,
+            "bytes_per_step": t["bytes"] / n_steps,
+            "time_per_step_s": secs / n_steps,
+            "mean_time_s": secs / t["count"] if t["count"] else 0.0,
+            "mean_bytes": t["bytes"] / t["count"] if t["count"] else 0.0,
+            "algbw_GBps": algbw,
+            "busbw_GBps": busbw,
+            "group_size": t["group_size"],
+            "dtype": t["dtype"],
+            "timed_by": t["timed_by"],
+        }
+    steps = []
+    comm_all = _union((c.start_us, c.start_us + c.dur_us) for c in trace.collectives)
+    compute_all = _union(trace.compute)
+    for number, start, end in trace.steps:
+        comm = _clip(comm_all, start, end)
+        compute = _clip(compute_all, start, end)
+        comm_us = _length(comm)
+        steps.append({
+            "profiler_step": number,
+            "step_time_s": (end - start) / 1e6,
+            "compute_time_s": _length(compute) / 1e6,
+            "comm_time_s": comm_us / 1e6,
+            "exposed_comm_s": (comm_us - _intersection(comm, compute)) / 1e6,
+        })
+    mean = (lambda key: statistics.fmean(s[key] for s in steps) if steps else None)
+    return {
+        "rank": trace.rank,
+        "world_size": trace.world_size,
+        "backend": trace.backend,
+        "device": trace.device_name,
+        "steps_profiled": len(trace.steps),
+        "collectives": collectives,
+        "steps": steps,
+        "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
+        "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+    }
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+
+def rank_trace_paths(run_dir: str) -> list[str]:
+    """Chrome traces of a run directory, ``traces/rank<R>.trace.json[.gz]``, in rank order."""
+    paths = glob.glob(os.path.join(run_dir, "traces", "rank*.trace.json")) + glob.glob(
+        os.path.join(run_dir, "traces", "rank*.trace.json.gz"))
+    return sorted(paths, key=_rank_from_path)
+
+
+def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Average per-rank analyses into one run-level figure set (counts and bytes from the mean too)."""
+    if not per_rank:
+        return {}
+    kinds = sorted({k for r in per_rank for k in r["collectives"]})
+    collectives = {}
+    for kind in kinds:
+        rows = [r["collectives"][kind] for r in per_rank if kind in r["collectives"]]
+        row: dict[str, Any] = {}
+        for key in ("count_per_step", "bytes_per_step", "time_per_step_s", "mean_time_s", "mean_bytes"):
+            row[key] = statistics.fmean(x[key] for x in rows)
+        for key in ("algbw_GBps", "busbw_GBps"):
+            vals = [x[key] for x in rows if x[key] is not None]
+            row[key] = statistics.fmean(vals) if vals else None
+        row["group_size"] = max(x["group_size"] for x in rows)
+        row["dtype"] = rows[0]["dtype"]
+        row["timed_by"] = rows[0]["timed_by"]
+        collectives[kind] = row
+    per_step = {}
+    for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s"):
+        vals = [r["per_step"][key] for r in per_rank if r["per_step"].get(key) is not None]
+        per_step[key] = statistics.fmean(vals) if vals else None
+    return {
+        "ranks": len(per_rank),
+        "world_size": per_rank[0]["world_size"],
+        "backend": per_rank[0]["backend"],
+        "device": per_rank[0]["device"],
+        "steps_profiled": min(r["steps_profiled"] for r in per_rank),
+        "collectives": collectives,
+        "per_step": per_step,
+        "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+    }
+
+
+def analyse_traces(paths: list[str]) -> dict[str, Any]:
+    """Analyse the rank traces at ``paths`` and combine them; ``{}`` when there are none.
+
+    A trace that cannot be read is listed under ``unreadable`` with the reason, never fatal.
+    """
+    per_rank, unreadable = [], []
+    for path in paths:
+        try:
+            per_rank.append(analyse_rank(load_rank_trace(path)))
+        except (OSError, ValueError, KeyError) as err:
+            unreadable.append(f"{path}: {err}")
+    out = combine_ranks(per_rank)
+    if out or unreadable:
+        out["traces"] = list(paths)
+        out["unreadable"] = unreadable
+    return out
+
+
+def analyse_run(run_dir: str) -> dict[str, Any]:
+    """Communication analysis of one run directory, for summary.json and the TUI's communication panel.
+
+    Reads ``<run_dir>/traces/rank*.trace.json`` and, when present, ``<run_dir>/spec.json`` to compare
+    the observed bytes per step with theory (``theory``: bytes, basis, ``ratio`` observed/theory)
+    and to compute MFU where the device's peak is known. Returns ``{}`` when the run has no traces.
+    """
+    out = analyse_traces(rank_trace_paths(run_dir))
+    if not out:
+        return out
+    spec_path = os.path.join(run_dir, "spec.json")
+    if os.path.isfile(spec_path):
+        try:
+            with open(spec_path, encoding="utf-8") as fh:
+                spec = json.load(fh)
+            from shardscope.profiling import memory_model
+
+            theory = memory_model.expected_comm(spec)
+        except (OSError, ValueError, KeyError) as err:
+            theory = {"error": str(err)}
+        if theory.get("bytes_per_step"):
+            theory["ratio"] = out["comm_bytes_per_step"] / theory["bytes_per_step"]
+        out["theory"] = theory
+    return out
+
+
+# --- MFU -----------------------------------------------------------------------------------------
+
+PEAK_TFLOPS = (  # dense bf16/fp16, no sparsity (REFERENCE.md); first match wins
+    ("H100 NVL", 835.0), ("H100 PCIE", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0), ("B200", 2250.0),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device from its name (``"NVIDIA H100 80GB HBM3"``), None when unknown."""
+    upper = (device_name or "").upper()
+    for key, tflops in PEAK_TFLOPS:
+        if all(part in upper for part in key.split()):
+            return tflops * 1e12
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, n_devices: int, device_name: str) -> float | None:
+    """Model FLOPs utilisation: flops_per_token x tokens/s / (devices x peak); None for an unknown device."""
+    peak = peak_flops(device_name)
+    if peak is None or not n_devices or not tokens_per_s:
+        return None
+    return flops_per_token * tokens_per_s / (n_devices * peak)
+
+
+# --- merged trace --------------------------------------------------------------------------------
+
+
+def write_merged_trace(runs: dict[str, list[str]], out_path: str) -> str:
+    """Merge the rank traces of several runs into one Perfetto/Chrome trace; return ``out_path``.
+
+    One process per run, one thread per rank (its training thread); gloo or GPU-stream threads of
+    a rank follow it as ``rank R · <thread>``. Each rank's time is shifted so its first profiled
+    step starts at 0, which lines the runs up step by step. Only the ``args`` of collectives are
+    kept, so the file stays smaller than its inputs.
+    """
+    out: list[dict[str, Any]] = []
+    for pid, (run, paths) in enumerate(runs.items(), start=1):
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": run}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for path in paths:
+            try:
+                trace = load_rank_trace(path)
+            except (OSError, ValueError):
+                continue
+            out.extend(_merged_rank_events(trace, pid))
+    with open(out_path, "w", encoding="utf-8") as fh:
+        fh.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        fh.write(",\n".join(json.dumps(e, separators=(",", ":")) for e in out))
+        fh.write("\n]}\n")
+    return out_path
+
+
+def _merged_rank_events(trace: RankTrace, pid: int) -> list[dict[str, Any]]:
+    main = _main_thread(trace.events, trace.steps)
+    origin = trace.steps[0][1] if trace.steps else min((e[4] for e in trace.events), default=0.0)
+    threads: dict[Any, int] = {}
+    base = trace.rank * 100
+    out: list[dict[str, Any]] = []
+
+    def tid_for(src_pid: Any, src_tid: Any, cat: str) -> int:
+        key = (src_pid, src_tid) if cat == "kernel" else src_tid
+        if key not in threads:
+            tid = base if src_tid == main and cat != "kernel" else base + 1 + len(threads)
+            threads[key] = tid
+            if tid == base:
+                label = f"rank {trace.rank}"
+            elif cat == "kernel":
+                label = f"rank {trace.rank} · GPU {src_pid} stream {src_tid}"
+            else:
+                label = f"rank {trace.rank} · {trace.thread_names.get(src_tid, f'thread {src_tid}')}"
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        return threads[key]
+
+    tid_for(None, main, "cpu_op")
+    for i, (number, start, end) in enumerate(trace.steps):
+        out.append({"ph": "X", "cat": "step", "name": f"step {i} (ProfilerStep#{number})", "pid": pid,
+                    "tid": base, "ts": round(start - origin, 3), "dur": round(end - start, 3)})
+    comm_by_ts = {c.launch_ts: c for c in trace.collectives}
+    for cat, name, src_pid, src_tid, ts, dur in trace.events:
+        if name.startswith("ProfilerStep#") or cat == "Trace":
+            continue
+        ev: dict[str, Any] = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid_for(src_pid, src_tid, cat),
+                              "ts": round(ts - origin, 3), "dur": round(dur, 3)}
+        c = comm_by_ts.get(ts)
+        if c is not None and name.startswith(("c10d::", "record_param_comms")):
+            ev["args"] = {"type": c.type, "bytes": c.size_bytes, "group_size": c.group_size, "dtype": c.dtype}
+        out.append(ev)
+    return out
