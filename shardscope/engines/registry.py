@@ -96,6 +96,40 @@ register(
     )
 )
 
+register(
+    StrategyInfo(
+        name="fsdp1",
+        entry="shardscope.engines.fsdp1:apply",
+        description="FSDP1 (FullyShardedDataParallel): one flat-parameter unit per transformer block",
+        options={
+            "sharding_strategy": OptionSpec(
+                str, "FULL_SHARD", "what is sharded: FULL_SHARD (all), SHARD_GRAD_OP (grads+optimizer), "
+                "HYBRID_SHARD (full shard in a node, replicate across nodes), NO_SHARD (like DDP)",
+                choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+            ),
+            "backward_prefetch": OptionSpec(str, "pre", "when to prefetch the next unit's all-gather in backward",
+                                            choices=("pre", "post", "none")),
+            "limit_all_gathers": OptionSpec(bool, True, "rate-limit all-gathers so at most two units are gathered"),
+            "use_orig_params": OptionSpec(bool, True, "expose the original parameters (needed for per-layer norms)"),
+        },
+        shards="all",
+    )
+)
+
+register(
+    StrategyInfo(
+        name="fsdp-handwritten",
+        entry="shardscope.engines.handwritten_fsdp:apply",
+        description="A hand-written FSDP, written to be read: per-block flat shards, explicit all-gather and "
+                    "reduce-scatter",
+        options={
+            "reshard_after_forward": _BOOL_RESHARD,
+        },
+        models=("transformer", "hf", "vit"),
+        shards="all",
+    )
+)
+
 
 def get(name: str) -> StrategyInfo:
     """Return the strategy named ``name``; raises KeyError naming the allowed strategies."""

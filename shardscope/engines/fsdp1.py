@@ -1,0 +1,88 @@
+"""FSDP1 (``FullyShardedDataParallel``): each transformer block is auto-wrapped into its own FSDP
+unit whose parameters are flattened into one FlatParameter and sharded across the data-parallel
+ranks; the root unit holds the rest (embeddings, final norm, head).
+
+Sharding strategies: FULL_SHARD (parameters, gradients and optimizer state sharded; parameters
+re-gathered in backward), SHARD_GRAD_OP (parameters kept gathered from forward to the end of
+backward), HYBRID_SHARD (FULL_SHARD inside a node, replicated across nodes), NO_SHARD (DDP-like).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from shardscope.engines import memory_accounting, norms
+from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
+from shardscope.engines.optim import make_optimizer
+from shardscope.engines.parallelize import blocks_of, parallelize
+
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+
+
+def mixed_precision(policy: PrecisionPolicy) -> MixedPrecision | None:
+    """Return FSDP1's MixedPrecision for ``policy`` (None when parameters stay fp32)."""
+    if policy.param_dtype == torch.float32:
+        return None
+    return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                          buffer_dtype=policy.param_dtype)
+
+
+def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
+    """Wrap ``model`` with FSDP1, one unit per block; return the Prepared the loop drives.
+
+    Options: ``sharding_strategy`` (FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD),
+    ``backward_prefetch`` (pre | post | none), ``limit_all_gathers`` (bool), ``use_orig_params`` (bool).
+    """
+    strategy = ShardingStrategy[options["sharding_strategy"]]
+    mp = mixed_precision(settings.precision)
+    hybrid = strategy == ShardingStrategy.HYBRID_SHARD
+
+    def wrap(m: nn.Module) -> nn.Module:
+        return FSDP(
+            m,
+            # HYBRID_SHARD builds its own (shard within node, replicate across nodes) groups.
+            process_group=None if hybrid else ctx.dp_group,
+            auto_wrap_policy=ModuleWrapPolicy({type(b) for b in blocks_of(m)}),
+            sharding_strategy=strategy,
+            backward_prefetch=PREFETCH[options["backward_prefetch"]],
+            limit_all_gathers=options["limit_all_gathers"],
+            use_orig_params=options["use_orig_params"],
+            mixed_precision=mp,
+            device_id=ctx.device,
+        )
+
+    fsdp = parallelize(model, ctx, settings, data_parallel=wrap)
+    params = list(fsdp.parameters())  # FlatParameters (local shards), or views of them with use_orig_params
+    optimizer = make_optimizer(params, settings)
+
+    def clip_and_step(max_norm: float) -> float:
+        # FSDP1's own clip computes the norm across every shard (and, for HYBRID, every replica).
+        norm = fsdp.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
+        optimizer.step()
+        return float(norm)
+
+    layer_norms = None
+    if options["use_orig_params"]:  # per-layer norms need the original parameter names
+        named = list(fsdp.named_parameters())
+        sharded = strategy != ShardingStrategy.NO_SHARD
+        group = fsdp.process_group  # the shard group (intra-node for HYBRID_SHARD)
+        layer_norms = lambda: norms.param_and_grad_norms(named, shard_group=group, sharded=sharded)  # noqa: E731
+    notes = {"sharding_strategy": strategy.name, "backward_prefetch": options["backward_prefetch"],
+             "limit_all_gathers": options["limit_all_gathers"], "use_orig_params": options["use_orig_params"],
+             "param_dtype": str(mp.param_dtype if mp else torch.float32), "units": len(blocks_of(model)) + 1}
+    return Prepared(
+        model=fsdp,
+        optimizer=optimizer,
+        clip_and_step=clip_and_step,
+        model_state_bytes=lambda: memory_accounting.model_state_bytes(params, optimizer),
+        no_sync=fsdp.no_sync,
+        layer_norms=layer_norms,
+        handles_precision=mp is not None,
+        notes=notes,
+    )
