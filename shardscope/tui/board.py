@@ -1,0 +1,122 @@
+"""What the app knows about a comparison, folded from the source's updates.
+
+The UI thread owns one ``Board``: it folds every batch with ``state.fold`` and remembers which
+parts of the screen are now stale, so a timer can redraw only those, at a bounded rate.
+Nothing here imports textual.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shardscope.orchestrator import state as st
+
+CONSOLE_LINES = 2000  # console lines kept per run (older ones are dropped from view, never from disk)
+
+
+@dataclass
+class Console:
+    """The tail of one run's console, as whole lines plus the unterminated last piece."""
+
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=CONSOLE_LINES))
+    partial: str = ""
+    total: int = 0  # lines ever added, so a view can tell which ones it has not shown yet
+
+    def add(self, text: str) -> None:
+        """Append console text, splitting it into lines."""
+        pieces = (self.partial + text).split("\n")
+        self.partial = pieces.pop()
+        self.lines.extend(pieces)
+        self.total += len(pieces)
+
+    def since(self, seen: int) -> list[str]:
+        """Return the lines added after the first ``seen`` ones (as many as are still kept)."""
+        new = self.total - seen
+        if new <= 0:
+            return []
+        return list(self.lines)[-min(new, len(self.lines)):]
+
+
+@dataclass
+class Board:
+    """Run states, console tails, device readings and notices of one comparison."""
+
+    states: dict[str, st.RunState] = field(default_factory=dict)
+    consoles: dict[str, Console] = field(default_factory=dict)
+    devices: st.DeviceSample | None = None
+    finished: st.ComparisonFinished | None = None
+    notices: list[st.Notice] = field(default_factory=list)
+    baseline: str = ""
+    records: int = 0  # records folded so far (the benchmark checks none are dropped)
+    analyses: dict[str, dict] = field(default_factory=dict)  # run -> profiling.traces.analyse_run result
+    to_analyse: set[str] = field(default_factory=set)  # runs whose traces may have changed
+    # What changed since the last redraw.
+    dirty_runs: set[str] = field(default_factory=set)
+    dirty_consoles: set[str] = field(default_factory=set)
+    dirty_devices: bool = False
+    dirty_charts: bool = False
+    new_notices: list[st.Notice] = field(default_factory=list)
+    # Write times of records not yet on screen (only when a benchmark asks for them).
+    track_latency: bool = False
+    pending_t: list[float] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """Run names in the order they were defined."""
+        return list(self.states)
+
+    def ingest(self, updates: list[st.Update]) -> None:
+        """Fold one batch of updates and mark what must be redrawn."""
+        changed = st.fold(updates, self.states)
+        self.dirty_runs |= changed
+        for update in updates:
+            if isinstance(update, st.RecordsArrived):
+                self.records += len(update.records)
+                self.dirty_charts = True
+                if any(r.get("kind") == "trace" for r in update.records):
+                    self.to_analyse.add(update.run)
+                if self.track_latency:
+                    self.pending_t.extend(float(r.get("t", 0.0)) for r in update.records)
+            elif isinstance(update, st.ConsoleText):
+                self.consoles.setdefault(update.run, Console()).add(update.text)
+                self.dirty_consoles.add(update.run)
+            elif isinstance(update, st.DeviceSample):
+                self.devices = update
+                self.dirty_devices = True
+            elif isinstance(update, st.ComparisonFinished):
+                self.finished = update
+                self.dirty_runs |= set(self.states)
+            elif isinstance(update, st.Notice):
+                self.notices.append(update)
+                self.new_notices.append(update)
+            elif isinstance(update, st.StatusChanged):
+                self.dirty_consoles.add(update.run)  # a failure shows its traceback in the log
+                if update.status in st.FINISHED:
+                    self.to_analyse.add(update.run)
+        if not self.baseline and self.states:
+            self.baseline = next(iter(self.states))
+
+    def console(self, run: str) -> Console:
+        """Return the console tail of ``run`` (empty if none arrived yet)."""
+        return self.consoles.setdefault(run, Console())
+
+    @property
+    def active(self) -> list[str]:
+        """Names of runs that are starting or running."""
+        return [n for n, s in self.states.items() if s.status in st.ACTIVE]
+
+    def take_latency(self, now: float | None = None) -> list[float]:
+        """Return write-to-display delays (s) of records shown by this redraw, and forget them."""
+        now = time.time() if now is None else now
+        out = [now - t for t in self.pending_t]
+        self.pending_t = []
+        return out
+
+    def clear_dirty(self) -> None:
+        """Forget what changed (after a redraw)."""
+        self.dirty_runs.clear()
+        self.dirty_consoles.clear()
+        self.dirty_devices = self.dirty_charts = False
+        self.new_notices = []

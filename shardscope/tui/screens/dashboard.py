@@ -1,0 +1,179 @@
+"""The main view: run cards, loss / difference / throughput charts, devices, communication, console.
+
+The app owns the ``Board`` and calls ``show(board)`` from its redraw timer; the screen pushes
+the board's data down into its widgets and only touches what changed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, HorizontalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from shardscope.orchestrator.state import FAILED, STATUSES
+from shardscope.tui.board import Board
+from shardscope.tui.format import display_path, run_colour
+from shardscope.tui.messages import RunSelected
+from shardscope.tui.widgets.charts import StepChart, loss_diff, series_of
+from shardscope.tui.widgets.comm_panel import CommPanel
+from shardscope.tui.widgets.device_panel import DevicePanel
+from shardscope.tui.widgets.log_pane import LogPane
+from shardscope.tui.widgets.run_card import RunCard
+
+CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second, however fast records arrive
+
+
+class DashboardScreen(Screen):
+    """Side-by-side view of every run of one comparison."""
+
+    BINDINGS = [
+        Binding("s", "app.start", "Start"),
+        Binding("x", "app.stop_run", "Stop run"),
+        Binding("r", "app.restart_run", "Restart run"),
+        Binding("b", "app.set_baseline", "Baseline"),
+        Binding("l", "toggle_log", "Log"),
+        Binding("o", "app.report", "Report"),
+        Binding("e", "app.export", "Export"),
+        Binding("left,shift+tab", "select(-1)", "Prev run", show=False),
+        Binding("right,tab", "select(1)", "Next run", show=False),
+        Binding("q", "app.quit", "Quit"),
+    ]
+
+    def __init__(self, title: str, out_dir: str) -> None:
+        super().__init__()
+        self.heading = title
+        self.out_dir = out_dir
+        self.selected = ""
+        self._cards: dict[str, RunCard] = {}
+        self._chart_t = 0.0
+        self._baseline_drawn = ""
+
+    def compose(self) -> ComposeResult:
+        """Lay out the dashboard (cards are mounted as runs are defined)."""
+        yield Static(id="title")
+        yield HorizontalScroll(id="cards")
+        with Horizontal(id="charts"):
+            yield StepChart("loss", id="loss-chart")
+            yield StepChart("loss − baseline", id="diff-chart", empty="needs a baseline and a second run")
+            yield StepChart("tokens/s", id="rate-chart")
+        with Horizontal(id="panels"):
+            yield DevicePanel(id="devices", classes="panel")
+            yield CommPanel(id="comm", classes="panel")
+            yield LogPane(id="log", classes="panel")
+        yield Static(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Title the panels."""
+        self.query_one("#devices").border_title = "devices"
+        self.query_one("#comm").border_title = "communication"
+        self.query_one("#log", LogPane).border_title = "console"
+        self.query_one("#log", LogPane).can_focus = False
+        self.query_one(DevicePanel).show(None)
+        self.query_one(CommPanel).show([], {})
+
+    def on_resize(self) -> None:
+        """Give the charts more room on short or narrow terminals (classes styled in app.tcss)."""
+        w, h = self.app.size
+        self.set_class(h < 40, "-short")
+        self.set_class(h < 30, "-tiny")
+        self.set_class(w < 130, "-narrow")
+
+    # -- data down -------------------------------------------------------------------------------
+
+    def show(self, board: Board, *, started: bool, force: bool = False) -> None:
+        """Push what changed on ``board`` into the widgets."""
+        for i, name in enumerate(board.names):
+            if name not in self._cards:
+                card = self._cards[name] = RunCard(name, run_colour(i), id=f"card-{i}")
+                self.query_one("#cards").mount(card)
+                board.dirty_runs.add(name)
+        if not self.selected and board.names:
+            self.select(board.names[0], board)
+        baseline_changed = board.baseline != self._baseline_drawn
+        for name in board.names if (force or baseline_changed) else board.dirty_runs:
+            if name in self._cards:
+                self._cards[name].show(board.states[name], baseline=name == board.baseline)
+        now = time.monotonic()
+        if force or baseline_changed or (board.dirty_charts and now - self._chart_t >= CHART_INTERVAL_S):
+            self._draw_charts(board)
+            self._chart_t = now
+            board.dirty_charts = False
+            self._baseline_drawn = board.baseline
+        if force or board.dirty_devices:
+            self.query_one(DevicePanel).show(board.devices)
+            board.dirty_devices = False
+        if force or board.dirty_runs:
+            self.query_one(CommPanel).show(
+                [(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses)
+        if self.selected and (force or self.selected in board.dirty_consoles or self.selected in board.dirty_runs):
+            self.query_one(LogPane).show(board.console(self.selected), board.states.get(self.selected))
+        self._draw_status(board, started)
+        board.dirty_runs.clear()
+        board.dirty_consoles.clear()
+
+    def _draw_charts(self, board: Board) -> None:
+        names = board.names
+        colours = {n: run_colour(i) for i, n in enumerate(names)}
+        states = board.states
+        self.query_one("#loss-chart", StepChart).set_series(
+            [series_of(states[n].losses, n, colours[n]) for n in names])
+        base = states.get(board.baseline)
+        diffs = [series_of(loss_diff(states[n], base), n, colours[n]) for n in names
+                 if base is not None and n != board.baseline]
+        self.query_one("#diff-chart", StepChart).set_series(diffs, title=f"loss − {board.baseline or 'baseline'}")
+        units = {states[n].unit for n in names if states[n].throughput}
+        self.query_one("#rate-chart", StepChart).set_series(
+            [series_of(states[n].throughput, n, colours[n]) for n in names],
+            title=" / ".join(sorted(units)) or "tokens/s")
+
+    def _draw_status(self, board: Board, started: bool) -> None:
+        counts = {s: 0 for s in STATUSES}
+        for state in board.states.values():
+            counts[state.status] = counts.get(state.status, 0) + 1
+        parts = [f"{n} {s}" for s, n in counts.items() if n]
+        if board.finished is not None:
+            parts.append("finished — press o for the report")
+        elif not started:
+            parts.append("not started — press s to start")
+        note = board.notices[-1].text if board.notices else ""
+        self.query_one("#title", Static).update(
+            f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]")
+        self.query_one("#status", Static).update(" · ".join(parts) + (f"   [dim]{note}[/dim]" if note else ""))
+
+    # -- selection -------------------------------------------------------------------------------
+
+    def select(self, run: str, board: Board) -> None:
+        """Make ``run`` the selected run: highlight its card and tail its console."""
+        self.selected = run
+        for name, card in self._cards.items():
+            card.set_class(name == run, "-selected")
+        self.query_one(LogPane).follow(run, board.console(run), board.states.get(run))
+
+    def on_run_selected(self, message: RunSelected) -> None:
+        """A card was clicked."""
+        self.select(message.run, self.app.board)
+
+    def action_select(self, delta: int) -> None:
+        """Select the previous or next run."""
+        names = self.app.board.names
+        if not names:
+            return
+        i = names.index(self.selected) if self.selected in names else 0
+        self.select(names[(i + delta) % len(names)], self.app.board)
+
+    def action_toggle_log(self) -> None:
+        """Show or hide the console pane."""
+        log = self.query_one(LogPane)
+        log.display = not log.display
+
+    def select_first_failed(self, board: Board) -> None:
+        """Select the first failed run, if any (used when opening a finished comparison)."""
+        for name, state in board.states.items():
+            if state.status == FAILED:
+                self.select(name, board)
+                return

@@ -1,0 +1,128 @@
+"""The final comparison table from ``<out>/summary.json``, and where the artefacts were written.
+
+Before the summary exists (runs still going, or stopped before reports), the table is built from
+the live run states instead and says so.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from shardscope.tui.board import Board
+from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
+
+COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "tokens/s (median)", "peak memory",
+           "Δloss max", "Δloss mean", "speedup", "memory ratio")
+
+
+def read_summary(out_dir: str) -> dict[str, Any] | None:
+    """Return ``<out>/summary.json`` as a dict, or None if missing or unreadable."""
+    try:
+        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("runs"), list) else None
+
+
+def live_summary(board: Board) -> dict[str, Any]:
+    """Return a summary-shaped dict from the live states (no diff or ratio figures)."""
+    runs = []
+    for name, s in board.states.items():
+        rates = sorted(v for _, v in s.throughput)
+        runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
+                     "steps_completed": s.steps_completed, "final_loss": s.loss,
+                     "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
+                     "peak_mem_bytes": s.peak_mem_bytes})
+    return {"baseline": board.baseline, "runs": runs}
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Return one row of display text per run of a summary."""
+    rows = []
+    for r in summary.get("runs", []):
+        if not isinstance(r, dict):
+            continue
+        speed = r.get("speedup")
+        ratio = r.get("mem_ratio")
+        rows.append((
+            str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else ""),
+            str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
+            str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
+            human_rate(r.get("median_tokens_per_s")), human_bytes(r.get("peak_mem_bytes")),
+            fmt_float(r.get("loss_max_abs_diff"), ".2e"), fmt_float(r.get("loss_mean_abs_diff"), ".2e"),
+            "–" if speed is None else f"{fmt_float(speed, '.2f')}×",
+            "–" if ratio is None else f"{fmt_float(ratio, '.2f')}×",
+        ))
+    return rows
+
+
+def artefacts(out_dir: str, run_names: list[str]) -> list[str]:
+    """Return lines naming the files written for a comparison (missing ones said so)."""
+    lines = []
+    for name in ("summary.json", "report.md", "comparison.json"):
+        path = os.path.join(out_dir, name)
+        lines.append(f"{name:<16} {display_path(path) if os.path.exists(path) else '(not written yet)'}")
+    plots = sorted(glob.glob(os.path.join(out_dir, "plots", "*.png")))
+    lines.append(f"{'plots':<16} " + (", ".join(os.path.basename(p) for p in plots) + f"  in {display_path(os.path.join(out_dir, 'plots'))}"
+                                      if plots else "(none yet)"))
+    for run in run_names:
+        traces = sorted(glob.glob(os.path.join(out_dir, run, "traces", "**", "*.*"), recursive=True))
+        where = display_path(os.path.join(out_dir, run, "traces"))
+        lines.append(f"{run + ' traces':<16} " + (f"{len(traces)} file(s) in {where}" if traces else "(none)"))
+        lines.append(f"{run + ' console':<16} {display_path(os.path.join(out_dir, run, 'console.log'))}")
+    return lines
+
+
+class ReportScreen(Screen):
+    """The comparison table and the artefact paths. Escape goes back to the dashboard."""
+
+    BINDINGS = [
+        Binding("escape,o", "app.pop_screen", "Back"),
+        Binding("e", "app.export", "Export"),
+        Binding("q", "app.quit", "Quit"),
+    ]
+
+    def __init__(self, out_dir: str, board: Board) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.board = board
+
+    def compose(self) -> ComposeResult:
+        """Lay out the table and the paths."""
+        yield Static(id="title")
+        with VerticalScroll(id="report-body"):
+            yield Static(id="report-note")
+            yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
+            yield Static(id="report-paths")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        """Fill the table from summary.json, or from the live states if there is none yet."""
+        summary = read_summary(self.out_dir)
+        if summary is None:
+            summary = live_summary(self.board)
+            note = ("[yellow]summary.json is not written yet[/yellow] — live figures; differences, speedup and "
+                    "memory ratio appear when the comparison finishes.")
+        else:
+            note = f"From {display_path(os.path.join(self.out_dir, 'summary.json'))}."
+        baseline = summary.get("baseline") or self.board.baseline
+        self.query_one("#title", Static).update(
+            f"[b]shardscope[/b] · report · {summary.get('preset', '')} · baseline [b]{baseline}[/b]")
+        self.query_one("#report-note", Static).update(note)
+        table = self.query_one("#report-table", DataTable)
+        table.add_columns(*COLUMNS)
+        for row in summary_rows(summary):
+            table.add_row(*row)
+        names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
+        self.query_one("#report-paths", Static).update(
+            "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))

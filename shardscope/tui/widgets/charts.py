@@ -1,0 +1,86 @@
+"""Line charts over steps (loss, difference from baseline, throughput), drawn with plotext.
+
+The parent hands a chart its series with ``set_series``; the chart only redraws when its data
+changed and counts its redraws (the ingest benchmark checks the rate stays bounded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual_plotext import PlotextPlot
+
+from shardscope.orchestrator.state import RunState
+from shardscope.tui.format import rgb
+
+MAX_POINTS = 400  # points drawn per series; longer series are thinned evenly
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line on a chart."""
+
+    label: str
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    colour: str
+
+
+def thin(points: list[tuple[int, float]], limit: int = MAX_POINTS) -> list[tuple[int, float]]:
+    """Return at most ``limit`` points spread evenly over ``points``, always keeping the last one."""
+    if len(points) <= limit:
+        return list(points)
+    stride = len(points) / limit
+    out = [points[int(i * stride)] for i in range(limit - 1)]
+    out.append(points[-1])
+    return out
+
+
+def series_of(pairs: list[tuple[int, float]], label: str, colour: str) -> Series:
+    """Return a Series from (step, value) pairs, thinned for drawing."""
+    pts = thin(pairs)
+    return Series(label, tuple(p[0] for p in pts), tuple(p[1] for p in pts), colour)
+
+
+def loss_diff(run: RunState, base: RunState) -> list[tuple[int, float]]:
+    """Return (step, loss - baseline loss) at the steps both runs reported."""
+    base_at = dict(base.losses)
+    return [(step, loss - base_at[step]) for step, loss in run.losses if step in base_at]
+
+
+class StepChart(PlotextPlot):
+    """A titled chart of several runs over steps, with a legend."""
+
+    DEFAULT_CSS = "StepChart { height: 1fr; width: 1fr; min-height: 5; }"
+
+    def __init__(self, title: str, ylabel: str = "", empty: str = "waiting for steps…", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.title = title
+        self.ylabel = ylabel
+        self.empty = empty
+        self.redraws = 0
+        self._series: tuple[Series, ...] = ()
+
+    def set_series(self, series: list[Series], title: str | None = None) -> None:
+        """Replace the drawn series (and optionally the title); redraws only if something changed."""
+        new = tuple(series)
+        if new == self._series and (title is None or title == self.title):
+            return
+        self._series = new
+        if title is not None:
+            self.title = title
+        self.refresh()
+
+    def render(self):
+        """Rebuild the plot from the current series."""
+        self.redraws += 1
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(f"{self.title} by step")
+        drawn = [s for s in self._series if s.xs]
+        for s in drawn:
+            plt.plot(list(s.xs), list(s.ys), label=s.label, color=rgb(s.colour), marker="braille")
+        if not drawn:
+            plt.title(f"{self.title}: {self.empty}")
+        return super().render()

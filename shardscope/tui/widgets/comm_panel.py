@@ -1,0 +1,76 @@
+"""Communication per run: time, count and bytes per collective, from ``comm`` records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from shardscope.orchestrator.state import RunState
+from shardscope.tui.format import human_bytes
+
+EMPTY = ("No communication records yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "
+         "appear here once its profiler window has been recorded and analysed.")
+
+
+def _first(figs: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if figs.get(key) is not None:
+            return figs[key]
+    return None
+
+
+def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
+    """Return (name, time in s, count, bytes) per collective, largest time first.
+
+    Reads a ``comm`` record or ``profiling.traces.analyse_run``'s result: ``collectives`` maps a
+    name to figures (``time_s``/``time_per_step_s``/``time_ms``, ``count``/``count_per_step``,
+    ``bytes``/``bytes_per_step``), or is a list of dicts with ``name``/``op``. Other shapes give [].
+    """
+    raw = record.get("collectives", {})
+    if isinstance(raw, list):
+        items = [(d.get("name") or d.get("op") or "?", d) for d in raw if isinstance(d, dict)]
+    else:
+        items = list(raw.items()) if isinstance(raw, dict) else []
+    out = []
+    for name, figs in items:
+        if not isinstance(figs, dict):
+            continue
+        t = _first(figs, "time_s", "total_time_s", "time_per_step_s")
+        if t is None and figs.get("time_ms") is not None:
+            t = figs["time_ms"] / 1000
+        out.append((str(name), t, _first(figs, "count", "count_per_step"),
+                    _first(figs, "bytes", "total_bytes", "bytes_per_step")))
+    return sorted(out, key=lambda row: -(row[1] or 0))
+
+
+class CommPanel(Static):
+    """Shows each run's collectives (rank 0's figures); the parent calls ``show``."""
+
+    def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]]) -> None:
+        """Redraw from (state, colour) pairs: rank 0's ``comm`` record, else the run's trace analysis."""
+        table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False)
+        table.add_column("collective", ratio=1, min_width=8, no_wrap=True, overflow="ellipsis", header_style="dim")
+        for col in ("time", "count", "bytes"):
+            table.add_column(col, justify="right", no_wrap=True, header_style="dim")
+        any_rows = False
+        for state, colour in states:
+            if state.comm:
+                source = state.comm[0 if 0 in state.comm else min(state.comm)]
+            elif analyses.get(state.name, {}).get("collectives"):
+                source = analyses[state.name]
+            else:
+                continue
+            per_step = source.get("per_step") or {}
+            exposed = per_step.get("exposed_comm_s")
+            note = f"  exposed {exposed * 1000:.1f}ms/step" if isinstance(exposed, (int, float)) else ""
+            table.add_row(Text.assemble((f"■ {state.name}", f"bold {colour}"), (note, "dim")))
+            for name, t, count, nbytes in collectives(source):
+                any_rows = True
+                table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",
+                              "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
+        self.update(Group(Text("collectives per profiled step", "dim italic"), table) if any_rows
+                    else Text(EMPTY, "dim"))

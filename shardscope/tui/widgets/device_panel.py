@@ -1,0 +1,58 @@
+"""Device memory and utilisation: GPUs from NVML, or each rank's process memory on CPU."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from shardscope.orchestrator.state import DeviceReading, DeviceSample
+from shardscope.tui.format import human_bytes
+
+
+def _bar(fraction: float, width: int, colour: str) -> ProgressBar:
+    return ProgressBar(total=1000, completed=int(max(0.0, min(1.0, fraction)) * 1000), width=width,
+                       complete_style=colour, finished_style=colour, pulse=False, animation_time=0)
+
+
+def _who(r: DeviceReading) -> str:
+    if not r.run:
+        return "idle"
+    ranks = ",".join(str(x) for x in r.ranks)
+    return f"{r.run} rank{'s' if len(r.ranks) > 1 else ''} {ranks}" if ranks else r.run
+
+
+class DevicePanel(Static):
+    """Shows the latest ``DeviceSample``; the parent calls ``show``."""
+
+    def show(self, sample: DeviceSample | None) -> None:
+        """Redraw from ``sample`` (None: explain that nothing was sampled yet)."""
+        if sample is None or not sample.readings:
+            self.update(Text("No device samples yet: they arrive once a run starts.", "dim"))
+            return
+        width = max(6, (self.size.width or 40) // 4)
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(width=width)
+        table.add_column(no_wrap=True, justify="right")
+        rows = sorted(sample.readings, key=lambda r: (r.kind, r.label))
+        if sample.source == "process-rss":
+            header = Text("process RSS per rank (CPU run)", "dim italic")
+            peak = max((r.used_bytes for r in rows), default=0) or 1
+            for r in rows:
+                table.add_row(Text(_who(r) if r.run else r.label), _bar(r.used_bytes / peak, width, "cyan"),
+                              Text(human_bytes(r.used_bytes)))
+            return self.update(Group(header, table))
+        header = Text("GPU memory used/total · utilisation (NVML)", "dim italic")
+        for r in rows:
+            frac = r.used_bytes / r.total_bytes if r.total_bytes else 0.0
+            table.add_row(Text.assemble((r.label, "bold"), ("  " + _who(r), "dim")),
+                          _bar(frac, width, "magenta"),
+                          Text(f"{human_bytes(r.used_bytes)}/{human_bytes(r.total_bytes)}"))
+            if r.util_pct is not None:
+                power = f" {r.power_w:.0f} W" if r.power_w is not None else ""
+                table.add_row(Text("  utilisation", "dim"), _bar(r.util_pct / 100, width, "green"),
+                              Text(f"{r.util_pct:.0f}%{power}"))
+        self.update(Group(header, table))

@@ -1,0 +1,42 @@
+"""The selected run's console tail, and a failed run's error with the end of its traceback."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from shardscope.orchestrator.state import RunState
+from shardscope.tui.board import Console
+
+TRACEBACK_LINES = 25
+
+
+class LogPane(RichLog):
+    """Tails one run's console. The parent calls ``follow`` to switch runs and ``show`` to append."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(max_lines=2000, wrap=True, markup=False, highlight=False, **kwargs)
+        self.run = ""
+        self._seen = 0
+        self._error_shown = ""
+
+    def follow(self, run: str, console: Console, state: RunState | None) -> None:
+        """Start showing ``run``: clear and write its kept lines (and its error, if it failed)."""
+        self.run, self._seen, self._error_shown = run, 0, ""
+        self.clear()
+        self.border_title = f"console · {run}"
+        self.show(console, state)
+
+    def show(self, console: Console, state: RunState | None) -> None:
+        """Append the console lines not shown yet; write the failure once it is known."""
+        lines = console.since(self._seen)
+        self._seen = console.total
+        for line in lines:
+            self.write(Text(line))
+        if state is not None and state.status == "failed" and (state.error or state.traceback) \
+                and self._error_shown != state.error + state.traceback:
+            self._error_shown = state.error + state.traceback
+            self.write(Text(f"── {state.name} failed: {state.error or 'see traceback'}", "bold red"))
+            tail = state.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
+            for line in tail:
+                self.write(Text(line, "red"))
