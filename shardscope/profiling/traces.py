@@ -111,6 +111,8 @@ class RankTrace:
     compute: list[tuple[float, float]]  # busy intervals (start_us, end_us) of compute
     events: list[tuple[str, str, Any, Any, float, float]]  # every X event (cat, name, pid, tid, ts, dur)
     thread_names: dict[Any, str] = field(default_factory=dict)
+    marked_steps: bool = True  # False: no ProfilerStep markers; ``steps`` is the whole window
+    window_steps: int = 1  # optimizer steps the profiled window holds
 
 
 def _read_bytes(path: str) -> bytes:
@@ -200,8 +202,10 @@ def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, s
 
 def _numel(dims: Any) -> int:
     """Elements in a (possibly nested, for tensor lists) ``Input Dims`` entry."""
-    if not isinstance(dims, list) or not dims:
+    if not isinstance(dims, list):
         return 0
+    if not dims:  # a 0-dim tensor (a scalar all-reduced for a norm, a loss)
+        return 1
     if all(isinstance(d, int) for d in dims):
         return math.prod(dims)
     return sum(_numel(d) for d in dims)
@@ -281,8 +285,13 @@ def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, 
                 break
 
 
-def load_rank_trace(path: str) -> RankTrace:
-    """Read one rank's Chrome trace; return a RankTrace. Raises OSError or ValueError on an unreadable file."""
+def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
+    """Read one rank's Chrome trace; return a RankTrace. Raises OSError or ValueError on an unreadable file.
+
+    Steps are bounded by ``ProfilerStep#N`` markers. A trace without them (a profiler used without
+    ``prof.step()``) is one window of ``window_steps`` steps (default 1), and per-step figures are
+    the window's divided by that number.
+    """
     data = _read_bytes(path)
     events, comm_events, threads, header = _scan(data)
     info = header.get("distributedInfo") or {}
@@ -297,6 +306,10 @@ def load_rank_trace(path: str) -> RankTrace:
         if m:
             steps.append((int(m.group(1)), ts, ts + dur))
     steps.sort(key=lambda s: s[1])
+    marked = bool(steps)
+    if not marked and events:
+        timed = [e for e in events if e[0] != "Trace"] or events  # "Trace" spans the whole session
+        steps = [(-1, min(e[4] for e in timed), max(e[4] + e[5] for e in timed))]
 
     use_rpc = any(e.get("name") == "record_param_comms" for e in comm_events)
     launches, execs = [], []
@@ -329,12 +342,15 @@ def load_rank_trace(path: str) -> RankTrace:
         compute = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events
                    if cat == "kernel" and "nccl" not in name.lower()]
     else:
+        # The training thread's operators, minus the time it spends waiting on collectives: a wait
+        # sits inside its caller (DTensor "Redistribute", DDP's reducer), which is not compute then.
         main = _main_thread(events, steps)
-        compute = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events
-                   if cat == "cpu_op" and tid == main and name not in comm_names and "wait" not in name.lower()
-                   and not name.startswith("c10d::")]
+        ops = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events if cat == "cpu_op" and tid == main
+               and name not in comm_names and not _is_comm_op(name)]
+        waits = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events if tid == main and _is_comm_op(name)]
+        compute = _subtract(_union(ops), _union(waits))
     return RankTrace(path, rank, world, str(info.get("backend", "")), device_name, steps, launches,
-                     compute, events, threads)
+                     compute, events, threads, marked, len(steps) if marked else max(1, window_steps or 1))
 
 
 def _fill_sizes_from_dtype(launches: list[Collective], comm_events: list[dict[str, Any]], world: int) -> None:
@@ -373,6 +389,30 @@ def _step_index(steps: list[tuple[int, float, float]], ts: float) -> int | None:
         if start <= ts <= end:
             return i
     return None
+
+
+def _is_comm_op(name: str) -> bool:
+    """A launch of, or a wait for, a collective on the training thread."""
+    low = name.lower()
+    return "wait" in low or low.startswith(("c10d::", "_c10d_functional::", "c10d_functional::", "record_param_comms"))
+
+
+def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint intervals ``a`` minus sorted disjoint intervals ``b``."""
+    out = []
+    j = 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k, cur = j, s
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -414,7 +454,7 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
     Figures are per profiled step (averaged over the steps the trace holds). Times in seconds,
     bytes in bytes, bandwidths in GB/s (1e9). Collectives outside the profiled steps are ignored.
     """
-    n_steps = max(1, len(trace.steps))
+    n_steps = trace.window_steps
     inside = [c for c in trace.collectives if c.step is not None or not trace.steps]
     per_type: dict[str, dict[str, Any]] = {}
     for c in inside:
@@ -446,16 +486,17 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
     steps = []
     comm_all = _union((c.start_us, c.start_us + c.dur_us) for c in trace.collectives)
     compute_all = _union(trace.compute)
+    per_window = 1 if trace.marked_steps else trace.window_steps
     for number, start, end in trace.steps:
         comm = _clip(comm_all, start, end)
         compute = _clip(compute_all, start, end)
         comm_us = _length(comm)
         steps.append({
             "profiler_step": number,
-            "step_time_s": (end - start) / 1e6,
-            "compute_time_s": _length(compute) / 1e6,
-            "comm_time_s": comm_us / 1e6,
-            "exposed_comm_s": (comm_us - _intersection(comm, compute)) / 1e6,
+            "step_time_s": (end - start) / 1e6 / per_window,
+            "compute_time_s": _length(compute) / 1e6 / per_window,
+            "comm_time_s": comm_us / 1e6 / per_window,
+            "exposed_comm_s": (comm_us - _intersection(comm, compute)) / 1e6 / per_window,
         })
     mean = (lambda key: statistics.fmean(s[key] for s in steps) if steps else None)
     return {
@@ -463,7 +504,8 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
         "world_size": trace.world_size,
         "backend": trace.backend,
         "device": trace.device_name,
-        "steps_profiled": len(trace.steps),
+        "steps_profiled": trace.window_steps,
+        "step_markers": trace.marked_steps,
         "collectives": collectives,
         "steps": steps,
         "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
@@ -509,21 +551,23 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "backend": per_rank[0]["backend"],
         "device": per_rank[0]["device"],
         "steps_profiled": min(r["steps_profiled"] for r in per_rank),
+        "step_markers": all(r["step_markers"] for r in per_rank),
         "collectives": collectives,
         "per_step": per_step,
         "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
     }
 
 
-def analyse_traces(paths: list[str]) -> dict[str, Any]:
+def analyse_traces(paths: list[str], window_steps: int | None = None) -> dict[str, Any]:
     """Analyse the rank traces at ``paths`` and combine them; ``{}`` when there are none.
 
+    ``window_steps``: steps in a trace without ProfilerStep markers (see ``load_rank_trace``).
     A trace that cannot be read is listed under ``unreadable`` with the reason, never fatal.
     """
     per_rank, unreadable = [], []
     for path in paths:
         try:
-            per_rank.append(analyse_rank(load_rank_trace(path)))
+            per_rank.append(analyse_rank(load_rank_trace(path, window_steps)))
         except (OSError, ValueError, KeyError) as err:
             unreadable.append(f"{path}: {err}")
     out = combine_ranks(per_rank)
@@ -540,14 +584,20 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
     the observed bytes per step with theory (``theory``: bytes, basis, ``ratio`` observed/theory)
     and to compute MFU where the device's peak is known. Returns ``{}`` when the run has no traces.
     """
-    out = analyse_traces(rank_trace_paths(run_dir))
-    if not out:
-        return out
+    spec = None
     spec_path = os.path.join(run_dir, "spec.json")
     if os.path.isfile(spec_path):
         try:
             with open(spec_path, encoding="utf-8") as fh:
                 spec = json.load(fh)
+        except (OSError, ValueError):
+            spec = None
+    window = int(((spec or {}).get("comparison", {}).get("profile", {}) or {}).get("steps", 1) or 1)
+    out = analyse_traces(rank_trace_paths(run_dir), window)
+    if not out:
+        return out
+    if spec is not None:
+        try:
             from shardscope.profiling import memory_model
 
             theory = memory_model.expected_comm(spec)

@@ -1,0 +1,191 @@
+"""PNG plots of a comparison (matplotlib, Agg backend): loss, throughput, memory, communication.
+
+Each function takes plain data (the summary dict and run states) and writes one file; it returns
+the path, or None when there is nothing to plot. matplotlib is imported inside the functions so
+importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "gathered": "#8172b3",
+               "activations": "#c44e52", "other": "#b0b0b0"}
+MIB = 1024 ** 2
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: str) -> str | None:
+    """Loss curves overlaid (top) and each run's loss minus the baseline's (bottom)."""
+    if not any(losses.values()):
+        return None
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = dict(losses.get(baseline, []))
+    for i, (name, points) in enumerate(losses.items()):
+        if not points:
+            continue
+        steps, values = zip(*points)
+        style = {"linewidth": 2.2 if name == baseline else 1.4, "color": COLORS[i % len(COLORS)],
+                 "linestyle": "-" if name == baseline else "--"}
+        top.plot(steps, values, label=f"{name} (baseline)" if name == baseline else name, **style)
+        if name != baseline and base:
+            common = [(s, v - base[s]) for s, v in points if s in base]
+            if common:
+                xs, ds = zip(*common)
+                bottom.plot(xs, ds, label=name, **style)
+    top.set_ylabel("loss")
+    top.set_title("Training loss")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=9)
+    bottom.axhline(0.0, color="black", linewidth=0.8)
+    bottom.set_ylabel(f"loss − {baseline}")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(fontsize=9)
+    return _save(fig, path)
+
+
+def throughput_plot(runs: list[dict[str, Any]], path: str) -> str | None:
+    """Bars of each run's median throughput, labelled with the speedup versus the baseline."""
+    rows = [r for r in runs if (r.get("median_tokens_per_s") or r.get("median_samples_per_s"))]
+    if not rows:
+        return None
+    plt = _pyplot()
+    unit = "tokens/s" if rows[0].get("median_tokens_per_s") else "samples/s"
+    values = [r.get("median_tokens_per_s") or r.get("median_samples_per_s") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.6 * len(rows) + 2), 4))
+    bars = ax.bar([r["name"] for r in rows], values, color=[COLORS[i % len(COLORS)] for i in range(len(rows))])
+    for bar, r in zip(bars, rows):
+        label = f"{bar.get_height():,.0f}"
+        if r.get("speedup"):
+            label += f"\n×{r['speedup']:.2f}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel(f"median {unit} (profiled steps excluded)")
+    ax.set_title("Throughput")
+    ax.set_ylim(0, max(values) * 1.25)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def memory_plot(memory: dict[str, Any], path: str) -> str | None:
+    """Stacked bars per run: predicted (params, grads, optimizer, gathered unit, activations) beside
+    measured (exact params, grads, optimizer; with a CUDA allocator peak, the rest of it as "other").
+
+    On CPU the measured peak is process RSS (mostly the Python runtime and libraries), which would
+    dwarf the model states, so it gets its own panel instead of an "other" segment.
+    """
+    runs = [(name, m) for name, m in memory.get("runs", {}).items() if m.get("predicted")]
+    if not runs:
+        return None
+    plt = _pyplot()
+    rss = memory.get("measured_peak_kind") == "process RSS"
+    ncols = 2 if rss else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(max(6.5, 2.4 * len(runs) + 2.5) + (3.5 if rss else 0), 4.8),
+                             gridspec_kw={"width_ratios": [3, 1.3]} if rss else None, squeeze=False)
+    ax = axes[0][0]
+    width, labels, ticks = 0.38, set(), []
+    for i, (name, m) in enumerate(runs):
+        pred, meas = m["predicted"], m.get("measured") or {}
+        pred_parts = [("params", pred["param_bytes"]), ("grads", pred["grad_bytes"]), ("optimizer", pred["optim_bytes"]),
+                      ("gathered", pred.get("gathered_unit_bytes", 0)), ("activations", pred.get("activation_bytes", 0))]
+        meas_parts = []
+        if meas:
+            meas_parts = [("params", meas.get("param_bytes") or 0), ("grads", meas.get("grad_bytes") or 0),
+                          ("optimizer", meas.get("optim_bytes") or 0)]
+            if not rss:
+                meas_parts.append(("other", max(0, (meas.get("peak_bytes") or 0) - sum(v for _, v in meas_parts))))
+        for offset, parts, tag in ((-width / 2, pred_parts, "predicted"), (width / 2, meas_parts, "measured")):
+            bottom = 0.0
+            for part, value in parts:
+                mib = (value or 0) / MIB
+                ax.bar(i + offset, mib, width, bottom=bottom, color=PART_COLORS[part],
+                       label=part if part not in labels else None, edgecolor="white", linewidth=0.5)
+                labels.add(part)
+                bottom += mib
+            if parts:
+                ax.annotate(tag, (i + offset, bottom), ha="center", va="bottom", fontsize=8)
+        ticks.append(name)
+    ax.set_xticks(range(len(runs)), ticks)
+    ax.set_ylabel("MiB per rank (rank 0)")
+    ax.set_title("Memory per rank: predicted vs measured" + ("" if rss else "\n(measured other = allocator peak − model states)"),
+                 fontsize=11)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
+    if rss:
+        side = axes[0][1]
+        peaks = [((m.get("measured") or {}).get("peak_bytes") or 0) / MIB for _, m in runs]
+        bars = side.bar(ticks, peaks, color=PART_COLORS["other"])
+        for bar in bars:
+            side.annotate(f"{bar.get_height():,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                          ha="center", va="bottom", fontsize=8)
+        side.set_title("Peak process RSS, MiB\n(runtime, libraries, activations)", fontsize=10)
+        side.set_ylim(0, max(peaks + [1]) * 1.15)
+        side.grid(axis="y", alpha=0.3)
+        side.tick_params(axis="x", labelrotation=20)
+    return _save(fig, path)
+
+
+def comm_plot(communication: dict[str, Any], path: str) -> str | None:
+    """Communication time per step by collective type for each run, with the exposed part marked."""
+    runs = [(name, c) for name, c in communication.get("runs", {}).items() if c.get("collectives")]
+    if not runs:
+        return None
+    plt = _pyplot()
+    kinds = sorted({k for _, c in runs for k in c["collectives"]})
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.0 * len(runs) + 3), 4.5))
+    width = 0.8 / len(kinds)
+    for j, kind in enumerate(kinds):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
+        ms = [c["collectives"].get(kind, {}).get("time_per_step_s", 0.0) * 1e3 for _, c in runs]
+        bars = ax.bar(xs, ms, width, label=kind.replace("_", "-"), color=COLORS[j % len(COLORS)])
+        for bar, (_, c) in zip(bars, runs):
+            row = c["collectives"].get(kind)
+            if row and row.get("bytes_per_step"):
+                ax.annotate(f"{row['bytes_per_step'] / MIB:.2f} MiB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    exposed = [((c.get("per_step") or {}).get("exposed_comm_s") or 0.0) * 1e3 for _, c in runs]
+    ax.scatter(range(len(runs)), exposed, marker="_", s=900, color="black", zorder=3, label="exposed comm (all types)")
+    ax.set_xticks(range(len(runs)), [name for name, _ in runs])
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_title("Communication per step by collective (labels: bytes per step)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    return _save(fig, path)
+
+
+def write_plots(summary: dict[str, Any], losses: dict[str, list[tuple[int, float]]], plots_dir: str) -> dict[str, str]:
+    """Write every plot that has data under ``plots_dir``; return {name: path}."""
+    os.makedirs(plots_dir, exist_ok=True)
+    out = {}
+    for name, fn, args in (
+        ("loss", loss_plot, (losses, summary.get("baseline", ""))),
+        ("throughput", throughput_plot, (summary.get("runs", []),)),
+        ("memory", memory_plot, (summary.get("memory", {}),)),
+        ("communication", comm_plot, (summary.get("communication", {}),)),
+    ):
+        path = fn(*args, os.path.join(plots_dir, f"{name}.png"))  # type: ignore[operator]
+        if path:
+            out[name] = path
+    return out

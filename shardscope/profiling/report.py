@@ -1,0 +1,286 @@
+"""Reports of a comparison from its run directory alone: summary.json, report.md, plots, merged trace.
+
+``write_reports(out_dir)`` is the one entry point: the orchestrator calls it when a comparison
+ends and ``shardscope report DIR`` calls it again later. It reads ``comparison.json``, replays every
+``<run>/metrics/rank*.jsonl`` through the same fold the live views use, analyses the traces, and
+writes everything. It never imports torch (the orchestrator is torch-free); trace analysis is JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+from shardscope.config import Comparison, dump_json
+from shardscope.orchestrator import replay
+from shardscope.orchestrator.state import RunState
+from shardscope.profiling import divergence, memory_model, plots, summary, traces
+from shardscope.profiling.estimate import fmt_bytes
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+
+def _dp_rank(state: RunState, rank: int) -> int:
+    start = state.start.get(rank) or state.start.get(0) or {}
+    tp = int(start.get("tp") or 1)
+    return rank // max(1, tp)
+
+
+def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]:
+    """Predicted (memory model) vs measured (exact ``memory`` records) bytes per rank, per run.
+
+    For each run: ``predicted`` (rank 0), ``measured`` (rank 0's latest memory record with its
+    peak), ``per_rank`` (predicted vs measured model-state bytes and the error, every rank), and
+    ``model_state_error`` (worst relative error over ranks). ``measured_peak_kind`` says what the
+    measured peak is: the CUDA allocator's peak or the process's peak RSS on CPU.
+    """
+    out: dict[str, Any] = {"runs": {}, "measured_peak_kind": ""}
+    for run in c.runs:
+        st = states.get(run.name)
+        if st is None:
+            continue
+        try:
+            layout = memory_model.layout_for(c, run, st.world_size or None)
+            predicted = memory_model.predict_run(c, run, st.world_size or None)
+            params = memory_model.model_params(c.model)
+        except (KeyError, ValueError) as err:
+            out["runs"][run.name] = {"error": str(err)}
+            continue
+        per_rank, errors = {}, []
+        for rank, rec in sorted(st.memory.items()):
+            pred = memory_model.model_state_bytes(params, layout, _dp_rank(st, rank))
+            meas = {k: rec.get(k) for k in ("param_bytes", "grad_bytes", "optim_bytes", "model_state_bytes")}
+            row: dict[str, Any] = {"predicted": pred, "measured": meas}
+            if isinstance(meas["model_state_bytes"], (int, float)) and meas["model_state_bytes"]:
+                row["error"] = pred["model_state_bytes"] / meas["model_state_bytes"] - 1
+                errors.append(abs(row["error"]))
+            per_rank[str(rank)] = row
+        measured = None
+        rec0 = st.memory.get(0)
+        if rec0:
+            measured = {k: rec0.get(k) for k in ("param_bytes", "grad_bytes", "optim_bytes", "model_state_bytes")}
+            measured["peak_bytes"] = st.peak_mem_bytes
+            measured["when"] = rec0.get("when")
+            if "mem_alloc_bytes" in rec0:
+                out["measured_peak_kind"] = "CUDA allocator"
+                measured["reserved_bytes"] = rec0.get("mem_reserved_bytes")
+            elif "rss_bytes" in rec0:
+                out["measured_peak_kind"] = out["measured_peak_kind"] or "process RSS"
+        out["runs"][run.name] = {
+            "predicted": predicted,
+            "measured": measured,
+            "per_rank": per_rank,
+            "model_state_error": max(errors) if errors else None,
+        }
+    return out
+
+
+def communication_section(c: Comparison, states: dict[str, RunState], out_dir: str) -> dict[str, Any]:
+    """Per-run trace analysis (``traces.analyse_run``) plus MFU where the device's peak is known."""
+    out: dict[str, Any] = {"runs": {}}
+    fpt = None
+    try:
+        fpt = memory_model.flops_per_token(c.model)
+    except (KeyError, ValueError):
+        pass
+    for run in c.runs:
+        run_dir = os.path.join(out_dir, run.name)
+        analysis = traces.analyse_run(run_dir)
+        st = states.get(run.name)
+        if st is not None:
+            device = analysis.get("device") or str((st.start.get(0) or {}).get("device", ""))
+            rate = summary.median_rate(st) if st.unit == "tokens/s" else None
+            value = traces.mfu(fpt, rate, st.world_size, device) if fpt and rate else None
+            analysis["mfu"] = value
+            analysis["mfu_note"] = "" if value is not None else f"no MFU: peak FLOP/s unknown for device {device or '?'}"
+        if analysis:
+            out["runs"][run.name] = analysis
+    out["flops_per_token"] = fpt
+    return out
+
+
+def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
+    """Paths of every run's traces: Chrome JSON per rank and the TensorBoard folder."""
+    out = {}
+    for run in c.runs:
+        run_dir = os.path.join(out_dir, run.name)
+        chrome = traces.rank_trace_paths(run_dir)
+        tb = os.path.join(run_dir, "traces", "tb")
+        tb_files = sorted(f for f in os.listdir(tb) if f.endswith(".pt.trace.json")) if os.path.isdir(tb) else []
+        if chrome or tb_files:
+            out[run.name] = {"chrome": chrome, "tensorboard_dir": tb if tb_files else None, "tensorboard_files": tb_files}
+    return out
+
+
+# --- the entry point ---------------------------------------------------------------------------
+
+
+def write_reports(out_dir: str) -> dict[str, str]:
+    """Write ``summary.json``, ``report.md``, ``plots/*.png`` and ``merged_trace.json`` for ``out_dir``.
+
+    Returns {"summary", "report", "plots", "merged_trace"} -> paths ("merged_trace" only when some
+    run has traces). Raises OSError or ValueError when ``comparison.json`` cannot be read.
+    """
+    c = replay.load_comparison(out_dir)
+    states = replay.replay_states(out_dir)
+    data = summary.build_summary(c, states, out_dir)
+    data["memory"] = memory_section(c, states)
+    data["communication"] = communication_section(c, states, out_dir)
+    layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
+    data["parity"] = divergence.parity_section(c, states, layers)
+    data["traces"] = traces_section(c, out_dir)
+    paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
+             "plots": os.path.join(out_dir, "plots")}
+    if data["traces"]:
+        merged = traces.write_merged_trace({n: t["chrome"] for n, t in data["traces"].items() if t["chrome"]},
+                                           os.path.join(out_dir, "merged_trace.json"))
+        data["merged_trace"] = merged
+        paths["merged_trace"] = merged
+    losses = {name: st.losses for name, st in states.items()}
+    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots.write_plots(data, losses, paths["plots"]).items()}
+    dump_json(paths["summary"], data)
+    with open(paths["report"], "w", encoding="utf-8") as fh:
+        fh.write(render_markdown(data))
+    return paths
+
+
+# --- report.md -----------------------------------------------------------------------------------
+
+
+def _num(v: Any, fmt: str = "{:,.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(s: dict[str, Any]) -> str:
+    """Return report.md's text for a summary dict built by ``write_reports``."""
+    out = [f"# shardscope report: {s['preset']}\n", f"{s.get('description', '')}\n" if s.get("description") else "",
+           f"Run directory `{s['out_dir']}`, written {s['created']}. Baseline: **{s['baseline']}**. "
+           f"Shared: {s['shared']['steps']} steps, global batch {s['shared']['global_batch']}, grad accumulation "
+           f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
+    out.append("## Throughput and loss\n")
+    rows = []
+    for r in s["runs"]:
+        rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
+        rows.append([r["name"], r["strategy"], str(r["world_size"]), r["status"], str(r["steps_completed"]),
+                     _num(r["final_loss"], "{:.4f}"), _num(rate), _num(r["speedup"], "×{:.2f}"),
+                     fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
+                     _num(r["loss_max_abs_diff"], "{:.2e}")])
+    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", "median tok/s", "speedup",
+                       "peak mem", "mem ratio", "max |Δloss|"], rows))
+    out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
+    for r in s["runs"]:
+        if r.get("fairness_flags"):
+            out.append(f"\n- **{r['name']} is not like-for-like**: {'; '.join(r['fairness_flags'])}")
+        if r.get("error"):
+            out.append(f"\n- **{r['name']} failed**: {r['error']}")
+    out.append("\n")
+    out.append(_memory_md(s.get("memory", {})))
+    out.append(_comm_md(s.get("communication", {})))
+    out.append(_parity_md(s.get("parity", {})))
+    out.append(_traces_md(s))
+    if s.get("plots"):
+        out.append("## Plots\n")
+        out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
+    return "\n".join(x for x in out if x)
+
+
+def _memory_md(m: dict[str, Any]) -> str:
+    if not m.get("runs"):
+        return ""
+    rows = []
+    for name, r in m["runs"].items():
+        if "error" in r:
+            rows.append([name, r["error"]] + [""] * 7)
+            continue
+        p, meas = r["predicted"], r.get("measured") or {}
+        rows.append([name, f"{p['dp']}×{p['tp']} ({p['shards']})",
+                     f"{fmt_bytes(p['param_bytes'])} / {fmt_bytes(meas.get('param_bytes'))}",
+                     f"{fmt_bytes(p['grad_bytes'])} / {fmt_bytes(meas.get('grad_bytes'))}",
+                     f"{fmt_bytes(p['optim_bytes'])} / {fmt_bytes(meas.get('optim_bytes'))}",
+                     f"{fmt_bytes(p['model_state_bytes'])} / {fmt_bytes(meas.get('model_state_bytes'))}",
+                     _num(r.get("model_state_error"), "{:.2%}"),
+                     fmt_bytes(p["activation_bytes"] + p["gathered_unit_bytes"]), fmt_bytes(meas.get("peak_bytes"))])
+    kind = m.get("measured_peak_kind") or "measured"
+    return ("## Memory per rank: predicted / measured\n\n"
+            + _table(["run", "dp×tp (shards)", "params", "grads", "optimizer", "model states", "worst error",
+                      "pred. activations+gathered", f"peak ({kind})"], rows)
+            + "\nModel states are measured exactly from the tensors each rank holds (rank 0 shown; the error is the "
+              "worst over ranks). Activations are predicted with Korthikanti et al.'s formula; on CPU the measured "
+              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n")
+
+
+def _comm_md(comm: dict[str, Any]) -> str:
+    runs = comm.get("runs") or {}
+    if not runs:
+        return "## Communication\n\nNo traces were recorded (profile.enabled = false, or the runs ended early).\n"
+    rows, steps = [], []
+    for name, c in runs.items():
+        for kind, row in (c.get("collectives") or {}).items():
+            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
+                         _num(row["time_per_step_s"] * 1e3, "{:.3f}"), _num(row["algbw_GBps"], "{:.3f}"),
+                         _num(row["busbw_GBps"], "{:.3f}"), str(row["group_size"]), row["dtype"] or "-",
+                         row["timed_by"]])
+        ps = c.get("per_step") or {}
+        theory = c.get("theory") or {}
+        ratio = theory.get("ratio")
+        steps.append([name, _num((ps.get("step_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
+                      f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
+                      f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
+                      _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
+    text = ["## Communication\n\n",
+            _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
+                    "dtype", "timed by"], rows),
+            "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
+            "algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter.\n\n",
+            _table(["run", "step ms", "compute ms", "comm ms", "exposed comm ms", "observed MiB/step",
+                    "theory MiB/step", "observed/theory", "MFU"], steps),
+            "\nPer profiled step, mean over ranks. Exposed communication is communication time not overlapped by "
+            "compute (GPU kernels; on CPU, the training thread's operators). Theory: "]
+    bases = {c.get("theory", {}).get("basis") for c in runs.values() if c.get("theory")}
+    text.append("; ".join(sorted(b for b in bases if b)) or "-")
+    notes = {c.get("mfu_note") for c in runs.values() if c.get("mfu_note")}
+    if notes:
+        text.append(". " + "; ".join(sorted(notes)))
+    return "".join(text) + ".\n"
+
+
+def _parity_md(p: dict[str, Any]) -> str:
+    runs = p.get("runs") or {}
+    if not runs:
+        return ""
+    lines = [f"## Parity against {p['baseline']} (loss tolerance {p['tolerance']:g})\n"]
+    for name, e in runs.items():
+        lines.append(f"- **{name}**: {e['finding']}")
+        for cause in e["likely_causes"][1:4]:
+            lines.append(f"  - also: {cause}")
+    return "\n".join(lines) + "\n"
+
+
+def _traces_md(s: dict[str, Any]) -> str:
+    t = s.get("traces") or {}
+    if not t:
+        return ""
+    lines = ["## Traces\n"]
+    for name, paths in t.items():
+        for path in paths["chrome"]:
+            lines.append(f"- {name}: `{os.path.relpath(path, s['out_dir'])}`")
+        if paths.get("tensorboard_dir"):
+            lines.append(f"- {name} (TensorBoard): `{os.path.relpath(paths['tensorboard_dir'], s['out_dir'])}/`")
+    if s.get("merged_trace"):
+        lines.append(f"\nAll runs in one timeline (one process per run, one thread per rank, aligned at the first "
+                     f"profiled step): `{os.path.relpath(s['merged_trace'], s['out_dir'])}`. Open it, or any rank's "
+                     f"trace, at https://ui.perfetto.dev (Open trace file) or chrome://tracing.")
+    lines.append("\nTensorBoard's profiler plugin (`pip install torch-tb-profiler`): "
+                 "`tensorboard --logdir <run>/traces/tb` and open the PYTORCH_PROFILER tab; each rank is a worker.")
+    return "\n".join(lines) + "\n"
