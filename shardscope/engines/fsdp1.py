@@ -9,10 +9,12 @@ backward), HYBRID_SHARD (FULL_SHARD inside a node, replicated across nodes), NO_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -33,6 +35,24 @@ def mixed_precision(policy: PrecisionPolicy) -> MixedPrecision | None:
                           buffer_dtype=policy.param_dtype)
 
 
+def hybrid_mesh(ctx: RankContext, shard_size: int) -> Any:
+    """Return the 2-D ("replicate", "shard") mesh for HYBRID_SHARD: parameters are sharded over
+    ``shard_size`` ranks (0 = the ranks of one node) and replicated across the groups.
+
+    Given explicitly because FSDP1's default groups are sized by the CUDA device count, which is
+    wrong on CPU. Raises ValueError when ``shard_size`` does not divide the data-parallel size, or
+    is 1 with several replicas: FSDP1 then clamps the unit to NO_SHARD over its one-rank shard group
+    and never all-reduces across replicas (measured: gradients silently stay per-rank).
+    """
+    size = shard_size or min(ctx.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dp_size)))
+    if ctx.dp_size % size:
+        raise ValueError(f"hybrid_shard_size = {size} must divide the data-parallel size {ctx.dp_size}")
+    if size == 1 and ctx.dp_size > 1:
+        raise ValueError("HYBRID_SHARD with a shard group of 1 rank: FSDP1 falls back to NO_SHARD within that "
+                         "group and skips the all-reduce across replicas; use NO_SHARD or ddp instead")
+    return init_device_mesh(ctx.device.type, (ctx.dp_size // size, size), mesh_dim_names=("replicate", "shard"))
+
+
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
     """Wrap ``model`` with FSDP1, one unit per block; return the Prepared the loop drives.
 
@@ -41,13 +61,13 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     """
     strategy = ShardingStrategy[options["sharding_strategy"]]
     mp = mixed_precision(settings.precision)
-    hybrid = strategy == ShardingStrategy.HYBRID_SHARD
+    mesh = hybrid_mesh(ctx, options["hybrid_shard_size"]) if strategy == ShardingStrategy.HYBRID_SHARD else None
 
     def wrap(m: nn.Module) -> nn.Module:
         return FSDP(
             m,
-            # HYBRID_SHARD builds its own (shard within node, replicate across nodes) groups.
-            process_group=None if hybrid else ctx.dp_group,
+            process_group=None if mesh is not None else ctx.dp_group,
+            device_mesh=mesh,
             auto_wrap_policy=ModuleWrapPolicy({type(b) for b in blocks_of(m)}),
             sharding_strategy=strategy,
             backward_prefetch=PREFETCH[options["backward_prefetch"]],
@@ -75,6 +95,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         layer_norms = lambda: norms.param_and_grad_norms(named, shard_group=group, sharded=sharded)  # noqa: E731
     notes = {"sharding_strategy": strategy.name, "backward_prefetch": options["backward_prefetch"],
              "limit_all_gathers": options["limit_all_gathers"], "use_orig_params": options["use_orig_params"],
+             "shard_group_size": fsdp.process_group.size(),
              "param_dtype": str(mp.param_dtype if mp else torch.float32), "units": len(blocks_of(model)) + 1}
     return Prepared(
         model=fsdp,

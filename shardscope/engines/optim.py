@@ -44,10 +44,11 @@ def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float) -> torc
     """Clip the gradients of ``params`` to ``max_norm`` (0 = no clipping) by their global norm and
     return that norm (a plain tensor). Correct for replicated tensors (DDP) and for DTensors (FSDP2,
     TP), whose per-shard norms are reduced across the mesh by ``full_tensor``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = _as_float(torch.nn.utils.get_total_norm(grads, 2.0))
+    with_grads = [p for p in params if p.grad is not None]
+    norm = _as_float(torch.nn.utils.get_total_norm([p.grad for p in with_grads], 2.0))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        # Takes the parameters (it scales their .grad), not the gradient tensors.
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
     return norm
 
 

@@ -111,6 +111,8 @@ register(
                                             choices=("pre", "post", "none")),
             "limit_all_gathers": OptionSpec(bool, True, "rate-limit all-gathers so at most two units are gathered"),
             "use_orig_params": OptionSpec(bool, True, "expose the original parameters (needed for per-layer norms)"),
+            "hybrid_shard_size": OptionSpec(int, 0, "HYBRID_SHARD: ranks each parameter is sharded over "
+                                            "(0 = the ranks of one node)", minimum=0),
         },
         shards="all",
     )
