@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from textual import events, work
+from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
@@ -86,7 +86,6 @@ class ShardscopeApp(App):
                 self.launch(comparison, self.preset, self.overrides)
         else:
             self.push_screen(PresetsScreen(self.preset))
-        self.check_size()
 
     def open_replay(self, run_dir: str) -> None:
         """Show a recorded run directory on the dashboard and replay it."""
@@ -160,13 +159,14 @@ class ShardscopeApp(App):
 
     def redraw(self, force: bool = False) -> None:
         """Push what changed on the board into the dashboard; raise notices as toasts."""
+        self.check_size()
         board = self.board
         for notice in board.new_notices:
             if notice.level in ("warning", "error"):
                 self.notify(notice.text, severity=notice.level, timeout=8)
         board.new_notices = []
         dashboard = self.dashboard
-        if dashboard is not None and dashboard.is_mounted:
+        if dashboard is not None and dashboard.ready:
             dashboard.show(board, started=self.started, force=force)
         if self.latencies is not None and board.pending_t:
             self.latencies.extend(board.take_latency())
@@ -289,16 +289,12 @@ class ShardscopeApp(App):
 
     # -- size ------------------------------------------------------------------------------------
 
-    def on_resize(self, event: events.Resize) -> None:
-        """Cover the app with a notice while the terminal is too small."""
-        self.check_size()
-
     def check_size(self) -> None:
-        """Show or hide the too-small notice for the current size."""
+        """Cover the app with a notice while the terminal is too small (checked by the redraw timer)."""
         w, h = self.size
         small = w < MIN_SIZE[0] or h < MIN_SIZE[1]
         top = self.screen_stack[-1] if self.screen_stack else None
-        if small and not isinstance(top, TooSmall):
+        if small and not any(isinstance(s, TooSmall) for s in self.screen_stack):
             self.push_screen(TooSmall(MIN_SIZE))
         elif isinstance(top, TooSmall):
             if small:

@@ -48,6 +48,7 @@ class DashboardScreen(Screen):
         self.heading = title
         self.out_dir = out_dir
         self.selected = ""
+        self.ready = False  # set once the widgets exist; the app's timer redraws only then
         self._cards: dict[str, RunCard] = {}
         self._chart_t = 0.0
         self._baseline_drawn = ""
@@ -75,6 +76,7 @@ class DashboardScreen(Screen):
         self.query_one("#log", LogPane).can_focus = False
         self.query_one(DevicePanel).show(None)
         self.query_one(CommPanel).show([], {})
+        self.ready = True
 
     def on_resize(self) -> None:
         """Give the charts more room on short or narrow terminals (classes styled in app.tcss)."""

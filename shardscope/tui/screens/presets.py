@@ -16,6 +16,7 @@ from textual.widgets.option_list import Option, OptionDoesNotExist
 
 from shardscope.config import Comparison, ConfigError, list_presets, load_preset, resolved_precision, \
     resolved_world_size
+from shardscope.tui.format import display_path
 from shardscope.tui.screens.knobs import KNOBS, choices, current_value, overrides, route_error, without_source
 
 
@@ -65,7 +66,9 @@ class PresetsScreen(Screen):
         runs = self.query_one("#preset-runs", DataTable)
         runs.add_columns("run", "strategy", "world size", "precision", "options")
         names = [name for name, _ in list_presets()]
-        initial = self.initial or (names[0] if names else "")
+        host = self.app.host
+        default = "ddp-vs-fsdp" if host is not None and host.device == "cuda" else "smoke"
+        initial = self.initial or (default if default in names else names[0] if names else "")
         if initial in names:
             self.query_one("#preset-list", OptionList).highlighted = names.index(initial)
         elif initial:
@@ -99,7 +102,7 @@ class PresetsScreen(Screen):
         path_error.update("")
         self.preset, self.base, self.comparison, self.overrides = name_or_path, base, base, []
         self.query_one("#preset-desc", Static).update(
-            f"[b]{base.name}[/b] — {base.description or '(no description)'}\n[dim]{base.source}[/dim]")
+            f"[b]{base.name}[/b] — {base.description or '(no description)'}\n[dim]{display_path(base.source)}[/dim]")
         for knob in KNOBS:
             value = current_value(base, knob.key)
             if knob.kind == "int":

@@ -1,0 +1,228 @@
+"""Pilot tests of the app: presets and knobs, launching, live dashboard, failures, stop/restart/quit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shardscope.config import cpu_host
+from shardscope.orchestrator.replay import ReplaySource
+from shardscope.tui.app import build_app
+from shardscope.tui.screens.dashboard import DashboardScreen
+from shardscope.tui.screens.dialogs import ConfirmQuit, TooSmall
+from shardscope.tui.screens.presets import PresetsScreen
+from shardscope.tui.screens.report import ReportScreen
+from shardscope.tui.widgets.charts import StepChart
+from shardscope.tui.widgets.log_pane import LogPane
+from shardscope.tui.widgets.run_card import RunCard
+from tui_fakes import FIXTURE, FakeReplaySource
+
+SIZE = (160, 48)
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def replay_factory(comparison, out_dir):
+    """Launching from the presets screen replays the recorded fixture instead of starting torchrun."""
+    return ReplaySource(FIXTURE)
+
+
+async def wait_for(pilot, predicate, timeout: float = 5.0) -> None:
+    """Let the app run until ``predicate()`` holds (or fail after ``timeout`` seconds)."""
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def log_text(app) -> str:
+    return "\n".join(line.text for line in app.screen.query_one(LogPane).lines)
+
+
+async def test_presets_knobs_validation_and_launch(tmp_path):
+    app = build_app(host=cpu_host(), source_factory=replay_factory, out_dir=str(tmp_path / "out"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        assert isinstance(screen, PresetsScreen)
+        assert screen.preset == "smoke"  # the default on a machine without a GPU
+        steps = screen.query_one("#knob-steps")
+        steps.value = "0"
+        await pilot.pause()
+        error = str(screen.query_one("#knob-steps-error").render())
+        assert "steps = 0: must be > 0" in error
+        assert screen.query_one("#launch").disabled
+        steps.value = "12"
+        screen.query_one("#knob-world-size").value = "3"
+        await pilot.pause()
+        assert "divisible by dp (3)" in str(screen.query_one("#knob-world-size-error").render())
+        assert str(screen.query_one("#knob-steps-error").render()) == ""
+        screen.query_one("#knob-world-size").value = "4"
+        screen.query_one("#knob-model-d-model").value = "30"  # 4 heads do not divide 30
+        await pilot.pause()
+        assert "must divide model.d_model" in str(screen.query_one("#knob-model-d-model-error").render())
+        screen.query_one("#knob-model-d-model").value = "64"
+        await pilot.pause()
+        assert screen.comparison is not None and screen.comparison.steps == 12
+        assert screen.overrides == ["steps=12", "world_size=4"]
+        assert "--set 'steps=12'" in str(screen.query_one("#cli-line").render())
+        await pilot.click("#launch")
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen) and app.board.finished is not None)
+        await pilot.pause(0.3)
+        assert [c.run for c in app.screen.query(RunCard)] == ["ddp", "fsdp2", "fsdp2-fault"]
+        assert {n: s.status for n, s in app.board.states.items()} == {"ddp": "ok", "fsdp2": "ok", "fsdp2-fault": "failed"}
+        loss = app.screen.query_one("#loss-chart", StepChart)
+        assert loss.redraws >= 1 and [len(s.xs) for s in loss._series] == [30, 30, 12]
+
+
+async def test_user_preset_file_errors_inline(tmp_path):
+    bad = tmp_path / "mine.toml"
+    bad.write_text('steps = "many"\n[[runs]]\nname = "a"\nstrategy = "ddp"\n')
+    good = tmp_path / "good.toml"
+    good.write_text('description = "mine"\nsteps = 3\n[[runs]]\nname = "a"\nstrategy = "ddp"\n')
+    app = build_app(host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        await pilot.click("#preset-path")
+        await pilot.press(*str(bad), "enter")
+        await pilot.pause()
+        assert "steps = 'many': expected an integer" in str(screen.query_one("#preset-path-error").render())
+        assert screen.preset == "smoke"
+        screen.query_one("#preset-path").value = str(good)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert screen.preset == str(good) and screen.comparison.steps == 3
+        assert str(screen.query_one("#preset-path-error").render()) == ""
+
+
+async def test_replay_dashboard_failed_run_traceback_and_report():
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, DashboardScreen)
+        assert app.screen.selected == "ddp"
+        await pilot.click("#card-2")  # the failed run
+        await pilot.pause(0.2)
+        assert app.screen.selected == "fsdp2-fault"
+        text = log_text(app)
+        assert "fsdp2-fault failed: RuntimeError: injected fault at step 12 on rank 1" in text
+        assert 'raise RuntimeError(f"injected fault' in text
+        await pilot.press("right")
+        assert app.screen.selected == "ddp"
+        await pilot.press("l")
+        assert not app.screen.query_one(LogPane).display
+        await pilot.press("o")
+        await pilot.pause()
+        assert isinstance(app.screen, ReportScreen)
+        table = app.screen.query_one("#report-table")
+        assert table.row_count == 3
+        assert "summary.json" in str(app.screen.query_one("#report-paths").render())
+        await pilot.press("escape")
+        assert isinstance(app.screen, DashboardScreen)
+        await pilot.press("q")  # a finished replay quits without asking
+        await pilot.pause()
+    assert app.return_code in (0, None)
+
+
+async def test_baseline_switch_redraws_difference_chart():
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.press("right", "b")
+        await pilot.pause(0.3)
+        assert app.board.baseline == "fsdp2"
+        diff = app.screen.query_one("#diff-chart", StepChart)
+        assert diff.title == "loss − fsdp2"
+        assert [s.label for s in diff._series] == ["ddp", "fsdp2-fault"]
+
+
+async def test_stop_restart_and_quit_with_active_runs(tmp_path):
+    fake = FakeReplaySource(fraction=0.5)
+    app = build_app(host=cpu_host(), source_factory=lambda c, out: fake, out_dir=str(tmp_path))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.click("#launch")
+        await wait_for(pilot, lambda: app.board.active == ["ddp", "fsdp2", "fsdp2-fault"])
+        await pilot.pause(0.2)
+        await pilot.press("x")
+        await pilot.pause(0.1)
+        assert fake.calls == [("stop_run", "ddp")]
+        await pilot.press("r")
+        assert fake.calls[-1] == ("restart_run", "ddp")
+        await pilot.press("q")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("n")
+        await pilot.pause()
+        assert isinstance(app.screen, DashboardScreen) and app.is_running
+        await pilot.press("q")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_for(pilot, lambda: not app.is_running)
+    assert ("stop_all", "") in fake.calls
+
+
+async def test_threaded_source_posts_batches_to_the_ui_thread():
+    fake = FakeReplaySource(threaded=True, batch=5, delay_s=0.005)
+    app = build_app(replay_dir=FIXTURE, source_factory=lambda c, out: fake, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None, timeout=10)
+        await pilot.pause(0.3)
+        assert app.board.records == sum(1 for _ in _all_records())
+        charts = app.screen.query(StepChart)
+        assert all(c.redraws >= 1 for c in charts)
+
+
+def _all_records():
+    from shardscope.events import read_records
+
+    for run in ("ddp", "fsdp2", "fsdp2-fault"):
+        for rank in (0, 1):
+            yield from read_records(os.path.join(FIXTURE, run, "metrics", f"rank{rank}.jsonl"))[0]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30)])
+async def test_small_terminals_work(size):
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, DashboardScreen)
+
+
+async def test_too_small_notice_comes_and_goes():
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=(70, 20)) as pilot:
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, TooSmall)
+        assert "Terminal too small: 70×20" in str(app.screen.query_one("#too-small-text").render())
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, DashboardScreen)
+
+
+async def test_command_palette_lists_the_app_actions():
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {"Start", "Stop run", "Restart run", "Set baseline", "Toggle log", "Report", "Export", "Quit"} <= titles
+
+
+async def test_export_writes_screenshot_and_copies_paths(tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    app = build_app(replay_dir=str(run_dir), host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.press("e")
+        await pilot.pause()
+        assert (run_dir / "shardscope-dashboard.svg").is_file()
+        assert str(run_dir / "summary.json") in app.clipboard
