@@ -155,6 +155,8 @@ def _run_headless(session) -> int:
     from shardscope.headless import HeadlessView, comparison_table
 
     console = Console()
+    if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
+        console = Console(width=max(console.width, 160))
     view = HeadlessView(console, session.run_names)
     session.subscribe(view)
     session.start()

@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from shardscope.engines import registry
+from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 
 PRESET_DIR = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
@@ -33,7 +34,7 @@ MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("raise", "exit", "hang")
-HF_ARCHS = ("qwen2.5-0.5b",)
+HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -89,6 +90,7 @@ class LaunchSpec:
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
     concurrent: bool = False
     grace_period_s: float = 5.0
+    startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
 
 
 @dataclass
@@ -404,6 +406,9 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
         raise ConfigError(f"{src}: model.n_heads = {m.n_heads}: must divide model.d_model = {m.d_model}")
     if m.kind == "hf":
         _one_of(src, "model.hf_arch", m.hf_arch, HF_ARCHS)
+        arch_vocab = HF_ARCH_VALUES[m.hf_arch]["vocab_size"]
+        if c.data.kind == "synthetic" and m.vocab_size > arch_vocab:  # synthetic tokens are drawn below model.vocab_size
+            raise ConfigError(f"{src}: model.vocab_size = {m.vocab_size}: must be <= {m.hf_arch}'s vocabulary ({arch_vocab})")
         if m.weights_dir and not Path(m.weights_dir).is_dir():
             raise ConfigError(f"{src}: model.weights_dir = {m.weights_dir!r}: no such directory")
     if m.kind == "vit" and m.image_size % m.patch_size:
@@ -419,6 +424,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     _one_of(src, "launch.device", c.launch.device, DEVICES)
     _positive(src, "launch.nnodes", c.launch.nnodes)
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
+    _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]
@@ -516,6 +522,26 @@ def _check_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str
 
 # Named layout checks a registry entry can ask for (extra_checks); each returns "" or a message.
 LAYOUT_CHECKS = {"heads_divisible_by_tp": _check_heads_divisible}
+
+
+def _check_autotp_zero_stage(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
+    """DeepSpeed AutoTP training combines with ZeRO stages 0-2 only (its AutoTP training tutorial)."""
+    stage = resolved_options(run).get("stage", 0)
+    if stage not in (0, 1, 2):
+        return (f"options.stage = {stage}: DeepSpeed AutoTP (tp = {tp}, dp = {dp}) trains with ZeRO stage 0, 1 or 2; "
+                f"for sharded parameters with tensor parallelism use fsdp2-tp")
+    return ""
+
+
+def _check_vit_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
+    """The ViT's attention and MLP are split like the built-in transformer's."""
+    if c.model.kind == "vit" and (c.model.n_heads % tp or c.model.d_ff % tp):
+        return f"tp = {tp} must divide model.n_heads = {c.model.n_heads} and model.d_ff = {c.model.d_ff}"
+    return ""
+
+
+LAYOUT_CHECKS["autotp_zero_stage"] = _check_autotp_zero_stage
+LAYOUT_CHECKS["vit_heads_divisible_by_tp"] = _check_vit_heads_divisible
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,10 +134,13 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     """Return the final comparison table built from a summary dict."""
     base = summary.get("baseline", "")
     table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
+    runs = summary.get("runs", [])
+    with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
     for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|", "throughput/s",
-                "speedup", "peak mem", "mem ratio", "flags"):
-        table.add_column(col, justify="left" if col in ("run", "strategy", "status", "flags") else "right")
-    for r in summary.get("runs", []):
+                "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
+        table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
+                         overflow="fold")
+    for r in runs:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
         flags = "; ".join(r.get("fairness_flags") or [])
         if r.get("error"):
@@ -148,6 +151,7 @@ def comparison_table(summary: dict[str, Any]) -> Table:
             str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
             fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
             fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
-            fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"), flags,
+            fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
+            *((flags,) if with_notes else ()),
         )
     return table

@@ -78,7 +78,7 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
 def test_fault_fails_only_its_run(tmp_path, kind):
     out = tmp_path / f"fault-{kind}"
     proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
-                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=12",
+                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=20",
                     "--set", f"runs.ddp.fault='rank=1,step=3,kind={kind}'"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}

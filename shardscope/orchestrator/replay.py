@@ -29,6 +29,9 @@ def load_comparison(out_dir: str) -> Comparison:
 
 
 def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dict[str, Any] | None, name: str) -> state.StatusChanged:
+    verdict = _read_json(os.path.join(run_dir, "status.json"))  # what the orchestrator decided
+    if isinstance(verdict, dict) and verdict.get("status") in state.FINISHED:
+        return state.StatusChanged(name, verdict["status"], verdict.get("error", ""), verdict.get("traceback", ""))
     if summary:
         for entry in summary.get("runs", []):
             if entry.get("name") == name:

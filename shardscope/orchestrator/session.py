@@ -42,6 +42,7 @@ class _Active:
     console: ConsoleTailer
     last_progress: float
     stop_reason: str = ""  # "" | "stopped" | "stalled"
+    started: bool = False  # a first record arrived: from then on stall_timeout_s applies
     saw_end: str = ""  # status of an `end` record from rank 0, if any
     error: str = ""
     traceback: str = ""
@@ -128,6 +129,12 @@ class Session:
     def _emit(self, update: Update) -> None:
         self._pending.append(update)
         state.fold([update], self.states)
+        if isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
+            # The orchestrator's verdict goes on disk too, so reports rebuilt from files agree with it.
+            run_dir = os.path.join(self.out_dir, update.run)
+            os.makedirs(run_dir, exist_ok=True)
+            dump_json(os.path.join(run_dir, "status.json"),
+                      {"status": update.status, "error": update.error, "traceback": update.traceback, "t": update.t})
 
     def _flush(self) -> None:
         if not self._pending:
@@ -297,7 +304,7 @@ class Session:
         code = active.proc.poll()
         if code is None:
             active.ranks = active.proc.refresh_descendants()
-            stalled = time.monotonic() - active.last_progress > self.comparison.stall_timeout_s
+            stalled = time.monotonic() - active.last_progress > self._stall_limit(active)
             if stalled and not active.stop_reason:
                 active.stop_reason = "stalled"
             if not active.stop_reason:
@@ -312,6 +319,7 @@ class Session:
         records = active.metrics.poll()
         if records:
             active.last_progress = time.monotonic()
+            active.started = True
             for r in records:
                 if r.get("kind") == "error" and not active.error:
                     active.error = str(r.get("message", "error"))
@@ -323,21 +331,29 @@ class Session:
         if text:
             self._emit(state.ConsoleText(active.name, text))
 
+    def _stall_limit(self, active: _Active) -> float:
+        """Seconds without a new record before a run counts as stalled (startup gets longer)."""
+        if active.started:
+            return self.comparison.stall_timeout_s
+        return max(self.comparison.stall_timeout_s, self.comparison.launch.startup_timeout_s)
+
     def _settle(self, active: _Active, code: int | None) -> None:
         del self._active[active.name]
-        limit = self.comparison.stall_timeout_s
+        limit = self._stall_limit(active)
         if active.stop_reason == "stopped":
-            self._emit(state.StatusChanged(active.name, state.STOPPED, "stopped by the user"))
+            update = state.StatusChanged(active.name, state.STOPPED, "stopped by the user")
         elif active.stop_reason == "stalled":
-            self._emit(state.StatusChanged(
-                active.name, state.FAILED, f"stalled: no progress for {limit:g} s (stall_timeout_s)",
-                active.traceback or tail_text(active.proc.plan.console_path, 30)))
+            update = state.StatusChanged(
+                active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
+                f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
+                active.traceback or tail_text(active.proc.plan.console_path, 30))
         elif code == 0 and active.saw_end in ("ok", ""):
-            self._emit(state.StatusChanged(active.name, state.OK))
+            update = state.StatusChanged(active.name, state.OK)
         else:
             console = tail_text(active.proc.plan.console_path, 30)
             error = active.error or _last_line(console) or f"torchrun exited with code {code}"
-            self._emit(state.StatusChanged(active.name, state.FAILED, error, active.traceback or console))
+            update = state.StatusChanged(active.name, state.FAILED, error, active.traceback or console)
+        self._emit(update)
 
     # ---- device sampling and the end ----------------------------------------------------------
 
