@@ -112,12 +112,13 @@ def hf_params(m: ModelSpec) -> list[Param]:
 
 
 def vit_params(m: ModelSpec) -> list[Param]:
-    """Shapes of the ViT classifier: a patch-embedding conv, class token, learned positions, the
-    same pre-norm blocks as the transformer, a final LayerNorm and a linear head."""
+    """Shapes of the ViT classifier (engines/vit.py): a linear patch projection, learned position
+    embeddings (one per patch, no class token), the transformer's pre-norm blocks, a final LayerNorm
+    and a linear head over the mean-pooled patches."""
     d, f = m.d_model, m.d_ff
     n_patches = (m.image_size // m.patch_size) ** 2
-    out = [Param("patch_emb.weight", (d, m.channels, m.patch_size, m.patch_size)), Param("patch_emb.bias", (d,)),
-           Param("cls_token", (1, 1, d)), Param("pos_emb", (1, n_patches + 1, d))]
+    out = [Param("pos_emb", (n_patches, d)), Param("patch_proj.weight", (d, m.channels * m.patch_size ** 2)),
+           Param("patch_proj.bias", (d,))]
     blocks = transformer_params(ModelSpec(vocab_size=1, d_model=d, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=f,
                                           seq_len=1))
     out += [p for p in blocks if p.name.startswith("layers.")]
@@ -249,7 +250,7 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
         s, h, layers, vocab = m.seq_len, a["hidden_size"], m.hf_layers, a["vocab_size"]
         ffn_ratio = a["intermediate_size"] / (4 * h)
     elif m.kind == "vit":
-        s, h, layers, vocab = (m.image_size // m.patch_size) ** 2 + 1, m.d_model, m.n_layers, 0
+        s, h, layers, vocab = (m.image_size // m.patch_size) ** 2, m.d_model, m.n_layers, 0
         ffn_ratio = m.d_ff / (4 * m.d_model)
     else:
         s, h, layers, vocab = m.seq_len, m.d_model, m.n_layers, m.vocab_size
@@ -359,7 +360,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
         m = comp.model
         h = ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
         layers = m.hf_layers if m.kind == "hf" else m.n_layers
-        seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2 + 1
+        seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2
         parts["all_reduce"] = parts.get("all_reduce", 0) + 4 * layers * micro * seq * h * compute_bytes * accum
         basis.append("tensor parallel: 2 all-reduces of activations per layer in forward and 2 in backward")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
