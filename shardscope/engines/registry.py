@@ -133,6 +133,58 @@ register(
 )
 
 
+# DeepSpeed ZeRO: one name per stage, because each shards a different set of model states
+# (which the memory model reads from ``shards``). All three share one module and config builder.
+_DS_BUCKET = OptionSpec(int, 25, "reduce / all-gather bucket size in MiB", minimum=1)
+for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Adam moments) sharded"),
+                               (2, "grads", "optimizer states and gradients sharded"),
+                               (3, "all", "optimizer states, gradients and parameters sharded")):
+    register(
+        StrategyInfo(
+            name=f"deepspeed-zero{_stage}",
+            entry=f"shardscope.engines.deepspeed_zero:apply_stage{_stage}",
+            description=f"DeepSpeed ZeRO-{_stage}: {_what}; torch AdamW as the client optimizer",
+            options={"bucket_mb": _DS_BUCKET},
+            needs_deepspeed=True,
+            shards=_shards,
+        )
+    )
+
+register(
+    StrategyInfo(
+        name="deepspeed-autotp",
+        entry="shardscope.engines.autotp:apply",
+        description="DeepSpeed AutoTP on a Hugging Face model: linears split tp ways automatically, "
+                    "ZeRO 0-2 over dp = world / tp",
+        options={
+            "tp": OptionSpec(int, 2, "tensor-parallel degree (DeepSpeed autotp_size)", minimum=1),
+            "stage": OptionSpec(int, 1, "ZeRO stage over the data-parallel group: 0, 1 or 2", minimum=0),
+            "bucket_mb": _DS_BUCKET,
+        },
+        needs_deepspeed=True,
+        tp_option="tp",
+        models=("hf",),
+        shards="optim",  # at the default stage 1
+        extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
+    )
+)
+
+register(
+    StrategyInfo(
+        name="fsdp2-tp",
+        entry="shardscope.engines.fsdp2_tp:apply",
+        description="FSDP2 over dp x DTensor tensor parallel over tp on a 2-D mesh: q/k/v and MLP up "
+                    "column-wise, output and down projections row-wise",
+        options={
+            "tp": OptionSpec(int, 2, "tensor-parallel degree (the mesh's tp dimension)", minimum=1),
+            "reshard_after_forward": _BOOL_RESHARD,
+        },
+        tp_option="tp",
+        shards="all",
+        extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
+    )
+)
+
 def get(name: str) -> StrategyInfo:
     """Return the strategy named ``name``; raises KeyError naming the allowed strategies."""
     try:

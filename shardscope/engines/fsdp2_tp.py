@@ -1,0 +1,96 @@
+"""FSDP2 + DTensor tensor parallelism on a 2-D ``("dp", "tp")`` mesh.
+
+Order (see ``parallelize``): tensor parallel first, on the plain ``nn.Linear`` modules, with the
+plan from ``tp_plan`` (q/k/v and MLP up/gate column-wise, output and down projections row-wise)
+over the ``tp`` sub-mesh; then ``fully_shard`` per block and on the root over the ``dp`` sub-mesh.
+TP weights end up as 2-D DTensors (sharded on dim 0 over dp and on their TP dim over tp);
+replicated weights (embeddings, norms, head) as 1-D DTensors sharded over dp.
+
+Loss: tensor-parallel peers see the same micro-batch and compute the same loss, so averaging
+over the data-parallel group alone (the loop's dp group) is the global mean. Gradients: FSDP
+reduce-scatters over dp; the TP styles already sum the partial input-gradients over tp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from shardscope.engines import tp_plan
+from shardscope.engines.api import Prepared, RankContext, TrainSettings
+from shardscope.engines.fsdp2 import dp_mesh, fsdp2_prepared, mixed_precision, shard_model
+from shardscope.engines.parallelize import blocks_of, parallelize
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any, kind: str) -> None:
+    """Shard ``model``'s linears over ``tp_mesh`` with the plan for ``kind``, in place."""
+    parallelize_module(model, tp_mesh, tp_plan.module_plan(kind))
+
+
+def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Return the L2 norm of all gradients over every shard and TP rank (a plain scalar tensor).
+
+    Gradients live on two meshes (2-D for TP weights, the dp sub-mesh for the rest), and one
+    stacked norm cannot mix DTensors of different meshes; so square sums are reduced per mesh
+    by DTensor (``full_tensor`` knows which dims are sharded and which are replicated) and added.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for mesh_params in _by_mesh(p.grad for p in params if p.grad is not None).values():
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in mesh_params]).sum()
+        full = getattr(sq, "full_tensor", None)
+        total += (full() if callable(full) else sq).double().cpu()
+    return total.sqrt()
+
+
+def _by_mesh(tensors: Any) -> dict[Any, list[torch.Tensor]]:
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        groups.setdefault(id(mesh) if mesh is not None else None, []).append(t)
+    return groups
+
+
+def clip_and_step_fn(params: list[torch.Tensor], optimizer: torch.optim.Optimizer):
+    """Return a ``Prepared.clip_and_step``: global norm over dp and tp, clip, step."""
+
+    def clip_and_step(max_norm: float) -> float:
+        norm = float(global_grad_norm(params))
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))  # torch's clip_grad_norm_ formula
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        optimizer.step()
+        return norm
+
+    return clip_and_step
+
+
+def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
+    """Tensor-parallel over ``tp``, then FSDP2 over ``dp``; return the Prepared the loop drives.
+
+    Options: ``tp`` (degree; the worker built the mesh from it), ``reshard_after_forward``.
+    Raises ValueError when the rank context has no 2-D mesh matching ``tp`` or the model has no plan.
+    """
+    tp = int(options.get("tp", 2))
+    names = tuple(getattr(ctx.mesh, "mesh_dim_names", None) or ())
+    if names != ("dp", "tp") or ctx.tp_size != tp:
+        raise ValueError(f"fsdp2-tp needs a ('dp', 'tp') mesh with tp = {tp}; got dims {names} and tp_size {ctx.tp_size}")
+    kind = settings.extra.get("model_kind") or tp_plan.kind_of(model)
+    mp = mixed_precision({}, settings.precision)
+    reshard = bool(options.get("reshard_after_forward", True))
+    sharded = parallelize(
+        model, ctx, settings,
+        tensor_parallel=lambda m: apply_tp(m, ctx.mesh["tp"], kind),
+        data_parallel=lambda m: shard_model(m, dp_mesh(ctx), reshard_after_forward=reshard, mp=mp),
+    )
+    notes = {"tp": tp, "dp": ctx.dp_size, "tp_plan": dict(tp_plan.TP_PLANS[kind]), "model_kind": kind,
+             "param_dtype": str(mp.param_dtype or "float32"), "reshard_after_forward": reshard,
+             "units": len(blocks_of(sharded)) + 1}
+    prepared = fsdp2_prepared(sharded, settings, mp, notes)
+    prepared.clip_and_step = clip_and_step_fn(list(sharded.parameters()), prepared.optimizer)
+    return prepared
