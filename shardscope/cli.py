@@ -188,6 +188,10 @@ def _run_headless(session) -> int:
     for notice in view.notices:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
+    if session.comparison.launch.node_rank > 0:
+        console.print(f"node {session.comparison.launch.node_rank}: node 0 writes the summary and reports in "
+                      f"{session.out_dir}", highlight=False)
+        return code
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
         console.print(f"  {label}: {path}", highlight=False)

@@ -571,7 +571,7 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
     """Write ``data`` as indented JSON, atomically (write then rename)."""
-    tmp = f"{os.fspath(path)}.tmp"
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"  # unique: several nodes may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, default=str)
         fh.write("\n")

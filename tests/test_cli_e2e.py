@@ -112,3 +112,27 @@ def test_sigint_stops_runs_and_writes_summary(tmp_path):
     assert runs["ddp"]["status"] == "stopped" and runs["ddp"]["steps_completed"] >= 1
     assert runs["fsdp2"]["status"] == "stopped" and runs["fsdp2"]["steps_completed"] == 0
     assert leftover_processes(str(out)) == []
+
+
+def test_two_nodes_on_one_machine(tmp_path):
+    """Two orchestrators, one rank each, join one torchrun rendezvous as nodes 0 and 1 of each run."""
+    from shardscope.orchestrator.launcher import free_port
+
+    out = tmp_path / "multinode"
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["run", "--preset", "smoke", "--headless", "--out", str(out), "--nnodes", "2", "--rdzv-endpoint", endpoint,
+              "--set", "steps=4", "--set", "world_size=2", "--set", "profile.enabled=false"]
+    node1 = subprocess.Popen([*CLI, *common, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    node0 = run_cli([*common, "--node-rank", "0"])
+    out1, _ = node1.communicate(timeout=120)
+    assert node0.returncode == 0, node0.stdout[-3000:] + node0.stderr[-2000:]
+    assert node1.returncode == 0, out1[-3000:]
+    assert "node 0 writes the summary" in out1
+    runs = {r["name"]: r for r in load_summary(out)["runs"]}
+    assert all(r["status"] == "ok" and r["steps_completed"] == 4 for r in runs.values())
+    for run in ("ddp", "fsdp2"):
+        assert sorted(p.name for p in (out / run / "metrics").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    assert losses(out, "ddp") == losses(out, "fsdp2", rank=1) or max(
+        abs(a - b) for a, b in zip(losses(out, "ddp").values(), losses(out, "fsdp2").values())) <= 1e-5
+    assert leftover_processes(str(out)) == []
