@@ -120,3 +120,25 @@ def assert_ok(result: LaunchResult) -> None:
 def read_json(path: Path) -> Any:
     """Return the JSON in ``path``."""
     return json.loads(path.read_text())
+
+
+def launch_all(out_dir: Path, comparison: Comparison, names: list[str] | None = None) -> dict[str, LaunchResult]:
+    """Prepare ``out_dir`` and launch the named runs (default: all) one after another; assert each
+    ended ok; return {run name: LaunchResult}."""
+    prepare(out_dir, comparison)
+    results = {}
+    for name in names or [r.name for r in comparison.runs]:
+        results[name] = launch(out_dir, comparison, name)
+        assert_ok(results[name])
+    return results
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    """Return max |a[i] - b[i]|; raises AssertionError when the lengths differ."""
+    assert len(a) == len(b), f"{len(a)} values vs {len(b)}"
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def grad_norms(result: LaunchResult, rank: int = 0) -> list[float]:
+    """Return rank's per-step global gradient norms."""
+    return [r["grad_norm"] for r in result.steps(rank)]

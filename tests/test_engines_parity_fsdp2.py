@@ -1,0 +1,90 @@
+"""End to end: DDP vs FSDP2 (reshard after forward on and off) under real torchrun, gloo, 2 CPU ranks.
+
+Checks fp32 parity (loss and global grad norm within 1e-5 of DDP every step, step 0 identical),
+per-layer norms in parity mode, FSDP2's local model-state bytes (<= 0.55x DDP at world size 2),
+and the profiler window's trace files and records.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _launch import grad_norms, launch_all, max_abs_diff, tiny_comparison
+from shardscope.config import ProfileSpec, RunSpec
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    runs = [
+        RunSpec("ddp", "ddp"),
+        RunSpec("fsdp2", "fsdp2", options={"reshard_after_forward": True}),
+        RunSpec("fsdp2-keep", "fsdp2", options={"reshard_after_forward": False}),
+    ]
+    comparison = tiny_comparison(runs, steps=8, parity=True, profile=ProfileSpec(enabled=True, start_step=3, steps=2))
+    return launch_all(tmp_path_factory.mktemp("fsdp2"), comparison)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2-keep"])
+def test_fsdp2_matches_ddp(results, name):
+    ddp, other = results["ddp"], results[name]
+    assert other.losses()[0] == ddp.losses()[0]
+    assert max_abs_diff(other.losses(), ddp.losses()) <= TOL
+    assert max_abs_diff(grad_norms(other), grad_norms(ddp)) <= TOL
+    assert other.losses()[-1] < other.losses()[0]  # it trains
+
+
+def test_loss_is_the_global_mean_on_every_rank(results):
+    for result in results.values():
+        assert result.losses(0) == result.losses(1)
+        assert grad_norms(result, 0) == grad_norms(result, 1)
+
+
+def test_layer_norms_match_ddp(results):
+    ddp = results["ddp"].of_kind("layers")
+    for name in ("fsdp2", "fsdp2-keep"):
+        other = results[name].of_kind("layers")
+        assert len(other) == len(ddp) == 8
+        for a, b in zip(ddp, other):
+            assert a["grad_norms"].keys() == b["grad_norms"].keys()
+            for layer, value in a["grad_norms"].items():
+                assert abs(value - b["grad_norms"][layer]) <= TOL, (name, a["step"], layer)
+            for layer, value in a["param_norms"].items():
+                assert abs(value - b["param_norms"][layer]) <= TOL, (name, a["step"], layer)
+
+
+def test_fsdp2_holds_about_half_the_model_state(results):
+    ddp = results["ddp"].of_kind("memory")[0]
+    for name in ("fsdp2", "fsdp2-keep"):
+        mem = results[name].of_kind("memory")[0]
+        assert mem["when"] == "after_first_step"
+        assert mem["model_state_bytes"] == mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+        assert mem["model_state_bytes"] <= 0.55 * ddp["model_state_bytes"]
+    # DDP in fp32 with AdamW: 4 (param) + 4 (grad) + 8 (moments) bytes per parameter, plus step counters.
+    params = results["ddp"].of_kind("start")[0]["params"]
+    assert ddp["param_bytes"] == ddp["grad_bytes"] == 4 * params
+    assert 8 * params <= ddp["optim_bytes"] <= 8 * params + 4 * 64
+
+
+def test_records_and_profiler_window(results):
+    result = results["fsdp2"]
+    start = result.of_kind("start")[0]
+    assert start["world_size"] == 2 and start["backend"] == "gloo" and start["precision"]["policy"] == "fp32"
+    steps = result.steps()
+    assert [s["step"] for s in steps] == list(range(8))
+    assert [s.get("profiled", False) for s in steps] == [False] * 3 + [True] * 2 + [False] * 3
+    assert all(s["tokens"] == 4 * 16 and s["tokens_per_s"] > 0 and s["mem_peak_bytes"] > 0 for s in steps)
+    for rank in (0, 1):
+        traces = result.of_kind("trace", rank)
+        assert {t["format"] for t in traces} == {"chrome", "tensorboard"}
+        for trace in traces:
+            assert trace["steps"] == [3, 4]
+            events = json.loads((result.run_dir / trace["path"]).read_text())["traceEvents"]
+            assert events
+    assert (result.run_dir / "traces" / "rank1.trace.json").is_file()
+    end = result.of_kind("end")[0]
+    assert end["status"] == "ok" and end["steps_completed"] == 8

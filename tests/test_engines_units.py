@@ -1,0 +1,182 @@
+"""Unit tests of the engines' pure logic: data determinism, model shapes, precision policies,
+lr schedule, fault specs, layer keys, memory accounting, initial weights. No process group."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardscope.config import Comparison, DataSpec, ModelSpec
+from shardscope.engines import data, memory_accounting, norms, precision
+from shardscope.engines.faults import Fault
+from shardscope.engines.init_weights import load_init, write_init
+from shardscope.engines.model import Transformer, build_model, count_parameters
+from shardscope.engines.optim import lr_at
+
+TINY = ModelSpec(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16)
+
+
+def comparison(**kw) -> Comparison:
+    return Comparison(name="t", model=kw.pop("model", TINY), global_batch=kw.pop("global_batch", 8), **kw)
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "text"])
+def test_global_batch_is_identical_from_1_2_4_dp_ranks(kind: str, tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    model = ModelSpec(**{**TINY.__dict__, "vocab_size": 256})
+    c = comparison(model=model, data=DataSpec(kind=kind, path=str(text)), grad_accum=2)
+    reference = None
+    for dp in (1, 2, 4):
+        parts = []
+        for rank in range(dp):
+            micro, _ = data.build_batches(c, dp, rank)
+            parts.extend(micro(3))
+        inputs = torch.cat([x for x, _ in parts])
+        targets = torch.cat([y for _, y in parts])
+        assert inputs.shape == (8, 16) and len(parts) == 2 * dp
+        if reference is None:
+            reference = (inputs, targets)
+        assert torch.equal(inputs, reference[0]) and torch.equal(targets, reference[1])
+    assert torch.equal(reference[0][:, 1:], reference[1][:, :-1])  # next-token targets
+
+
+def test_batches_depend_only_on_seed_and_step() -> None:
+    a = data.make_source(comparison()).global_batch
+    b = data.make_source(comparison()).global_batch
+    assert torch.equal(a(5)[0], b(5)[0])
+    assert not torch.equal(a(5)[0], a(6)[0])
+    other = data.make_source(comparison(seed=7)).global_batch
+    assert not torch.equal(a(5)[0], other(5)[0])
+
+
+def test_synthetic_stream_is_learnable() -> None:
+    """The chain's true next-token entropy is far below log(vocab): loss can fall well below it."""
+    vocab = 32000
+    probs = torch.tensor(data._BRANCH_PROBS)
+    branch_entropy = -(probs * probs.log()).sum().item()
+    noise = data._NOISE
+    mixing = -(noise * math.log(noise) + (1 - noise) * math.log(1 - noise))
+    # Upper bound on H(next | previous): entropy of a two-component mixture <= weighted sum + mixing entropy.
+    entropy_bound = (1 - noise) * branch_entropy + noise * math.log(vocab) + mixing
+    assert entropy_bound < 0.25 * math.log(vocab)
+    table = data.markov_table(vocab, 1)
+    tokens = data.markov_batch(table, 1, 0, 4, 64)
+    follows = (table[tokens[:, :-1]] == tokens[:, 1:, None]).any(-1).float().mean()
+    assert follows > 0.9  # most transitions are one of the few likely successors
+
+
+def test_rank_slice_rejects_indivisible_batch() -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        data.rank_slice((torch.zeros(6, 4), torch.zeros(6, 4)), 4, 0, 1)
+
+
+def test_text_source_needs_byte_vocab(tmp_path: Path) -> None:
+    path = tmp_path / "x.txt"
+    path.write_text("hello world " * 10)
+    with pytest.raises(ValueError, match="vocab_size = 128 must be >= 256"):
+        data.make_source(comparison(data=DataSpec(kind="text", path=str(path))))
+
+
+def test_model_forward_shapes_and_layers() -> None:
+    model = build_model(TINY, seed=1)
+    assert isinstance(model, Transformer) and len(model.layers) == 2
+    logits = model(torch.randint(128, (3, 16)))
+    assert logits.shape == (3, 16, 128)
+    assert count_parameters(model) == sum(p.numel() for p in model.parameters())
+
+
+def test_model_init_is_deterministic_and_causal() -> None:
+    a, b = build_model(TINY, seed=3), build_model(TINY, seed=3)
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), na
+    assert not torch.equal(a.tok_emb.weight, build_model(TINY, seed=4).tok_emb.weight)
+    tokens = torch.randint(128, (1, 16))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % 128
+    with torch.no_grad():  # changing the last token must not change earlier positions' logits
+        assert torch.allclose(a(tokens)[0, :-1], a(changed)[0, :-1])
+
+
+def test_classic_defaults_parameter_count() -> None:
+    spec = ModelSpec()
+    per_block = 4 * (768 * 768 + 768) + 2 * 768 * 3072 + 3072 + 768 + 4 * 768
+    expected = 32000 * 768 * 2 + 256 * 768 + 6 * per_block + 2 * 768
+    model = Transformer(spec.vocab_size, spec.d_model, spec.n_layers, spec.n_heads, spec.d_ff, spec.seq_len)
+    assert count_parameters(model) == expected
+
+
+def test_init_weights_round_trip(tmp_path: Path) -> None:
+    c = comparison(seed=11)
+    path = str(tmp_path / "init.safetensors")
+    n = write_init(c, path)
+    model = build_model(TINY, seed=999)  # different init, then overwritten by the file
+    load_init(model, path)
+    ref = build_model(TINY, seed=11)
+    assert n == count_parameters(ref)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_precision_policies() -> None:
+    fp32 = precision.policy_for("fp32")
+    assert fp32.param_dtype == fp32.compute_dtype == torch.float32 and not fp32.autocast
+    bf16 = precision.policy_for("bf16-params")
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == bf16.master_dtype == torch.float32
+    assert precision.policy_for("fp16").loss_scaling
+    assert precision.policy_for("bf16-autocast").describe()["compute"] == "bfloat16"
+    assert precision.loop_autocast_dtype(fp32, False) is None
+    assert precision.loop_autocast_dtype(bf16, False) == torch.bfloat16  # DDP: autocast fallback
+    assert precision.loop_autocast_dtype(bf16, True) is None  # FSDP mixed precision handles it
+    assert precision.option_dtype("auto", torch.float16) == torch.float16
+    assert precision.option_dtype("bf16", torch.float32) == torch.bfloat16
+    with pytest.raises(ValueError, match="allowed"):
+        precision.policy_for("int8")
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    lrs = [lr_at(s, lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lr_at(0, lr=1.0, warmup_steps=0, total_steps=1, min_lr_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_fault_spec() -> None:
+    assert Fault.parse("") is None
+    fault = Fault.parse("rank=1,step=3,kind=raise")
+    assert fault == Fault(1, 3, "raise")
+    fault.maybe_fire(0, 3)  # other rank: nothing
+    fault.maybe_fire(1, 2)  # other step: nothing
+    with pytest.raises(RuntimeError, match="injected fault at step 3 on rank 1"):
+        fault.maybe_fire(1, 3)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Fault.parse("kind=segfault")
+
+
+def test_layer_keys_strip_wrappers() -> None:
+    assert norms.layer_key("module.layers.3.attn.q_proj.weight") == "layers.3"
+    assert norms.layer_key("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.ln1.bias") == "layers.0"
+    assert norms.layer_key("tok_emb.weight") == "tok_emb"
+    assert norms.layer_key("model.layers.2.mlp.up_proj.weight") == "layers.2"
+
+
+def test_layer_norms_of_replicated_tensors() -> None:
+    named = [("layers.0.a", torch.full((4,), 1.0)), ("layers.0.b", torch.full((5,), 2.0)), ("head.w", None)]
+    assert norms.layer_norms(named) == {"layers.0": pytest.approx(math.sqrt(4 + 20))}
+
+
+def test_memory_accounting_counts_each_storage_once() -> None:
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.zeros(10)
+    opt = torch.optim.AdamW([p])
+    opt.step()
+    tied = [p, p]  # tied weights: the same tensor twice
+    got = memory_accounting.model_state_bytes(tied, opt)
+    assert got["param_bytes"] == 40 and got["grad_bytes"] == 40
+    assert got["optim_bytes"] == 40 + 40 + 4  # exp_avg, exp_avg_sq, step (fp32 scalar)
+    base = torch.zeros(8)
+    assert memory_accounting.tensor_bytes([base[:4], base[4:]]) == 32  # views at different offsets
