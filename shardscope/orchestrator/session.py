@@ -10,6 +10,8 @@ the background thread acts on at its next poll.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +85,7 @@ class Session:
         self._done = threading.Event()
         self._pending: list[Update] = []
         self._sampler = None
+        self._device_log = None
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -368,8 +371,11 @@ class Session:
         except ImportError:
             return
         sampler = DeviceSampler()
+        log = open(os.path.join(self.out_dir, "devices.jsonl"), "a", encoding="utf-8", buffering=1)
 
         def publish(sample: state.DeviceSample) -> None:
+            if sample.readings:
+                log.write(json.dumps(dataclasses.asdict(sample), separators=(",", ":")) + "\n")
             with self._lock:
                 subscribers = list(self._subscribers)
             for callback in subscribers:
@@ -380,11 +386,12 @@ class Session:
         except Exception as err:  # sampling is optional; runs go on without it
             self._emit(state.Notice(f"device sampling unavailable: {err!r}", "warning"))
             return
-        self._sampler = sampler
+        self._sampler, self._device_log = sampler, log
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
-            self._sampler.stop()
+            self._sampler.close()
+            self._device_log.close()
 
     def _finish(self) -> None:
         statuses = [self.states[n].status for n in self.run_names]
