@@ -1,0 +1,138 @@
+"""Reports regenerated from a run directory alone: summary sections, report.md, plots, merged
+trace; the command line; no torch import; and a real tiny comparison end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardscope import config, events
+from shardscope.config import ModelSpec, ProfileSpec, RunSpec
+from shardscope.profiling import memory_model
+from shardscope.profiling.report import write_reports
+from tests.test_traces import ddp_like_events, write_trace
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = ModelSpec(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16)
+
+
+def make_run_dir(tmp_path: Path) -> Path:
+    """A finished two-run comparison written the way ranks and the orchestrator write it."""
+    c = config.Comparison(name="fake", runs=[RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2")], model=MODEL,
+                          steps=4, global_batch=4, parity=True, profile=ProfileSpec(start_step=1, steps=2))
+    config.validate(c)
+    out = tmp_path / "out"
+    out.mkdir()
+    config.dump_json(out / "comparison.json", c.to_dict())
+    params = memory_model.model_params(MODEL)
+    for run in c.runs:
+        payload = config.run_spec_payload(c, run, out_dir=str(out), device="cpu")
+        run_dir = Path(payload["run_dir"])
+        (run_dir / "traces" / "tb").mkdir(parents=True)
+        config.dump_json(run_dir / "spec.json", payload)
+        layout = memory_model.layout_for(c, run)
+        for rank in (0, 1):
+            with events.RecordWriter(run_dir / "metrics" / f"rank{rank}.jsonl", run.name, rank) as w:
+                w.write("start", world_size=2, device="cpu", backend="gloo", precision={"policy": "fp32"},
+                        spec=payload["run"], dp=2, tp=1)
+                for step in range(4):
+                    loss = 5.0 - 0.2 * step + (0.01 * step if run.name == "fsdp2" and step >= 2 else 0.0)
+                    w.write("step", step=step, loss=loss, tokens=64, tokens_per_s=1000.0 * (2 if run.name == "ddp" else 1),
+                            step_time_s=0.05, mem_peak_bytes=300 * 2**20, profiled=step in (1, 2))
+                    norms = {"tok_emb": 1.0, "layers.0": 2.0, "layers.1": 3.0 + (0.1 if loss != 5.0 - 0.2 * step else 0)}
+                    w.write("layers", step=step, grad_norms=norms, param_norms={k: 10.0 for k in norms})
+                states = memory_model.model_state_bytes(params, layout, rank)
+                w.write("memory", step=3, when="end", **states, rss_bytes=290 * 2**20, mem_peak_bytes=300 * 2**20)
+                w.write("end", status="ok", steps_completed=4)
+            write_trace(run_dir / "traces" / f"rank{rank}.trace.json", ddp_like_events(), rank=rank)
+        (run_dir / "traces" / "tb" / "rank0.123.pt.trace.json").write_text("{}")
+    return out
+
+
+def test_write_reports_from_files_alone(tmp_path):
+    out = make_run_dir(tmp_path)
+    paths = write_reports(str(out))
+    assert set(paths) == {"summary", "report", "plots", "merged_trace"}
+    s = json.loads(Path(paths["summary"]).read_text())
+    assert s["preset"] == "fake" and s["baseline"] == "ddp"
+    core = {"name", "strategy", "world_size", "status", "steps_completed", "final_loss", "median_tokens_per_s",
+            "peak_mem_bytes", "loss_max_abs_diff", "loss_mean_abs_diff", "speedup", "mem_ratio"}
+    assert all(core <= set(r) for r in s["runs"])
+    assert s["runs"][1]["speedup"] == pytest.approx(0.5)
+    mem = s["memory"]["runs"]
+    assert mem["ddp"]["model_state_error"] == 0 and mem["fsdp2"]["model_state_error"] == 0
+    assert s["memory"]["measured_peak_kind"] == "process RSS"
+    comm = s["communication"]["runs"]["ddp"]
+    assert comm["collectives"]["all_reduce"]["bytes_per_step"] == 4000 and comm["theory"]["bytes_per_step"] > 0
+    assert comm["mfu"] is None and "peak FLOP/s unknown" in comm["mfu_note"]
+    parity = s["parity"]["runs"]["fsdp2"]
+    assert parity["first_loss_step"] == 2 and parity["first_grad_layer"]["layer"] == "layers.1"
+    assert s["traces"]["ddp"]["tensorboard_files"] == ["rank0.123.pt.trace.json"]
+    for name in ("loss", "throughput", "memory", "communication"):
+        png = out / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    report = Path(paths["report"]).read_text()
+    for heading in ("## Throughput and loss", "## Memory per rank", "## Communication", "## Parity against ddp",
+                    "## Traces", "## Plots"):
+        assert heading in report
+    assert "loss first differs at step 2" in report and "tensorboard --logdir" in report
+    merged = json.loads(Path(paths["merged_trace"]).read_text())
+    assert {e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"} == {"ddp", "fsdp2"}
+
+
+def test_report_command_regenerates(tmp_path, shardscope_cmd):
+    out = make_run_dir(tmp_path)
+    proc = subprocess.run([*shardscope_cmd, "report", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
+    assert "communication" in json.loads((out / "summary.json").read_text())
+
+
+def test_orchestrator_side_modules_do_not_import_torch():
+    code = ("import sys\n"
+            "import shardscope.profiling.report, shardscope.profiling.nvml, shardscope.profiling.traces\n"
+            "import shardscope.profiling.memory_model, shardscope.profiling.divergence, shardscope.profiling.estimate\n"
+            "import shardscope.profiling.plots\n"
+            "bad = [m for m in ('torch', 'deepspeed', 'matplotlib') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_real_comparison_report(tmp_path):
+    """DDP vs FSDP2 for real (gloo, 2 ranks, profiled window): exact model states within 3% of the
+    model, observed bytes per step within 2% of theory, TensorBoard files the plugin can parse."""
+    from tests._launch import assert_ok, launch, prepare, tiny_comparison
+
+    comparison = tiny_comparison([RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2")], steps=4, parity=True,
+                                 profile=ProfileSpec(enabled=True, start_step=1, steps=2))
+    out = prepare(tmp_path, comparison)
+    for run in ("ddp", "fsdp2"):
+        assert_ok(launch(out, comparison, run))
+    paths = write_reports(str(out))
+    s = json.loads(Path(paths["summary"]).read_text())
+    for run in ("ddp", "fsdp2"):
+        assert s["memory"]["runs"][run]["model_state_error"] < 0.03, s["memory"]["runs"][run]["per_rank"]
+        ratio = s["communication"]["runs"][run]["theory"]["ratio"]
+        assert ratio == pytest.approx(1.0, rel=0.02), s["communication"]["runs"][run]
+    assert not s["parity"]["runs"]["fsdp2"]["diverged"]
+    tb = s["traces"]["fsdp2"]["tensorboard_dir"]
+    assert tb and os.path.isdir(tb)
+    plugin = pytest.importorskip("torch_tb_profiler")
+    from torch_tb_profiler import consts
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    assert plugin
+    for name in s["traces"]["fsdp2"]["tensorboard_files"]:
+        match = consts.WORKER_PATTERN.match(name)
+        assert match, name
+        data = RunProfileData.parse(match.group(1), (match.group(2) or ".")[1:], os.path.join(tb, name), str(tmp_path))
+        profile = RunGenerator(match.group(1), (match.group(2) or ".")[1:], data).generate_run_profile()
+        assert any(v.name == "trace" for v in profile.views)
