@@ -130,6 +130,7 @@ class Comparison:
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     profile: ProfileSpec = field(default_factory=ProfileSpec)
@@ -211,6 +212,15 @@ def load_preset(
     except OSError as err:
         raise ConfigError(f"{src}: cannot read: {err.strerror}") from None
     raw.setdefault("name", path.stem)
+    cpu_sizes = raw.pop("cpu_overrides", None)
+    if cpu_sizes is not None:
+        if not isinstance(cpu_sizes, dict):
+            raise ConfigError(f"{src}: cpu_overrides must be a table of dotted keys, e.g. \"model.d_model\" = 256")
+        if host is not None and host.device == "cpu":
+            # Without a GPU the preset shrinks to sizes that finish in minutes; the user's --set still wins.
+            for key, value in cpu_sizes.items():
+                _set_dotted(raw, key, value, src)
+            raw["size_profile"] = "cpu"
     for item in overrides:
         apply_override(raw, item, src)
     comparison = build_comparison(raw, src)
@@ -236,7 +246,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_override(raw: dict[str, Any], item: str, src: str) -> None:
     """Apply one ``--set key=value`` to the raw preset table in place; raises ConfigError."""
     parts, value = parse_override(item)
-    where = f"--set {'.'.join(parts)}"
+    _set_dotted(raw, ".".join(parts), value, src, where=f"--set {'.'.join(parts)}")
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any, src: str, where: str = "") -> None:
+    """Set a dotted key (``runs.<name>.…`` addresses a run by name) in the raw preset table."""
+    parts = key.split(".")
+    where = where or f"{src}: cpu_overrides.{key}"
     if parts[0] == "runs":
         if len(parts) < 3:
             raise ConfigError(f"{where}: use runs.<run name>.<key>=value")

@@ -115,3 +115,14 @@ def test_dry_run_prints_torchrun_commands_and_launches_nothing(tmp_path):
     assert proc.stdout.count("torch.distributed.run") == 2
     assert "--nproc-per-node 2" in proc.stdout and "shardscope.engines.worker" in proc.stdout
     assert not out.exists()
+
+
+def test_cpu_overrides_apply_only_on_cpu_and_user_set_wins(tmp_path):
+    p = tmp_path / "sized.toml"
+    p.write_text('steps = 100\n[model]\nd_model = 768\nn_heads = 12\n[cpu_overrides]\nsteps = 5\n"model.d_model" = 64\n'
+                 '"model.n_heads" = 4\n[[runs]]\nname = "a"\nstrategy = "ddp"\n')
+    cpu = config.load_preset(str(p), host=HOST)
+    assert (cpu.steps, cpu.model.d_model, cpu.size_profile) == (5, 64, "cpu")
+    assert config.load_preset(str(p), ["steps=7"], host=HOST).steps == 7
+    gpu = config.load_preset(str(p), host=HostInfo("cuda", 8, "8 GPUs", True))
+    assert (gpu.steps, gpu.model.d_model, gpu.size_profile) == (100, 768, "full")
