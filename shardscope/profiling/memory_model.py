@@ -195,14 +195,31 @@ class Layout:
     activation_checkpointing: bool
 
 
+# Options that change what a strategy shards, by option name and value (the registry's ``shards``
+# is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option.
+SHARDS_BY_OPTION: dict[str, dict[Any, str]] = {
+    "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "grads", "NO_SHARD": "none"},
+    "stage": {0: "none", 1: "optim", 2: "grads", 3: "all"},
+}
+
+
+def shards_for(info: registry.StrategyInfo, options: dict[str, Any]) -> str:
+    """What the strategy shards with these options: ``SHARDS_BY_OPTION`` where an option says, else the registry's."""
+    for key, table in SHARDS_BY_OPTION.items():
+        if key in info.options and options.get(key) in table:
+            return table[options[key]]
+    return info.shards
+
+
 def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None) -> Layout:
     """Return the run's layout at ``world_size`` (default: the run's own)."""
     info = registry.get(run.strategy)
     ws = world_size or resolved_world_size(c, run)
-    tp = info.tp_degree(resolved_options(run))
+    options = resolved_options(run)
+    tp = info.tp_degree(options)
     precision = resolved_precision(c, run)
     low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
-    return Layout(ws, tp, max(1, ws // tp), info.shards, precision, low, run.activation_checkpointing)
+    return Layout(ws, tp, max(1, ws // tp), shards_for(info, options), precision, low, run.activation_checkpointing)
 
 
 def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -109,8 +110,8 @@ class RankTrace:
     steps: list[tuple[int, float, float]]  # (ProfilerStep number, start_us, end_us), time order
     collectives: list[Collective]
     compute: list[tuple[float, float]]  # busy intervals (start_us, end_us) of compute
-    events: list[tuple[str, str, Any, Any, float, float]]  # every X event (cat, name, pid, tid, ts, dur)
-    thread_names: dict[Any, str] = field(default_factory=dict)
+    events: list[tuple[bytes, ...]]  # every X event as its raw JSON texts (cat, name, pid, tid, ts, dur)
+    thread_names: dict[bytes, str] = field(default_factory=dict)  # raw tid text -> thread name
     marked_steps: bool = True  # False: no ProfilerStep markers; ``steps`` is the whole window
     window_steps: int = 1  # optimizer steps the profiled window holds
 
@@ -127,6 +128,11 @@ def _scalar(raw: bytes) -> Any:
         return int(text)
     except ValueError:
         return text
+
+
+def _name(raw: bytes) -> str:
+    """An event name as the JSON text had it (escapes resolved)."""
+    return json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8", "replace")
 
 
 def _decode_object_at(data: bytes, pos: int) -> dict[str, Any] | None:
@@ -160,13 +166,13 @@ def _header_value(data: bytes, key: str) -> Any:
         return None
 
 
-def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, str], dict[str, Any]]:
-    """Return (X events as tuples, full comm events, thread names, header) from a trace's bytes."""
-    events = [
-        (cat.decode(), name.decode("unicode_escape") if b"\\" in name else name.decode(), _scalar(pid),
-         _scalar(tid), float(ts), float(dur))
-        for cat, name, pid, tid, ts, dur in _X_EVENT.findall(data)
-    ]
+def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, str], dict[str, Any]]:
+    """Return (X events as raw-text tuples, full comm events, thread names, header) from a trace's bytes.
+
+    Events stay as the bytes the expression matched (names, ids and numbers undecoded): most are
+    only filtered, so converting each one would cost more than the match itself.
+    """
+    events = _X_EVENT.findall(data)
     header = {k: _header_value(data, k) for k in ("distributedInfo", "deviceProperties")}
     if not events and b'"traceEvents"' in data:  # another writer's layout: parse it whole
         return _scan_json(json.loads(data))
@@ -178,21 +184,23 @@ def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, str
     threads = {}
     for m in re.finditer(rb'"name":\s*"thread_name",[^}]*?"tid":\s*("?[^,"]*"?),\s*"args":\s*\{\s*"name":\s*"([^"]*)"',
                          data):
-        threads[_scalar(m.group(1))] = m.group(2).decode()
+        threads[m.group(1)] = m.group(2).decode()
     return events, comm, threads, header
 
 
-def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[Any, str], dict[str, Any]]:
+def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, str], dict[str, Any]]:
     raw_events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     events, comm, threads = [], [], {}
+    text = (lambda v: json.dumps(v).encode())  # noqa: E731 - the raw JSON text, as the fast path keeps it
     for e in raw_events:
         if e.get("ph") == "X" and "dur" in e:
-            events.append((e.get("cat", ""), e.get("name", ""), e.get("pid"), e.get("tid"),
-                           float(e["ts"]), float(e["dur"])))
-            if _COMM_NAME.match(b'"name": "' + str(e.get("name", "")).encode() + b'"'):
+            name = str(e.get("name", ""))
+            events.append((str(e.get("cat", "")).encode(), name.encode(), text(e.get("pid")), text(e.get("tid")),
+                           repr(float(e["ts"])).encode(), repr(float(e["dur"])).encode()))
+            if _COMM_NAME.match(b'"name": "' + name.encode() + b'"'):
                 comm.append(e)
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[e.get("tid")] = str(e.get("args", {}).get("name", ""))
+            threads[text(e.get("tid"))] = str(e.get("args", {}).get("name", ""))
     header = {k: doc.get(k) for k in ("distributedInfo", "deviceProperties")} if isinstance(doc, dict) else {}
     return events, comm, threads, header
 
@@ -300,16 +308,14 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
     rank = int(info.get("rank", _rank_from_path(path)))
     device_name = str(devices[0].get("name", "")) if devices and isinstance(devices[0], dict) else ""
 
-    steps = []
-    for cat, name, pid, tid, ts, dur in events:
-        m = _STEP_NAME.match(name) if name.startswith("ProfilerStep#") else None
-        if m:
-            steps.append((int(m.group(1)), ts, ts + dur))
-    steps.sort(key=lambda s: s[1])
+    steps = sorted((int(name[13:]), float(ts), float(ts) + float(dur))
+                   for cat, name, pid, tid, ts, dur in events if name.startswith(b"ProfilerStep#") and name[13:].isdigit())
     marked = bool(steps)
     if not marked and events:
-        timed = [e for e in events if e[0] != "Trace"] or events  # "Trace" spans the whole session
-        steps = [(-1, min(e[4] for e in timed), max(e[4] + e[5] for e in timed))]
+        # The profiler's own span covers its whole window; without it, the events' extent.
+        span = [e for e in events if e[0] == b"Trace"] or events
+        steps = [(-1, min(float(e[4]) for e in span), max(float(e[4]) + float(e[5]) for e in span))]
+    steps.sort(key=lambda s: s[1])
 
     use_rpc = any(e.get("name") == "record_param_comms" for e in comm_events)
     launches, execs = [], []
@@ -335,19 +341,26 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
     for c in launches:
         c.step = _step_index(steps, c.launch_ts)
 
-    gpu = any(cat == "kernel" for cat, *_ in events)
-    comm_names = launch_names | {"record_param_comms"}
     compute: list[tuple[float, float]] = []
-    if gpu:
-        compute = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events
-                   if cat == "kernel" and "nccl" not in name.lower()]
+    if b"kernel" in {e[0] for e in events}:
+        compute = [(float(ts), float(ts) + float(dur)) for cat, name, pid, tid, ts, dur in events
+                   if cat == b"kernel" and b"nccl" not in name.lower()]
     else:
         # The training thread's operators, minus the time it spends waiting on collectives: a wait
         # sits inside its caller (DTensor "Redistribute", DDP's reducer), which is not compute then.
-        main = _main_thread(events, steps)
-        ops = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events if cat == "cpu_op" and tid == main
-               and name not in comm_names and not _is_comm_op(name)]
-        waits = [(ts, ts + dur) for cat, name, pid, tid, ts, dur in events if tid == main and _is_comm_op(name)]
+        main = _main_thread(events)
+        is_comm: dict[bytes, bool] = {}  # names repeat: classify each once
+        ops, waits = [], []
+        for cat, name, pid, tid, ts, dur in events:
+            if tid != main:
+                continue
+            comm = is_comm.get(name)
+            if comm is None:
+                comm = is_comm[name] = _is_comm_op(name.decode("utf-8", "replace"))
+            if comm:
+                waits.append((float(ts), float(ts) + float(dur)))
+            elif cat == b"cpu_op":
+                ops.append((float(ts), float(ts) + float(dur)))
         compute = _subtract(_union(ops), _union(waits))
     return RankTrace(path, rank, world, str(info.get("backend", "")), device_name, steps, launches,
                      compute, events, threads, marked, len(steps) if marked else max(1, window_steps or 1))
@@ -372,16 +385,14 @@ def _rank_from_path(path: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _main_thread(events: list[tuple], steps: list[tuple[int, float, float]]) -> Any:
-    """The thread that runs the training loop: the one holding ProfilerStep annotations (else the busiest)."""
+def _main_thread(events: list[tuple]) -> bytes | None:
+    """The thread that runs the training loop (raw tid text): the one holding ProfilerStep
+    annotations, else the one with the most operators."""
     for cat, name, pid, tid, ts, dur in events:
-        if name.startswith("ProfilerStep#"):
+        if name.startswith(b"ProfilerStep#"):
             return tid
-    busy: dict[Any, float] = {}
-    for cat, name, pid, tid, ts, dur in events:
-        if cat == "cpu_op":
-            busy[tid] = busy.get(tid, 0.0) + dur
-    return max(busy, key=busy.get) if busy else None
+    busy = Counter(e[3] for e in events if e[0] == b"cpu_op")
+    return busy.most_common(1)[0][0] if busy else None
 
 
 def _step_index(steps: list[tuple[int, float, float]], ts: float) -> int | None:
@@ -662,37 +673,40 @@ def write_merged_trace(runs: dict[str, list[str]], out_path: str) -> str:
 
 
 def _merged_rank_events(trace: RankTrace, pid: int) -> list[dict[str, Any]]:
-    main = _main_thread(trace.events, trace.steps)
-    origin = trace.steps[0][1] if trace.steps else min((e[4] for e in trace.events), default=0.0)
+    main = _main_thread(trace.events)
+    origin = trace.steps[0][1] if trace.steps else 0.0
     threads: dict[Any, int] = {}
     base = trace.rank * 100
     out: list[dict[str, Any]] = []
 
-    def tid_for(src_pid: Any, src_tid: Any, cat: str) -> int:
-        key = (src_pid, src_tid) if cat == "kernel" else src_tid
+    def tid_for(src_pid: bytes, src_tid: bytes, cat: bytes) -> int:
+        key = (src_pid, src_tid) if cat == b"kernel" else src_tid
         if key not in threads:
-            tid = base if src_tid == main and cat != "kernel" else base + 1 + len(threads)
+            tid = base if src_tid == main and cat != b"kernel" else base + 1 + len(threads)
             threads[key] = tid
             if tid == base:
                 label = f"rank {trace.rank}"
-            elif cat == "kernel":
-                label = f"rank {trace.rank} · GPU {src_pid} stream {src_tid}"
+            elif cat == b"kernel":
+                label = f"rank {trace.rank} · GPU {_scalar(src_pid)} stream {_scalar(src_tid)}"
             else:
-                label = f"rank {trace.rank} · {trace.thread_names.get(src_tid, f'thread {src_tid}')}"
+                label = f"rank {trace.rank} · {trace.thread_names.get(src_tid, f'thread {_scalar(src_tid)}')}"
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
         return threads[key]
 
-    tid_for(None, main, "cpu_op")
+    tid_for(b"", main or b"0", b"cpu_op")
     for i, (number, start, end) in enumerate(trace.steps):
         out.append({"ph": "X", "cat": "step", "name": f"step {i} (ProfilerStep#{number})", "pid": pid,
                     "tid": base, "ts": round(start - origin, 3), "dur": round(end - start, 3)})
     comm_by_ts = {c.launch_ts: c for c in trace.collectives}
-    for cat, name, src_pid, src_tid, ts, dur in trace.events:
-        if name.startswith("ProfilerStep#") or cat == "Trace":
+    for cat, raw_name, src_pid, src_tid, raw_ts, raw_dur in trace.events:
+        if raw_name.startswith(b"ProfilerStep#") or cat == b"Trace":
             continue
-        ev: dict[str, Any] = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid_for(src_pid, src_tid, cat),
-                              "ts": round(ts - origin, 3), "dur": round(dur, 3)}
+        ts = float(raw_ts)
+        name = _name(raw_name)
+        ev: dict[str, Any] = {"ph": "X", "cat": cat.decode(), "name": name, "pid": pid,
+                              "tid": tid_for(src_pid, src_tid, cat), "ts": round(ts - origin, 3),
+                              "dur": round(float(raw_dur), 3)}
         c = comm_by_ts.get(ts)
         if c is not None and name.startswith(("c10d::", "record_param_comms")):
             ev["args"] = {"type": c.type, "bytes": c.size_bytes, "group_size": c.group_size, "dtype": c.dtype}
