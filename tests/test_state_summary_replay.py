@@ -100,3 +100,12 @@ def test_eta_and_progress():
     for i in range(3):
         st.apply_record({"kind": "step", "rank": 0, "step": i, "loss": 1.0, "t": 100.0 + i})
     assert st.steps_completed == 3 and abs(st.progress - 0.3) < 1e-9 and abs(st.eta_s - 7.0) < 1e-9
+
+
+def test_replay_publishes_last_device_sample(tmp_path):
+    c, out = make_dir(tmp_path)
+    sample = {"readings": [{"label": "ddp rank 0 (process RSS)", "kind": "process", "used_bytes": 5, "total_bytes": 10,
+                            "util_pct": 1.0, "power_w": None, "run": "ddp", "ranks": [0]}], "source": "process-rss", "t": 1.0}
+    (out / "devices.jsonl").write_text(json.dumps(sample) + "\n")
+    got = [u for u in replay.replay_updates(str(out)) if isinstance(u, state.DeviceSample)]
+    assert len(got) == 1 and got[0].readings[0].used_bytes == 5 and got[0].readings[0].ranks == (0,)

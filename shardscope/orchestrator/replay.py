@@ -91,11 +91,28 @@ def replay_updates(out_dir: str) -> list[Update]:
         final = _status_from_files(run_dir, records, summary, run.name)
         end_t = records[-1].get("t", time.time()) if records else time.time()
         updates.append(state.StatusChanged(final.run, final.status, final.error, final.traceback, t=end_t))
+    sample = last_device_sample(out_dir)
+    if sample is not None:
+        updates.append(sample)
     if summary is not None:
         code = 0 if summary.get("all_ok") else 1
         report = os.path.join(out_dir, "report.md")
         updates.append(state.ComparisonFinished(out_dir, code, summary_path, report if os.path.exists(report) else ""))
     return updates
+
+
+def last_device_sample(out_dir: str) -> state.DeviceSample | None:
+    """Return the last device sample recorded in ``<out_dir>/devices.jsonl``, or None."""
+    path = os.path.join(out_dir, "devices.jsonl")
+    text = tail_text(path, 1)
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+        readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
+        return state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0)))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def replay_states(out_dir: str) -> dict[str, RunState]:
