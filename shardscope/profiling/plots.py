@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shardscope.profiling.estimate import fmt_bytes
+
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "gathered": "#8172b3",
                "activations": "#c44e52", "other": "#b0b0b0"}
@@ -153,25 +155,28 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
         return None
     plt = _pyplot()
     kinds = sorted({k for _, c in runs for k in c["collectives"]})
-    fig, ax = plt.subplots(figsize=(max(6.5, 2.0 * len(runs) + 3), 4.5))
-    width = 0.8 / len(kinds)
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(runs) + 3), 4.5))
+    width = 0.8 / (len(kinds) + 1)
     for j, kind in enumerate(kinds):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
         ms = [c["collectives"].get(kind, {}).get("time_per_step_s", 0.0) * 1e3 for _, c in runs]
         bars = ax.bar(xs, ms, width, label=kind.replace("_", "-"), color=COLORS[j % len(COLORS)])
         for bar, (_, c) in zip(bars, runs):
             row = c["collectives"].get(kind)
-            if row and row.get("bytes_per_step"):
-                ax.annotate(f"{row['bytes_per_step'] / MIB:.2f} MiB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=7)
+            if row and row.get("count_per_step"):
+                label = f"{row['count_per_step']:.0f}×\n{fmt_bytes(row['bytes_per_step'])}"
+                ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                            fontsize=7)
+    xs = [i - 0.4 + width * (len(kinds) + 0.5) for i in range(len(runs))]
     exposed = [((c.get("per_step") or {}).get("exposed_comm_s") or 0.0) * 1e3 for _, c in runs]
-    ax.scatter(range(len(runs)), exposed, marker="_", s=900, color="black", zorder=3, label="exposed comm (all types)")
+    ax.bar(xs, exposed, width, label="exposed (not overlapped), all types", color="white", edgecolor="black",
+           hatch="//")
     ax.set_xticks(range(len(runs)), [name for name, _ in runs])
     ax.set_ylabel("ms per step (mean over ranks)")
-    ax.set_title("Communication per step by collective (labels: bytes per step)")
+    ax.set_title("Communication per step by collective (labels: count and bytes per step)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.18)
     return _save(fig, path)
 
 

@@ -90,7 +90,8 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
         if st is not None:
-            device = analysis.get("device") or str((st.start.get(0) or {}).get("device", ""))
+            start = st.start.get(0) or {}
+            device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
             rate = summary.median_rate(st) if st.unit == "tokens/s" else None
             value = traces.mfu(fpt, rate, st.world_size, device) if fpt and rate else None
             analysis["mfu"] = value
