@@ -19,6 +19,7 @@ from shardscope.orchestrator import state as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "data", "replay-smoke")
+REPO_ROOT = os.path.dirname(HERE)
 
 
 class FakeReplaySource:

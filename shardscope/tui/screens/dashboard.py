@@ -59,7 +59,7 @@ class DashboardScreen(Screen):
         yield HorizontalScroll(id="cards")
         with Horizontal(id="charts"):
             yield StepChart("loss", id="loss-chart")
-            yield StepChart("loss − baseline", id="diff-chart", empty="needs a baseline and a second run")
+            yield StepChart("loss − baseline", id="diff-chart", empty="waiting for steps of two runs")
             yield StepChart("tokens/s", id="rate-chart")
         with Horizontal(id="panels"):
             yield DevicePanel(id="devices", classes="panel")
@@ -69,13 +69,22 @@ class DashboardScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        """Title the panels."""
-        self.query_one("#devices").border_title = "devices"
-        self.query_one("#comm").border_title = "communication"
-        self.query_one("#log", LogPane).border_title = "console"
-        self.query_one("#log", LogPane).can_focus = False
-        self.query_one(DevicePanel).show(None)
-        self.query_one(CommPanel).show([], {})
+        """Keep references to the widgets (redraws never query the DOM) and title the panels."""
+        self.title_bar = self.query_one("#title", Static)
+        self.status_bar = self.query_one("#status", Static)
+        self.card_row = self.query_one("#cards", HorizontalScroll)
+        self.loss_chart = self.query_one("#loss-chart", StepChart)
+        self.diff_chart = self.query_one("#diff-chart", StepChart)
+        self.rate_chart = self.query_one("#rate-chart", StepChart)
+        self.devices = self.query_one(DevicePanel)
+        self.comm = self.query_one(CommPanel)
+        self.log_pane = self.query_one(LogPane)
+        self.devices.border_title = "devices"
+        self.comm.border_title = "communication"
+        self.log_pane.border_title = "console"
+        self.log_pane.can_focus = False
+        self.devices.show(None)
+        self.comm.show([], {})
         self.ready = True
 
     def on_resize(self) -> None:
@@ -92,7 +101,7 @@ class DashboardScreen(Screen):
         for i, name in enumerate(board.names):
             if name not in self._cards:
                 card = self._cards[name] = RunCard(name, run_colour(i), id=f"card-{i}")
-                self.query_one("#cards").mount(card)
+                self.card_row.mount(card)
                 board.dirty_runs.add(name)
         if not self.selected and board.names:
             self.select(board.names[0], board)
@@ -107,13 +116,13 @@ class DashboardScreen(Screen):
             board.dirty_charts = False
             self._baseline_drawn = board.baseline
         if force or board.dirty_devices:
-            self.query_one(DevicePanel).show(board.devices)
+            self.devices.show(board.devices)
             board.dirty_devices = False
         if force or board.dirty_runs:
-            self.query_one(CommPanel).show(
+            self.comm.show(
                 [(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses)
         if self.selected and (force or self.selected in board.dirty_consoles or self.selected in board.dirty_runs):
-            self.query_one(LogPane).show(board.console(self.selected), board.states.get(self.selected))
+            self.log_pane.show(board.console(self.selected), board.states.get(self.selected))
         self._draw_status(board, started)
         board.dirty_runs.clear()
         board.dirty_consoles.clear()
@@ -122,14 +131,14 @@ class DashboardScreen(Screen):
         names = board.names
         colours = {n: run_colour(i) for i, n in enumerate(names)}
         states = board.states
-        self.query_one("#loss-chart", StepChart).set_series(
+        self.loss_chart.set_series(
             [series_of(states[n].losses, n, colours[n]) for n in names])
         base = states.get(board.baseline)
         diffs = [series_of(loss_diff(states[n], base), n, colours[n]) for n in names
                  if base is not None and n != board.baseline]
-        self.query_one("#diff-chart", StepChart).set_series(diffs, title=f"loss − {board.baseline or 'baseline'}")
+        self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}")
         units = {states[n].unit for n in names if states[n].throughput}
-        self.query_one("#rate-chart", StepChart).set_series(
+        self.rate_chart.set_series(
             [series_of(states[n].throughput, n, colours[n]) for n in names],
             title=" / ".join(sorted(units)) or "tokens/s")
 
@@ -143,9 +152,9 @@ class DashboardScreen(Screen):
         elif not started:
             parts.append("not started — press s to start")
         note = board.notices[-1].text if board.notices else ""
-        self.query_one("#title", Static).update(
+        self.title_bar.update(
             f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]")
-        self.query_one("#status", Static).update(" · ".join(parts) + (f"   [dim]{note}[/dim]" if note else ""))
+        self.status_bar.update(" · ".join(parts) + (f"   [dim]{note}[/dim]" if note else ""))
 
     # -- selection -------------------------------------------------------------------------------
 
@@ -154,7 +163,7 @@ class DashboardScreen(Screen):
         self.selected = run
         for name, card in self._cards.items():
             card.set_class(name == run, "-selected")
-        self.query_one(LogPane).follow(run, board.console(run), board.states.get(run))
+        self.log_pane.follow(run, board.console(run), board.states.get(run))
 
     def on_run_selected(self, message: RunSelected) -> None:
         """A card was clicked."""
@@ -170,7 +179,7 @@ class DashboardScreen(Screen):
 
     def action_toggle_log(self) -> None:
         """Show or hide the console pane."""
-        log = self.query_one(LogPane)
+        log = self.log_pane
         log.display = not log.display
 
     def select_first_failed(self, board: Board) -> None:

@@ -69,17 +69,18 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
 def artefacts(out_dir: str, run_names: list[str]) -> list[str]:
     """Return lines naming the files written for a comparison (missing ones said so)."""
     lines = []
-    for name in ("summary.json", "report.md", "comparison.json"):
+    for name in ("summary.json", "report.md", "comparison.json", "merged_trace.json"):
         path = os.path.join(out_dir, name)
-        lines.append(f"{name:<16} {display_path(path) if os.path.exists(path) else '(not written yet)'}")
+        if os.path.exists(path) or name != "merged_trace.json":
+            lines.append(f"{name:<17} {display_path(path) if os.path.exists(path) else '(not written yet)'}")
     plots = sorted(glob.glob(os.path.join(out_dir, "plots", "*.png")))
-    lines.append(f"{'plots':<16} " + (", ".join(os.path.basename(p) for p in plots) + f"  in {display_path(os.path.join(out_dir, 'plots'))}"
+    lines.append(f"{'plots':<17} " + (", ".join(os.path.basename(p) for p in plots) + f"  in {display_path(os.path.join(out_dir, 'plots'))}"
                                       if plots else "(none yet)"))
     for run in run_names:
         traces = sorted(glob.glob(os.path.join(out_dir, run, "traces", "**", "*.*"), recursive=True))
         where = display_path(os.path.join(out_dir, run, "traces"))
-        lines.append(f"{run + ' traces':<16} " + (f"{len(traces)} file(s) in {where}" if traces else "(none)"))
-        lines.append(f"{run + ' console':<16} {display_path(os.path.join(out_dir, run, 'console.log'))}")
+        lines.append(f"{run + ' traces':<17} " + (f"{len(traces)} file(s) in {where}" if traces else "(none)"))
+        lines.append(f"{run + ' console':<17} {display_path(os.path.join(out_dir, run, 'console.log'))}")
     return lines
 
 

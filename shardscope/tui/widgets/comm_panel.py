@@ -66,8 +66,9 @@ class CommPanel(Static):
                 continue
             per_step = source.get("per_step") or {}
             exposed = per_step.get("exposed_comm_s")
-            note = f"  exposed {exposed * 1000:.1f}ms/step" if isinstance(exposed, (int, float)) else ""
-            table.add_row(Text.assemble((f"■ {state.name}", f"bold {colour}"), (note, "dim")))
+            exposed_text = f"{exposed * 1000:.1f}ms" if isinstance(exposed, (int, float)) else ""
+            table.add_row(Text(f"■ {state.name}", f"bold {colour}"), Text(exposed_text, "dim"),
+                          Text("exposed" if exposed_text else "", "dim"))
             for name, t, count, nbytes in collectives(source):
                 any_rows = True
                 table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",

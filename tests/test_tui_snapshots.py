@@ -1,0 +1,65 @@
+"""Snapshot tests of the app's screens at 160x48 (pytest-textual-snapshot; update with --snapshot-update).
+
+The app runs from the repository root so paths on screen are the same on every machine, animations
+are off, and the data comes from the recorded fixture under tests/data/replay-smoke.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardscope.config import cpu_host
+from shardscope.tui.app import build_app
+from tui_fakes import FIXTURE, FakeReplaySource, REPO_ROOT
+
+SIZE = (160, 48)
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+
+
+def _app(**kwargs):
+    app = build_app(host=cpu_host(), **kwargs)
+    app.animation_level = "none"
+    return app
+
+
+async def _settle(pilot, finished: bool = True) -> None:
+    app = pilot.app
+    for _ in range(200):
+        if not finished or app.board.finished is not None:
+            break
+        await pilot.pause(0.05)
+    await pilot.pause(0.5)
+    app.redraw(force=True)
+    await pilot.pause(0.1)
+
+
+def test_presets_screen(snap_compare):
+    assert snap_compare(_app(), terminal_size=SIZE, run_before=lambda pilot: pilot.pause(0.3))
+
+
+def test_running_dashboard(snap_compare, tmp_path):
+    fake = FakeReplaySource(fraction=0.5)
+    app = _app(replay_dir=FIXTURE, source_factory=lambda c, out: fake)
+    assert snap_compare(app, terminal_size=SIZE, run_before=lambda pilot: _settle(pilot, finished=False))
+
+
+def test_failed_run_selected(snap_compare):
+    async def select_failed(pilot):
+        await _settle(pilot)
+        await pilot.click("#card-2")
+        await pilot.pause(0.3)
+
+    assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SIZE, run_before=select_failed)
+
+
+def test_report_screen(snap_compare):
+    async def open_report(pilot):
+        await _settle(pilot)
+        await pilot.press("o")
+        await pilot.pause(0.3)
+
+    assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SIZE, run_before=open_report)
