@@ -193,14 +193,22 @@ class Layout:
     precision: str
     low_precision_params: bool  # params/grads held in the compute dtype, fp32 masters in the optimizer
     activation_checkpointing: bool
+    master_copy: bool = False  # the optimizer keeps its own fp32 copy of its partition (ZeRO-1/2, 16-bit params)
+    flat_optimizer: bool = False  # the optimizer sees flat partitions (one step counter), not the model's tensors
 
 
 # Options that change what a strategy shards, by option name and value (the registry's ``shards``
-# is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option.
+# is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option. FSDP1's SHARD_GRAD_OP
+# holds sharded parameters at rest too; it only keeps them gathered from forward to backward.
 SHARDS_BY_OPTION: dict[str, dict[Any, str]] = {
-    "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "grads", "NO_SHARD": "none"},
+    "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "all", "NO_SHARD": "none"},
     "stage": {0: "none", 1: "optim", 2: "grads", 3: "all"},
 }
+
+
+def reshards_after_forward(options: dict[str, Any]) -> bool:
+    """False when gathered parameters stay gathered from forward to backward (no re-gather)."""
+    return bool(options.get("reshard_after_forward", True)) and options.get("sharding_strategy") != "SHARD_GRAD_OP"
 
 
 def shards_for(info: registry.StrategyInfo, options: dict[str, Any]) -> str:
@@ -219,7 +227,12 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None) -> La
     tp = info.tp_degree(options)
     precision = resolved_precision(c, run)
     low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
-    return Layout(ws, tp, max(1, ws // tp), shards_for(info, options), precision, low, run.activation_checkpointing)
+    shards = shards_for(info, options)
+    # Measured (benchmarks/memory_model.py): DeepSpeed ZeRO-1/2 keep a separate fp32 partition for
+    # the optimizer even in fp32 training; ZeRO-3 in fp32 steps its partitions in place.
+    master = low or (info.needs_deepspeed and shards in ("optim", "grads"))
+    return Layout(ws, tp, max(1, ws // tp), shards, precision, low, run.activation_checkpointing, master,
+                  info.needs_deepspeed)
 
 
 def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
@@ -241,10 +254,10 @@ def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dic
     param_numel = shard if sharded_p else full
     grad_numel = (shard if sharded_p else flat_shard) if sharded_g else full
     optim_numel = (shard if sharded_p else flat_shard) if sharded_o else full
-    # Per-tensor step counters where the optimizer sees the model's tensors; a flat ZeRO partition has one group.
-    counters = len(params) if (sharded_p or not sharded_o) else 1
+    # One step counter per tensor the optimizer sees: the model's tensors, or one flat partition.
+    counters = 1 if layout.flat_optimizer else len(params)
     optim = optim_numel * ADAM_MOMENT_BYTES + counters * STEP_COUNTER_BYTES
-    if layout.low_precision_params:
+    if layout.master_copy:
         optim += optim_numel * MASTER_BYTES
     out = {"param_bytes": param_numel * p_bytes, "grad_bytes": grad_numel * g_bytes, "optim_bytes": optim}
     out["model_state_bytes"] = sum(out.values())
@@ -303,7 +316,7 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
             blocks[key] = blocks.get(key, 0) + math.prod(tp_local(p, layout.tp))
         compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         # Without reshard-after-forward every unit stays gathered from its forward to its backward.
-        keep = not resolved_options(run).get("reshard_after_forward", True)
+        keep = not reshards_after_forward(resolved_options(run))
         gathered = (sum(blocks.values()) if keep else max(blocks.values(), default=0)) * compute_bytes
     activation_total = acts["layers"] + acts["logits"]
     return {
@@ -368,7 +381,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             parts["all_gather"] = local * gather_bytes
             basis.append("reduce-scatter of gradients + all-gather of updated parameters")
         else:
-            regather = bool(opts.get("reshard_after_forward", True))
+            regather = reshards_after_forward(opts)
             parts["all_gather"] = local * gather_bytes * (2 if regather else 1) * (accum if regather else 1)
             parts["reduce_scatter"] = local * reduce_bytes
             basis.append("all-gather in forward" + (" and backward" if regather else "") + " + reduce-scatter of gradients")
