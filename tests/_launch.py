@@ -142,3 +142,22 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 def grad_norms(result: LaunchResult, rank: int = 0) -> list[float]:
     """Return rank's per-step global gradient norms."""
     return [r["grad_norm"] for r in result.steps(rank)]
+
+
+def assert_matches(base: LaunchResult, other: LaunchResult, tol: float, *, layers: bool = False) -> dict[str, float]:
+    """Assert ``other`` trains like ``base``: identical step-0 loss, every step's loss and global grad
+    norm within ``tol`` and, with ``layers``, every per-layer grad and param norm within ``tol``.
+    Returns the measured maxima {"loss": ..., "grad_norm": ...}."""
+    assert other.losses()[0] == base.losses()[0], (other.losses()[0], base.losses()[0])
+    measured = {"loss": max_abs_diff(other.losses(), base.losses()),
+                "grad_norm": max_abs_diff(grad_norms(other), grad_norms(base))}
+    assert measured["loss"] <= tol and measured["grad_norm"] <= tol, measured
+    if layers:
+        mine, theirs = base.of_kind("layers"), other.of_kind("layers")
+        assert len(mine) == len(theirs) == len(base.steps())
+        for a, b in zip(mine, theirs):
+            for key in ("grad_norms", "param_norms"):
+                assert a[key].keys() == b[key].keys()
+                for layer, value in a[key].items():
+                    assert abs(value - b[key][layer]) <= tol, (key, a["step"], layer, value, b[key][layer])
+    return measured
