@@ -45,7 +45,12 @@ class Stopped(BaseException):
     """Raised in the main thread by the SIGTERM handler (BaseException: no ``except Exception`` eats it)."""
 
 
+_STOP_REQUESTED = False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global _STOP_REQUESTED
+    _STOP_REQUESTED = True
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills outright
     raise Stopped()
 
@@ -137,6 +142,16 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
         window.close()
 
 
+def write_failure(writer: events.RecordWriter, exc: BaseException, steps_completed: int) -> None:
+    """Print the traceback to stderr and write the ``error`` and ``end`` (failed) records."""
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    message = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    text = traceback.format_exc()
+    print(text, file=sys.stderr, flush=True)
+    writer.write(events.ERROR, message=message, traceback=text)
+    writer.write(events.END, status="failed", steps_completed=steps_completed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one rank; return its exit code (0 ok, 1 failed, 143 stopped, 2 bad usage)."""
     args = sys.argv[1:] if argv is None else argv
@@ -157,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
         code = EXIT_STOPPED
     except BaseException as exc:  # noqa: BLE001 - recorded, then the rank exits non-zero
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-        text = traceback.format_exc()
-        print(text, file=sys.stderr, flush=True)
-        writer.write(events.ERROR, message=message, traceback=text)
-        writer.write(events.END, status="failed", steps_completed=cfg.steps_completed)
-        code = EXIT_FAILED
+        if _STOP_REQUESTED:  # a peer stopped first and broke our collective: still a stop, not a failure
+            writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
+            code = EXIT_STOPPED
+        else:
+            write_failure(writer, exc, cfg.steps_completed)
+            code = EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # do not interrupt the cleanup
         if dist.is_initialized():
