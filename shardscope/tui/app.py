@@ -33,10 +33,10 @@ from shardscope.tui import source as sources
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path
 from shardscope.tui.messages import CommAnalysed, UpdatesArrived
-from shardscope.tui.screens.dashboard import DashboardScreen
 from shardscope.tui.screens.dialogs import ConfirmQuit, TooSmall
 from shardscope.tui.screens.presets import PresetsScreen
-from shardscope.tui.screens.report import ReportScreen
+
+# The dashboard (plotext) and the report are imported when first shown: the presets screen opens sooner.
 
 REDRAW_INTERVAL_S = 0.1
 MIN_SIZE = (80, 24)  # below this the layout cannot show cards, charts and panels at once
@@ -116,6 +116,8 @@ class ShardscopeApp(App):
 
     def attach(self, source: sources.Source, comparison: Comparison | None, title: str) -> None:
         """Subscribe to ``source`` and switch to the dashboard."""
+        from shardscope.tui.screens.dashboard import DashboardScreen
+
         self.source, self.comparison = source, comparison
         if comparison is not None:
             self.board.baseline = comparison.baseline or (comparison.runs[0].name if comparison.runs else "")
@@ -172,10 +174,10 @@ class ShardscopeApp(App):
             self.latencies.extend(board.take_latency())
 
     @property
-    def dashboard(self) -> DashboardScreen | None:
-        """The dashboard screen, if one is on the stack."""
+    def dashboard(self):
+        """The dashboard screen (``screens.dashboard.DashboardScreen``), if one is on the stack."""
         for screen in self.screen_stack:
-            if isinstance(screen, DashboardScreen):
+            if getattr(screen, "is_dashboard", False):
                 return screen
         return None
 
@@ -222,6 +224,8 @@ class ShardscopeApp(App):
 
     def action_report(self) -> None:
         """Open the report screen."""
+        from shardscope.tui.screens.report import ReportScreen
+
         if self.source is None:
             self.notify("Start a comparison first.")
         elif not isinstance(self.screen, ReportScreen):

@@ -25,10 +25,13 @@ from shardscope.tui.widgets.log_pane import LogPane
 from shardscope.tui.widgets.run_card import RunCard
 
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second, however fast records arrive
+CHART_BUDGET = 0.25  # and, when drawing is slow, take at most a quarter of the UI thread
 
 
 class DashboardScreen(Screen):
     """Side-by-side view of every run of one comparison."""
+
+    is_dashboard = True  # lets the app find it without importing this module early
 
     BINDINGS = [
         Binding("s", "app.start", "Start"),
@@ -110,7 +113,9 @@ class DashboardScreen(Screen):
             if name in self._cards:
                 self._cards[name].show(board.states[name], baseline=name == board.baseline)
         now = time.monotonic()
-        if force or baseline_changed or (board.dirty_charts and now - self._chart_t >= CHART_INTERVAL_S):
+        charts = (self.loss_chart, self.diff_chart, self.rate_chart)
+        interval = max(CHART_INTERVAL_S, sum(c.render_s for c in charts) / CHART_BUDGET)
+        if force or baseline_changed or (board.dirty_charts and now - self._chart_t >= interval):
             self._draw_charts(board)
             self._chart_t = now
             board.dirty_charts = False
@@ -131,15 +136,15 @@ class DashboardScreen(Screen):
         names = board.names
         colours = {n: run_colour(i) for i, n in enumerate(names)}
         states = board.states
-        self.loss_chart.set_series(
-            [series_of(states[n].losses, n, colours[n]) for n in names])
+        limit = self.loss_chart.points
+        self.loss_chart.set_series([series_of(states[n].losses, n, colours[n], limit) for n in names])
         base = states.get(board.baseline)
-        diffs = [series_of(loss_diff(states[n], base), n, colours[n]) for n in names
+        diffs = [series_of(loss_diff(states[n], base), n, colours[n], limit) for n in names
                  if base is not None and n != board.baseline]
         self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}")
         units = {states[n].unit for n in names if states[n].throughput}
         self.rate_chart.set_series(
-            [series_of(states[n].throughput, n, colours[n]) for n in names],
+            [series_of(states[n].throughput, n, colours[n], limit) for n in names],
             title=" / ".join(sorted(units)) or "tokens/s")
 
     def _draw_status(self, board: Board, started: bool) -> None:

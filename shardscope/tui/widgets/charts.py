@@ -6,6 +6,7 @@ changed and counts its redraws (the ingest benchmark checks the rate stays bound
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from textual_plotext import PlotextPlot
@@ -13,7 +14,7 @@ from textual_plotext import PlotextPlot
 from shardscope.orchestrator.state import RunState
 from shardscope.tui.format import rgb
 
-MAX_POINTS = 400  # points drawn per series; longer series are thinned evenly
+MAX_POINTS = 400  # points drawn per series at most; longer series are thinned evenly
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ def thin(points: list[tuple[int, float]], limit: int = MAX_POINTS) -> list[tuple
     return out
 
 
-def series_of(pairs: list[tuple[int, float]], label: str, colour: str) -> Series:
-    """Return a Series from (step, value) pairs, thinned for drawing."""
-    pts = thin(pairs)
+def series_of(pairs: list[tuple[int, float]], label: str, colour: str, limit: int = MAX_POINTS) -> Series:
+    """Return a Series from (step, value) pairs, thinned to ``limit`` points for drawing."""
+    pts = thin(pairs, limit)
     return Series(label, tuple(p[0] for p in pts), tuple(p[1] for p in pts), colour)
 
 
@@ -59,6 +60,7 @@ class StepChart(PlotextPlot):
         self.ylabel = ylabel
         self.empty = empty
         self.redraws = 0
+        self.render_s = 0.0  # how long the last redraw took; the dashboard spaces redraws by it
         self._series: tuple[Series, ...] = ()
 
     def set_series(self, series: list[Series], title: str | None = None) -> None:
@@ -71,8 +73,20 @@ class StepChart(PlotextPlot):
             self.title = title
         self.refresh()
 
+    @property
+    def points(self) -> int:
+        """Points worth drawing per series: braille draws two per cell across."""
+        return max(40, min(MAX_POINTS, 2 * (self.size.width or 100)))
+
     def render(self):
         """Rebuild the plot from the current series."""
+        started = time.perf_counter()
+        try:
+            return self._render_plot()
+        finally:
+            self.render_s = time.perf_counter() - started
+
+    def _render_plot(self):
         self.redraws += 1
         plt = self.plt
         plt.clear_data()
