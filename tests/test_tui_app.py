@@ -16,15 +16,9 @@ from shardscope.tui.screens.report import ReportScreen
 from shardscope.tui.widgets.charts import StepChart
 from shardscope.tui.widgets.log_pane import LogPane
 from shardscope.tui.widgets.run_card import RunCard
-from tui_fakes import FIXTURE, FakeReplaySource
+from tui_fakes import FIXTURE, FakeReplaySource, run_async
 
 SIZE = (160, 48)
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def replay_factory(comparison, out_dir):
@@ -45,6 +39,7 @@ def log_text(app) -> str:
     return "\n".join(line.text for line in app.screen.query_one(LogPane).lines)
 
 
+@run_async
 async def test_presets_knobs_validation_and_launch(tmp_path):
     app = build_app(host=cpu_host(), source_factory=replay_factory, out_dir=str(tmp_path / "out"))
     async with app.run_test(size=SIZE) as pilot:
@@ -80,6 +75,7 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         assert loss.redraws >= 1 and [len(s.xs) for s in loss._series] == [30, 30, 12]
 
 
+@run_async
 async def test_user_preset_file_errors_inline(tmp_path):
     bad = tmp_path / "mine.toml"
     bad.write_text('steps = "many"\n[[runs]]\nname = "a"\nstrategy = "ddp"\n')
@@ -100,6 +96,7 @@ async def test_user_preset_file_errors_inline(tmp_path):
         assert str(screen.query_one("#preset-path-error").render()) == ""
 
 
+@run_async
 async def test_replay_dashboard_failed_run_traceback_and_report():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=SIZE) as pilot:
@@ -130,6 +127,7 @@ async def test_replay_dashboard_failed_run_traceback_and_report():
     assert app.return_code in (0, None)
 
 
+@run_async
 async def test_baseline_switch_redraws_difference_chart():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=SIZE) as pilot:
@@ -142,6 +140,7 @@ async def test_baseline_switch_redraws_difference_chart():
         assert [s.label for s in diff._series] == ["ddp", "fsdp2-fault"]
 
 
+@run_async
 async def test_stop_restart_and_quit_with_active_runs(tmp_path):
     fake = FakeReplaySource(fraction=0.5)
     app = build_app(host=cpu_host(), source_factory=lambda c, out: fake, out_dir=str(tmp_path))
@@ -167,6 +166,7 @@ async def test_stop_restart_and_quit_with_active_runs(tmp_path):
     assert ("stop_all", "") in fake.calls
 
 
+@run_async
 async def test_threaded_source_posts_batches_to_the_ui_thread():
     fake = FakeReplaySource(threaded=True, batch=5, delay_s=0.005)
     app = build_app(replay_dir=FIXTURE, source_factory=lambda c, out: fake, host=cpu_host())
@@ -187,6 +187,7 @@ def _all_records():
 
 
 @pytest.mark.parametrize("size", [(80, 24), (100, 30)])
+@run_async
 async def test_small_terminals_work(size):
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=size) as pilot:
@@ -195,6 +196,7 @@ async def test_small_terminals_work(size):
         assert isinstance(app.screen, DashboardScreen)
 
 
+@run_async
 async def test_too_small_notice_comes_and_goes():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=(70, 20)) as pilot:
@@ -206,6 +208,7 @@ async def test_too_small_notice_comes_and_goes():
         assert isinstance(app.screen, DashboardScreen)
 
 
+@run_async
 async def test_command_palette_lists_the_app_actions():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=SIZE) as pilot:
@@ -214,6 +217,7 @@ async def test_command_palette_lists_the_app_actions():
         assert {"Start", "Stop run", "Restart run", "Set baseline", "Toggle log", "Report", "Export", "Quit"} <= titles
 
 
+@run_async
 async def test_export_writes_screenshot_and_copies_paths(tmp_path):
     import shutil
 

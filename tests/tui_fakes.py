@@ -7,6 +7,8 @@ RunDefined, StatusChanged, RecordsArrived, ConsoleText, DeviceSample, Comparison
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import os
 import threading
@@ -125,3 +127,11 @@ def fake_factory(**kwargs) -> Callable[[Comparison, str], FakeReplaySource]:
     def factory(comparison: Comparison, out_dir: str) -> FakeReplaySource:
         return FakeReplaySource(FIXTURE, **kwargs)
     return factory
+
+
+def run_async(test):
+    """Run an ``async def`` test with asyncio (no pytest async plugin needed)."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return wrapper
