@@ -61,7 +61,8 @@ def test_records_and_profiler_window(results):
     assert start["world_size"] == 2 and start["backend"] == "gloo" and start["precision"]["policy"] == "fp32"
     steps = result.steps()
     assert [s["step"] for s in steps] == list(range(8))
-    assert [s.get("profiled", False) for s in steps] == [False] * 3 + [True] * 2 + [False] * 3
+    # Window = steps 3 and 4, plus the profiler's warm-up step 2: all kept out of throughput.
+    assert [s.get("profiled", False) for s in steps] == [False] * 2 + [True] * 3 + [False] * 3
     assert all(s["tokens"] == 4 * 16 and s["tokens_per_s"] > 0 and s["mem_peak_bytes"] > 0 for s in steps)
     for rank in (0, 1):
         traces = result.of_kind("trace", rank)
@@ -69,7 +70,8 @@ def test_records_and_profiler_window(results):
         for trace in traces:
             assert trace["steps"] == [3, 4]
             events = json.loads((result.run_dir / trace["path"]).read_text())["traceEvents"]
-            assert events
+            markers = sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#"))
+            assert markers == ["ProfilerStep#3", "ProfilerStep#4"]
     assert (result.run_dir / "traces" / "rank1.trace.json").is_file()
     end = result.of_kind("end")[0]
     assert end["status"] == "ok" and end["steps_completed"] == 8

@@ -3,8 +3,8 @@
 Exports, per rank, a Chrome/Perfetto trace ``<run_dir>/traces/rank<R>.trace.json`` and the
 TensorBoard profiler plugin layout under ``<run_dir>/traces/tb/`` (via
 ``torch.profiler.tensorboard_trace_handler``), and returns one ``trace`` record payload per file.
-The profiler is started just before the first window step and stopped right after the last, so it
-never runs outside the window; ``close()`` stops it if training ended inside the window.
+The profiler records only inside the window (after one discarded warm-up step) and is fully
+stopped right after its last step; ``close()`` stops it if training ended inside the window.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import shutil
 from typing import Any
 
-from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 
 class ProfilerWindow:
@@ -22,6 +22,11 @@ class ProfilerWindow:
 
     Call ``begin_step(step)`` before and ``end_step(step)`` after every step; ``end_step`` returns
     the trace record payloads (dicts with path, format, steps) once the window closes, else [].
+
+    A ``torch.profiler.schedule`` drives the window so the trace carries ``ProfilerStep#<step>``
+    markers numbered by training step: idle until the step before the window (one warm-up step
+    whose events are discarded, so profiler start-up cost stays out of the trace), recording for
+    the window, then saved and stopped. The warm-up step is slowed too, so ``in_window`` covers it.
     """
 
     def __init__(self, run_dir: str, rank: int, *, enabled: bool, start_step: int, steps: int,
@@ -30,26 +35,35 @@ class ProfilerWindow:
         self.start, self.stop = start_step, start_step + steps
         # Profile only when the whole window fits in the run.
         self.enabled = enabled and steps > 0 and self.stop <= total_steps
+        self.warmup = 1 if start_step >= 1 else 0
         self.record_shapes = record_shapes
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof: profile | None = None
+        self._records: list[dict[str, Any]] = []
 
     def in_window(self, step: int) -> bool:
-        """Return True when ``step`` is profiled."""
-        return self.enabled and self.start <= step < self.stop
+        """Return True when ``step`` runs under the profiler (warm-up included): keep it out of throughput."""
+        return self.enabled and self.start - self.warmup <= step < self.stop
 
     def begin_step(self, step: int) -> None:
-        """Start the profiler before the window's first step."""
-        if self.enabled and step == self.start and self._prof is None:
-            self._prof = profile(activities=self.activities, record_shapes=self.record_shapes,
-                                 profile_memory=True, with_stack=False)
+        """Enter the (idle) profiler before the first step; the schedule wakes it for the window."""
+        if self.enabled and step == 0 and self._prof is None:
+            sched = schedule(skip_first=self.start - self.warmup, wait=0, warmup=self.warmup,
+                             active=self.stop - self.start, repeat=1)
+            self._prof = profile(activities=self.activities, schedule=sched, on_trace_ready=self._export,
+                                 record_shapes=self.record_shapes, profile_memory=True, with_stack=False)
             self._prof.__enter__()
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
-        """Stop and export after the window's last step; return the trace record payloads."""
-        if self._prof is None or step != self.stop - 1:
+        """Advance the schedule; after the window's last step the trace is saved and the profiler
+        fully stopped. Returns the trace record payloads written by this call."""
+        if self._prof is None:
             return []
-        return self._finish()
+        self._prof.step()  # after the last window step this saves the trace (calls _export)
+        if step >= self.stop - 1:
+            self.close()
+        out, self._records = self._records, []
+        return out
 
     def close(self) -> None:
         """Stop the profiler if it is still running (training ended or failed inside the window)."""
@@ -57,10 +71,7 @@ class ProfilerWindow:
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
 
-    def _finish(self) -> list[dict[str, Any]]:
-        prof, self._prof = self._prof, None
-        assert prof is not None
-        prof.__exit__(None, None, None)  # fully stopped before anything is written
+    def _export(self, prof: profile) -> None:
         steps = [self.start, self.stop - 1]
         traces = os.path.join(self.run_dir, "traces")
         tb_dir = os.path.join(traces, "tb")
@@ -73,8 +84,7 @@ class ProfilerWindow:
             shutil.copyfile(written[-1], chrome)
         else:
             prof.export_chrome_trace(chrome)
-        out = [{"path": os.path.relpath(chrome, self.run_dir), "format": "chrome", "steps": steps}]
+        self._records.append({"path": os.path.relpath(chrome, self.run_dir), "format": "chrome", "steps": steps})
         if written:
-            out.append({"path": os.path.relpath(written[-1], self.run_dir), "format": "tensorboard", "steps": steps})
-        return out
-
+            self._records.append({"path": os.path.relpath(written[-1], self.run_dir), "format": "tensorboard",
+                                  "steps": steps})
