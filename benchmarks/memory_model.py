@@ -5,7 +5,7 @@ profiler) at each world size, replays the run directories, and compares the memo
 per-rank model-state bytes with the exact ``memory`` records (every rank). Target: within 3% for
 every strategy. Prints a table and writes ``--json`` if asked.
 
-    python benchmarks/memory_model.py [--world-sizes 1,2,4] [--json out.json] [--keep DIR]
+    python benchmarks/memory_model.py [--world-sizes 1,2,4] [--json out.json] [--keep DIR | --existing DIR]
 """
 
 from __future__ import annotations
@@ -115,20 +115,21 @@ def main() -> int:
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--json", default="")
     parser.add_argument("--keep", default="", help="keep run directories here")
+    parser.add_argument("--existing", default="", help="compare the ws<N> run directories already in this folder")
     args = parser.parse_args()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ss-memmodel-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for ws in (int(x) for x in args.world_sizes.split(",")):
         began = time.time()
-        rows += compare(run_world_size(ws, work))
+        rows += compare(Path(args.existing) / f"ws{ws}" if args.existing else run_world_size(ws, work))
         print(f"world size {ws}: {time.time() - began:.0f} s", file=sys.stderr)
-    print(f"{'ws':>2} {'run':<17} {'shards':<6} {'status':<7} {'predicted B':>12} {'measured B':>12} {'error':>8}")
+    print(f"{'ws':>2} {'run':<17} {'shards':<6} {'status':<7} {'predicted B':>12} {'measured B':>12} {'worst |err|':>12}")
     bad = 0
     for r in rows:
-        err = "-" if r["error"] is None else f"{r['error']:+.2%}"
+        err = "-" if r["error"] is None else f"{r['error']:.2%}"
         print(f"{r['world_size']:>2} {r['run']:<17} {r['shards'] or '-':<6} {r['status']:<7} {r['predicted'] or 0:>12,} "
-              f"{r['measured'] or 0:>12,} {err:>8} {r['failure']}")
+              f"{r['measured'] or 0:>12,} {err:>12} {r['failure']}")
         bad += r["error"] is not None and abs(r["error"]) > 0.03
     ok = [r for r in rows if r["error"] is not None]
     print(f"{len(ok)} run/world-size pairs measured, {bad} beyond 3%; worst "

@@ -71,7 +71,7 @@ def test_fsdp2_shards_are_exact_on_every_rank(ws):
 
     c = _comparison(UNEVEN, RunSpec("fsdp2", "fsdp2"), ws=ws)
     params = memory_model.model_params(UNEVEN)
-    layout = memory_model.layout_for(c, c.runs[0])
+    layout = memory_model.layout_for(c, c.runs[0], notes={"shard_layout": "per-parameter"})  # FSDP2's DTensors
     for rank in sorted({0, ws - 1}):
         dist.init_process_group("fake", rank=rank, world_size=ws, store=FakeStore())
         try:
@@ -110,7 +110,8 @@ def test_tensor_parallel_splits_projections_only():
 
 
 def test_estimate_table_and_fit():
-    c = config.load_preset("ddp-vs-fsdp")
+    c = _comparison(ModelSpec(), RunSpec("ddp", "ddp"), RunSpec("fsdp2-full-shard", "fsdp2"),
+                    RunSpec("fsdp2-no-reshard", "fsdp2", options={"reshard_after_forward": False}))
     rows = estimate.estimate_table(c, 4, device_memory_bytes=2 ** 30)
     by_name = {r["run"]: r for r in rows}
     assert by_name["ddp"]["model_state_bytes"] == pytest.approx(16 * 91_877_376, rel=1e-4)

@@ -195,6 +195,8 @@ class Layout:
     activation_checkpointing: bool
     master_copy: bool = False  # the optimizer keeps its own fp32 copy of its partition (ZeRO-1/2, 16-bit params)
     flat_optimizer: bool = False  # the optimizer sees flat partitions (one step counter), not the model's tensors
+    shard_layout: str = "flat"  # "flat": each unit's elements split evenly (FSDP1, ZeRO-3, hand-written FSDP);
+    # "per-parameter": dim 0 of every tensor chunked (FSDP2's DTensors), so ranks can hold different amounts
 
 
 # Options that change what a strategy shards, by option name and value (the registry's ``shards``
@@ -219,8 +221,13 @@ def shards_for(info: registry.StrategyInfo, options: dict[str, Any]) -> str:
     return info.shards
 
 
-def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None) -> Layout:
-    """Return the run's layout at ``world_size`` (default: the run's own)."""
+def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
+               notes: dict[str, Any] | None = None) -> Layout:
+    """Return the run's layout at ``world_size`` (default: the run's own).
+
+    ``notes`` (the strategy facts of a run's ``start`` record) may say ``shard_layout``; else the
+    registry entry's ``shard_layout`` attribute if it has one; else "flat".
+    """
     info = registry.get(run.strategy)
     ws = world_size or resolved_world_size(c, run)
     options = resolved_options(run)
@@ -231,8 +238,19 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None) -> La
     # Measured (benchmarks/memory_model.py): DeepSpeed ZeRO-1/2 keep a separate fp32 partition for
     # the optimizer even in fp32 training; ZeRO-3 in fp32 steps its partitions in place.
     master = low or (info.needs_deepspeed and shards in ("optim", "grads"))
+    shard_layout = str((notes or {}).get("shard_layout") or getattr(info, "shard_layout", "") or "flat")
     return Layout(ws, tp, max(1, ws // tp), shards, precision, low, run.activation_checkpointing, master,
-                  info.needs_deepspeed)
+                  info.needs_deepspeed, shard_layout)
+
+
+def unit_numels(params: list[Param], tp: int = 1) -> dict[str, int]:
+    """Elements per sharding unit: one per block (``layers.<i>.``), the rest in a "root" unit."""
+    units: dict[str, int] = {}
+    for p in params:
+        match = _LAYER.search(p.name)
+        key = match.group(0) if match else "root"
+        units[key] = units.get(key, 0) + math.prod(tp_local(p, tp))
+    return units
 
 
 def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
@@ -245,8 +263,10 @@ def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dic
         p_bytes = g_bytes = compute_bytes
     dp, r = layout.dp, rank % max(1, layout.dp)
     full = sum(math.prod(tp_local(p, layout.tp)) for p in params)
-    # FSDP2-style: each tensor's dim 0 chunked; ZeRO-style flat partitions are within a few elements of it.
-    shard = sum(dim0_shard_numel(tp_local(p, layout.tp), dp, r) for p in params)
+    if layout.shard_layout == "per-parameter":
+        shard = sum(dim0_shard_numel(tp_local(p, layout.tp), dp, r) for p in params)
+    else:  # every rank holds ceil(unit / dp) of each unit (padding included)
+        shard = sum(math.ceil(n / dp) for n in unit_numels(params, layout.tp).values())
     flat_shard = math.ceil(full / dp)
     sharded_p = layout.shards == "all"
     sharded_g = layout.shards in ("grads", "all")
@@ -309,11 +329,7 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
     # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one.
     gathered = 0
     if layout.shards == "all" and layout.dp > 1:
-        blocks: dict[str, int] = {}
-        for p in params:
-            match = _LAYER.search(p.name)
-            key = match.group(0) if match else "root"
-            blocks[key] = blocks.get(key, 0) + math.prod(tp_local(p, layout.tp))
+        blocks = unit_numels(params, layout.tp)
         compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         # Without reshard-after-forward every unit stays gathered from its forward to its backward.
         keep = not reshards_after_forward(resolved_options(run))

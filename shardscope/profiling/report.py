@@ -42,7 +42,8 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
         if st is None:
             continue
         try:
-            layout = memory_model.layout_for(c, run, st.world_size or None)
+            notes = (st.start.get(0) or {}).get("notes") or {}
+            layout = memory_model.layout_for(c, run, st.world_size or None, notes)
             predicted = memory_model.predict_run(c, run, st.world_size or None)
             params = memory_model.model_params(c.model)
         except (KeyError, ValueError) as err:
