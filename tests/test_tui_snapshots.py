@@ -37,7 +37,13 @@ async def _settle(pilot, finished: bool = True) -> None:
     await pilot.pause(0.1)
 
 
-def test_presets_screen(snap_compare):
+def test_presets_screen(snap_compare, monkeypatch):
+    # Only the first two built-ins, so adding a preset does not change this picture.
+    from shardscope.config import list_presets
+    from shardscope.tui.screens import presets
+
+    two = [p for p in list_presets() if p[0] in ("ddp-vs-fsdp", "smoke")]
+    monkeypatch.setattr(presets, "list_presets", lambda: two)
     assert snap_compare(_app(), terminal_size=SIZE, run_before=lambda pilot: pilot.pause(0.3))
 
 

@@ -68,9 +68,25 @@ class Board:
         return list(self.states)
 
     def ingest(self, updates: list[st.Update]) -> None:
-        """Fold one batch of updates and mark what must be redrawn."""
-        changed = st.fold(updates, self.states)
-        self.dirty_runs |= changed
+        """Fold one batch of updates and mark what must be redrawn.
+
+        A run starting again after it had steps (a restart) begins with a fresh history, so its
+        charts do not mix two attempts; its console keeps both, with a marker between them.
+        """
+        segment: list[st.Update] = []
+        for update in updates:
+            if isinstance(update, st.StatusChanged) and update.status == st.STARTING:
+                old = self.states.get(update.run)
+                if old is not None and old.steps_completed:
+                    self.dirty_runs |= st.fold(segment, self.states)
+                    segment = []
+                    self.states[update.run] = st.RunState(
+                        name=old.name, strategy=old.strategy, world_size=old.world_size, steps_total=old.steps_total,
+                        precision=old.precision, options=old.options, run_dir=old.run_dir)
+                    self.console(update.run).add("\n── restarted ──\n")
+                    self.dirty_charts = True
+            segment.append(update)
+        self.dirty_runs |= st.fold(segment, self.states)
         for update in updates:
             if isinstance(update, st.RecordsArrived):
                 self.records += len(update.records)

@@ -168,6 +168,8 @@ class DashboardScreen(Screen):
         self.selected = run
         for name, card in self._cards.items():
             card.set_class(name == run, "-selected")
+            if name == run:
+                card.scroll_visible()
         self.log_pane.follow(run, board.console(run), board.states.get(run))
 
     def on_run_selected(self, message: RunSelected) -> None:
