@@ -14,7 +14,7 @@ from shardscope.engines import data, memory_accounting, norms, precision
 from shardscope.engines.faults import Fault
 from shardscope.engines.init_weights import load_init, write_init
 from shardscope.engines.model import Transformer, build_model, count_parameters
-from shardscope.engines.optim import lr_at
+from shardscope.engines.optim import LossScaler, clip_by_global_norm, lr_at
 
 TINY = ModelSpec(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16)
 
@@ -180,3 +180,30 @@ def test_memory_accounting_counts_each_storage_once() -> None:
     assert got["optim_bytes"] == 40 + 40 + 4  # exp_avg, exp_avg_sq, step (fp32 scalar)
     base = torch.zeros(8)
     assert memory_accounting.tensor_bytes([base[:4], base[4:]]) == 32  # views at different offsets
+
+
+def test_clip_by_global_norm_scales_the_parameters_grads() -> None:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    norm = clip_by_global_norm([a, b], max_norm=1.0)
+    assert float(norm) == pytest.approx(5.0)  # the norm before clipping
+    assert torch.allclose(torch.cat([a.grad, b.grad]).norm(), torch.tensor(1.0), atol=1e-5)
+    norm = clip_by_global_norm([a, b], max_norm=0.0)  # 0 = measure only
+    assert float(norm) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_loss_scaler_skips_overflow_and_backs_off() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    assert float(scaler.scale_loss(torch.tensor(1.5))) == 12.0
+    p.grad = torch.tensor([8.0, 16.0])
+    assert scaler.unscale_and_check(opt)  # no process group: this rank's verdict only
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0]))
+    p.grad = torch.tensor([float("inf"), 1.0])
+    assert not scaler.unscale_and_check(opt)
+    scaler.update(False)
+    assert scaler.scale == 4.0
+    scaler.update(True)
+    scaler.update(True)
+    assert scaler.scale == 8.0  # grows after growth_interval finite steps
