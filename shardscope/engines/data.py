@@ -114,7 +114,7 @@ def text_source(comparison: Any) -> BatchSource:
 DATA_SOURCES: dict[str, str] = {
     "synthetic": "shardscope.engines.data:synthetic_source",
     "text": "shardscope.engines.data:text_source",
-    "images": "shardscope.engines.vit:image_source",
+    "images": "shardscope.engines.images:image_source",
 }
 
 
