@@ -51,6 +51,8 @@ def costs(run_dir: str) -> dict:
     wall_plain = [w for w, r in zip(walls, steps[1:]) if not r.get("profiled")]
     # The export runs after the window's last step, so it lands in the next interval too.
     wall_without = statistics.median(wall_plain) * len(walls)
+    # Time between profiled steps' records beyond their own step time: starting, stopping, exporting.
+    outside = sum(w - r["step_time_s"] for w, r in zip(walls, steps[1:]) if r.get("profiled"))
     chrome = traces.rank_trace_paths(run_dir)
     every = glob.glob(os.path.join(run_dir, "traces", "**", "*.json"), recursive=True)
     return {
@@ -58,6 +60,8 @@ def costs(run_dir: str) -> dict:
         "step_time_cost": 1 - without / with_window,
         "wall_cost": 1 - wall_without / wall_with,
         "profiled_step_slowdown": (statistics.fmean(r["step_time_s"] for r in profiled) / mean_plain) if profiled else None,
+        "outside_steps_s": outside,
+        "run_wall_s": wall_with,
         "plain_step_cv": statistics.pstdev(r["step_time_s"] for r in plain) / mean_plain,
         "trace_mb": sum(map(os.path.getsize, chrome)) / 1e6,
         "trace_mb_with_tb": sum(map(os.path.getsize, every)) / 1e6,
@@ -91,7 +95,7 @@ def main() -> int:
         worst = max(worst, c["step_time_cost"])
         print(f"{os.path.basename(run_dir)}: {c['steps']} steps, {c['profiled_steps']} profiled; window cost "
               f"{c['step_time_cost']:.1%} of average throughput (step time), {c['wall_cost']:.1%} (wall clock, "
-              f"with export); profiled steps {c['profiled_step_slowdown']:.2f}x; unprofiled step CV "
+              f"with export: {c['outside_steps_s']:.2f} s of {c['run_wall_s']:.2f} s); profiled steps {c['profiled_step_slowdown']:.2f}x; unprofiled step CV "
               f"{c['plain_step_cv']:.0%}; traces {c['ranks']} ranks {c['trace_mb']:.1f} MB "
               f"({c['trace_mb_with_tb']:.1f} MB with TensorBoard copies)")
     print(f"run directory: {out}")

@@ -183,8 +183,10 @@ def _finding(e: dict[str, Any], tolerance: float) -> str:
         parts.append("per-layer gradient norms agree")
     else:
         parts.append("no per-layer norms recorded (set parity = true to locate the layer)")
-    if e["likely_causes"]:
+    if e["likely_causes"] and (e["loss"] or g):
         parts.append("likely cause: " + e["likely_causes"][0])
+    elif e["likely_causes"]:
+        parts.append("differences noted: " + e["likely_causes"][0])
     return "; ".join(parts) + "."
 
 
