@@ -23,7 +23,10 @@ def results(tmp_path_factory):
         RunSpec("hw-keep", "fsdp-handwritten", options={"reshard_after_forward": False}),
         RunSpec("hw-ac", "fsdp-handwritten", activation_checkpointing=True),
     ]
-    return launch_all(tmp_path_factory.mktemp("handwritten"), tiny_comparison(runs, steps=6, parity=True))
+    # Two micro-batches per step: the hand-written FSDP reduce-scatters after each and accumulates
+    # into its shard gradients, while DDP skips the first all-reduce (no_sync).
+    comparison = tiny_comparison(runs, steps=6, parity=True, global_batch=8, grad_accum=2)
+    return launch_all(tmp_path_factory.mktemp("handwritten"), comparison)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
