@@ -73,7 +73,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     """Train for ``settings.steps`` steps, writing step/memory/layers/trace records; return the
     number of steps completed. Exceptions propagate (the worker records them)."""
     autocast_dtype = loop_autocast_dtype(settings.precision, prep.handles_precision)
-    scaler = LossScaler() if settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision else None
+    # fp16 loss scaling in the loop, unless the strategy does its own (DeepSpeed) or has no torch optimizer.
+    scaled = settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision
+    scaler = LossScaler() if scaled else None
     tokens = cfg.global_batch * cfg.tokens_per_sample
     rates: list[float] = []
     for step in range(settings.steps):
@@ -82,26 +84,27 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
+        micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
         lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
                    min_lr_ratio=cfg.min_lr_ratio)
         assert prep.set_lr is not None and prep.zero_grad is not None
         prep.set_lr(lr)
         prep.zero_grad()
-        loss_sum = _forward_backward(prep, ctx, micro_batches(step), autocast_dtype, scaler)
+        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler)
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         grad_norm, skipped = _clip_and_step(prep, settings, scaler, ctx)
         handle.wait()
         loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
-        _sync(ctx.device)
+        _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
         dt = time.perf_counter() - t0
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
         rate = (tokens or cfg.global_batch) / dt
-        if not profiled:
+        if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
         if step % cfg.log_every == 0 or step == settings.steps - 1:
             record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
