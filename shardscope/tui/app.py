@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from rich.markup import escape
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -111,7 +112,8 @@ class ShardscopeApp(App):
         except (OSError, RuntimeError, ValueError, ImportError) as err:  # ConfigError is a ValueError
             self.notify(f"Cannot start: {err}", severity="error", timeout=10)
             return
-        self.attach(source, comparison, comparison.name + (f" [dim]{' '.join(overrides)}[/dim]" if overrides else ""))
+        extra = f" [dim]{escape(' '.join(overrides))}[/dim]" if overrides else ""
+        self.attach(source, comparison, comparison.name + extra)
         self.action_start()
 
     def attach(self, source: sources.Source, comparison: Comparison | None, title: str) -> None:
@@ -157,7 +159,7 @@ class ShardscopeApp(App):
     def on_comm_analysed(self, message: CommAnalysed) -> None:
         """Keep a run's communication analysis for the communication panel."""
         self.board.analyses[message.run] = message.analysis
-        self.board.dirty_runs.add(message.run)
+        self.board.dirty_comm = True
 
     def redraw(self, force: bool = False) -> None:
         """Push what changed on the board into the dashboard; raise notices as toasts."""

@@ -57,6 +57,7 @@ class Board:
     dirty_consoles: set[str] = field(default_factory=set)
     dirty_devices: bool = False
     dirty_charts: bool = False
+    dirty_comm: bool = False
     new_notices: list[st.Notice] = field(default_factory=list)
     # Write times of records not yet on screen (only when a benchmark asks for them).
     track_latency: bool = False
@@ -91,8 +92,11 @@ class Board:
             if isinstance(update, st.RecordsArrived):
                 self.records += len(update.records)
                 self.dirty_charts = True
-                if any(r.get("kind") == "trace" for r in update.records):
+                kinds = {r.get("kind") for r in update.records}
+                if "trace" in kinds:
                     self.to_analyse.add(update.run)
+                if "comm" in kinds:
+                    self.dirty_comm = True
                 if self.track_latency:
                     self.pending_t.extend(float(r.get("t", 0.0)) for r in update.records)
             elif isinstance(update, st.ConsoleText):
@@ -134,5 +138,5 @@ class Board:
         """Forget what changed (after a redraw)."""
         self.dirty_runs.clear()
         self.dirty_consoles.clear()
-        self.dirty_devices = self.dirty_charts = False
+        self.dirty_devices = self.dirty_charts = self.dirty_comm = False
         self.new_notices = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, HorizontalScroll
@@ -55,6 +56,7 @@ class DashboardScreen(Screen):
         self._cards: dict[str, RunCard] = {}
         self._chart_t = 0.0
         self._baseline_drawn = ""
+        self._bars = ("", "")
 
     def compose(self) -> ComposeResult:
         """Lay out the dashboard (cards are mounted as runs are defined)."""
@@ -123,9 +125,9 @@ class DashboardScreen(Screen):
         if force or board.dirty_devices:
             self.devices.show(board.devices)
             board.dirty_devices = False
-        if force or board.dirty_runs:
-            self.comm.show(
-                [(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses)
+        if force or board.dirty_comm:
+            self.comm.show([(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses)
+            board.dirty_comm = False
         if self.selected and (force or self.selected in board.dirty_consoles or self.selected in board.dirty_runs):
             self.log_pane.show(board.console(self.selected), board.states.get(self.selected))
         self._draw_status(board, started)
@@ -156,10 +158,13 @@ class DashboardScreen(Screen):
             parts.append("finished — press o for the report")
         elif not started:
             parts.append("not started — press s to start")
-        note = board.notices[-1].text if board.notices else ""
-        self.title_bar.update(
-            f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]")
-        self.status_bar.update(" · ".join(parts) + (f"   [dim]{note}[/dim]" if note else ""))
+        note = board.notices[-1].text.splitlines()[0] if board.notices else ""
+        title = f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]"
+        status = " · ".join(parts) + (f"   [dim]{escape(note)}[/dim]" if note else "")
+        if (title, status) != self._bars:  # the same text again would still cost a repaint
+            self._bars = (title, status)
+            self.title_bar.update(title)
+            self.status_bar.update(status)
 
     # -- selection -------------------------------------------------------------------------------
 

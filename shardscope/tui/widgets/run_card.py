@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
-from rich.console import Group
-from rich.progress_bar import ProgressBar
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.orchestrator.state import RunState
-from shardscope.tui.format import (
-    STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate,
-)
+from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
 from shardscope.tui.messages import RunSelected
 
 
+def _row(left: Text, right: Text, width: int) -> Text:
+    """Return ``left`` and ``right`` on one line of ``width`` cells (left is cut first)."""
+    room = max(0, width - right.cell_len - 1)
+    if left.cell_len > room:
+        left.truncate(room, overflow="ellipsis")
+    return Text.assemble(left, " " * max(1, width - left.cell_len - right.cell_len), right)
+
+
+def _bar(fraction: float, width: int, colour: str) -> Text:
+    done = int(round(max(0.0, min(1.0, fraction)) * width))
+    return Text.assemble(("━" * done, colour), ("━" * (width - done), "grey30"))
+
+
 class RunCard(Static):
-    """A run's card. Click it to select the run; the parent sets ``state`` through ``show``."""
+    """A run's card. Click it to select the run; the parent calls ``show`` with the run's state.
+
+    Built from plain Text lines (no Rich tables): eight cards redraw ten times a second.
+    """
 
     DEFAULT_CSS = """
     RunCard { height: 7; border: round $panel-lighten-2; padding: 0 1; }
@@ -29,36 +40,45 @@ class RunCard(Static):
         super().__init__(**kwargs)
         self.run = run
         self.colour = colour
-        self.baseline = False
+        self._state: RunState | None = None
+        self._baseline = False
+        self._drawn: tuple = ()
 
     def show(self, state: RunState, *, baseline: bool) -> None:
-        """Redraw the card from ``state``."""
-        self.baseline = baseline
+        """Redraw the card from ``state`` (only if what it shows changed)."""
+        self._state, self._baseline = state, baseline
+        width = self.content_size.width or 30
+        key = (width, baseline, state.status, state.steps_completed, state.steps_total, state.loss, state.rate,
+               state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s))
+        if key == self._drawn:
+            return
+        self._drawn = key
         self.set_class(state.status == "failed", "-failed")
         title = Text.assemble(("■ ", self.colour), (state.name, "bold"))
         if baseline:
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
         self.border_subtitle = Text(state.status, STATUS_STYLE.get(state.status, "")).markup
-        self.update(self._body(state))
+        self.update(self._body(state, width))
 
-    def _body(self, s: RunState) -> Group:
-        total = s.steps_total or 1
-        bar = ProgressBar(total=total, completed=min(s.steps_completed, total), complete_style=self.colour,
-                          finished_style=self.colour, pulse=False, animation_time=0)
+    def on_resize(self) -> None:
+        """Lines are laid out for a width: lay them out again."""
+        if self._state is not None:
+            self.show(self._state, baseline=self._baseline)
+
+    def _body(self, s: RunState, width: int) -> Text:
         opts = ", ".join(f"{k}={v}" for k, v in s.options.items())
-        head = Table.grid(expand=True)
-        head.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
-        head.add_row(Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim"))
-        head.add_row(bar)
-        grid = Table.grid(expand=True)
-        grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
-        grid.add_column(justify="right", no_wrap=True)
+        head = Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim")
+        head.truncate(width, overflow="ellipsis")
         eta = f"ETA {human_duration(s.eta_s)}" if s.status == "running" else ""
-        grid.add_row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"))
-        grid.add_row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.rate)} {s.unit}"))
-        grid.add_row(Text("peak memory", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"))
-        return Group(head, grid)
+        lines = [
+            head,
+            _bar(s.progress, width, self.colour),
+            _row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"), width),
+            _row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.rate)} {s.unit}"), width),
+            _row(Text("peak memory", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"), width),
+        ]
+        return Text("\n").join(lines)
 
     def on_click(self) -> None:
         """Tell the dashboard this run was chosen."""
