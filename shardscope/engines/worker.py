@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = init_distributed(spec)
         run_rank(spec, ctx, writer, cfg)
-    except Stopped:
+    except (Stopped, KeyboardInterrupt):  # SIGTERM from the orchestrator or torchrun; Ctrl-C in a terminal
         writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
         code = EXIT_STOPPED
     except BaseException as exc:  # noqa: BLE001 - recorded, then the rank exits non-zero
