@@ -28,8 +28,8 @@ def _comparison(model: ModelSpec, *runs: RunSpec, ws: int = 2) -> config.Compari
     ModelSpec(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256, seq_len=64),
     UNEVEN,
     ModelSpec(kind="vit", d_model=48, n_layers=2, n_heads=4, d_ff=96, image_size=32, patch_size=4),
-    pytest.param(ModelSpec(kind="hf", hf_layers=1), marks=pytest.mark.skipif(
-        importlib.util.find_spec("transformers") is None, reason="needs transformers")),
+    pytest.param(ModelSpec(kind="hf", hf_layers=1), marks=[pytest.mark.slow, pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None, reason="needs transformers")]),  # 136 M embedding: ~15 s
 ])
 def test_parameter_shapes_match_the_real_model(spec):
     from shardscope.engines.model import build_model

@@ -157,6 +157,7 @@ def compare_runs(base_losses: list[tuple[int, float]], run_losses: list[tuple[in
     causes = likely_causes(base_start, run_start) if base_start and run_start else []
     entry = {
         "diverged": loss is not None,
+        "common_steps": len({s for s, _ in base_losses} & {s for s, _ in run_losses}),
         "first_loss_step": loss["step"] if loss else None,
         "loss": loss,
         "first_grad_layer": grad,
@@ -173,8 +174,10 @@ def _finding(e: dict[str, Any], tolerance: float) -> str:
     if e["loss"]:
         lo = e["loss"]
         parts.append(f"loss first differs at step {lo['step']} (|Δ| {lo['abs_diff']:.3g} > {tolerance:g})")
+    elif not e.get("common_steps"):
+        parts.append("no common steps with the baseline to compare")
     else:
-        parts.append(f"loss within {tolerance:g} of the baseline at every common step")
+        parts.append(f"loss within {tolerance:g} of the baseline at all {e['common_steps']} common steps")
     g = e["first_grad_layer"]
     if g:
         parts.append(f"gradient norms first differ at step {g['step']} in {g['layer']} "
