@@ -34,7 +34,7 @@ communication for not keeping full gradients between micro-batches).
 
 Left out for clarity, and done by torch's FSDP: prefetching the next unit's all-gather and running
 collectives on a separate stream so communication overlaps compute. Here every collective blocks,
-which is why this implementation is slower, not why it is different: results match DDP.
+so this implementation is slower than torch's, but it computes the same thing: results match DDP.
 """
 
 from __future__ import annotations
