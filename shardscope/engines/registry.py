@@ -157,11 +157,12 @@ register(
         description="DeepSpeed AutoTP on a Hugging Face model: linears split tp ways automatically, "
                     "ZeRO 0-2 over dp = world / tp",
         options={
-            "tp": OptionSpec(int, 2, "tensor-parallel degree (DeepSpeed autotp_size)", minimum=1),
+            "tp": OptionSpec(int, 2, "tensor-parallel degree (DeepSpeed autotp_size)", minimum=2),
             "stage": OptionSpec(int, 1, "ZeRO stage over the data-parallel group: 0, 1 or 2", minimum=0),
             "bucket_mb": _DS_BUCKET,
         },
         needs_deepspeed=True,
+        min_world_size=2,
         tp_option="tp",
         models=("hf",),
         shards="optim",  # at the default stage 1
@@ -176,9 +177,10 @@ register(
         description="FSDP2 over dp x DTensor tensor parallel over tp on a 2-D mesh: q/k/v and MLP up "
                     "column-wise, output and down projections row-wise",
         options={
-            "tp": OptionSpec(int, 2, "tensor-parallel degree (the mesh's tp dimension)", minimum=1),
+            "tp": OptionSpec(int, 2, "tensor-parallel degree (the mesh's tp dimension)", minimum=2),
             "reshard_after_forward": _BOOL_RESHARD,
         },
+        min_world_size=2,
         tp_option="tp",
         shards="all",
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
