@@ -26,6 +26,7 @@ from shardscope.tui.widgets.log_pane import LogPane
 from shardscope.tui.widgets.run_card import RunCard
 
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second, however fast records arrive
+MIN_CARD_WIDTH = 30
 CHART_BUDGET = 0.25  # and, when drawing is slow, take at most a quarter of the UI thread
 
 
@@ -98,6 +99,15 @@ class DashboardScreen(Screen):
         self.set_class(h < 40, "-short")
         self.set_class(h < 30, "-tiny")
         self.set_class(w < 130, "-narrow")
+        self._size_cards()
+
+    def _size_cards(self) -> None:
+        # Cards share the row while each gets MIN_CARD_WIDTH cells; beyond that the row scrolls.
+        if not self._cards:
+            return
+        width = max(MIN_CARD_WIDTH, self.app.size.width // len(self._cards))
+        for card in self._cards.values():
+            card.styles.width = width
 
     # -- data down -------------------------------------------------------------------------------
 
@@ -108,6 +118,7 @@ class DashboardScreen(Screen):
                 card = self._cards[name] = RunCard(name, run_colour(i), id=f"card-{i}")
                 self.card_row.mount(card)
                 board.dirty_runs.add(name)
+                self._size_cards()
         if not self.selected and board.names:
             self.select(board.names[0], board)
         baseline_changed = board.baseline != self._baseline_drawn
