@@ -35,6 +35,15 @@ async def wait_for(pilot, predicate, timeout: float = 5.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+def rich_text(renderable) -> str:
+    """Return what a Rich renderable prints, as plain text."""
+    from rich.console import Console
+
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
 def log_text(app) -> str:
     return "\n".join(line.text for line in app.screen.query_one(LogPane).lines)
 
@@ -230,3 +239,22 @@ async def test_export_writes_screenshot_and_copies_paths(tmp_path):
         await pilot.pause()
         assert (run_dir / "shardscope-dashboard.svg").is_file()
         assert str(run_dir / "summary.json") in app.clipboard
+
+
+@run_async
+async def test_device_panel_labels_gpus_with_run_and_ranks():
+    from shardscope.orchestrator import state as st
+    from shardscope.tui.messages import UpdatesArrived
+
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        sample = st.DeviceSample((
+            st.DeviceReading("GPU0 NVIDIA H100", "gpu", 40 * 2**30, 80 * 2**30, 97.0, 512.0, run="ddp", ranks=(0, 1)),
+            st.DeviceReading("GPU1 NVIDIA H100", "gpu", 1 * 2**30, 80 * 2**30, 0.0, 70.0),
+        ), "nvml")
+        app.post_message(UpdatesArrived([sample]))
+        await pilot.pause(0.3)
+        text = rich_text(app.screen.devices.content)
+        assert "GPU0 NVIDIA H100" in text and "ddp ranks 0,1" in text and "idle" in text
+        assert "40.0 GiB/80.0 GiB" in text and "97%" in text
