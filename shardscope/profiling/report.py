@@ -275,14 +275,20 @@ def _traces_md(s: dict[str, Any]) -> str:
         return ""
     lines = ["## Traces\n"]
     for name, paths in t.items():
-        for path in paths["chrome"]:
-            lines.append(f"- {name}: `{os.path.relpath(path, s['out_dir'])}`")
+        chrome = [os.path.relpath(p, s["out_dir"]) for p in paths["chrome"]]
+        line = f"- {name}: "
+        if len(chrome) > 1:
+            line += f"{len(chrome)} rank traces `{os.path.dirname(chrome[0])}/rank<R>.trace.json`"
+        elif chrome:
+            line += f"`{chrome[0]}`"
         if paths.get("tensorboard_dir"):
-            lines.append(f"- {name} (TensorBoard): `{os.path.relpath(paths['tensorboard_dir'], s['out_dir'])}/`")
+            line += f"; TensorBoard: `{os.path.relpath(paths['tensorboard_dir'], s['out_dir'])}/`"
+        lines.append(line)
     if s.get("merged_trace"):
         lines.append(f"\nAll runs in one timeline (one process per run, one thread per rank, aligned at the first "
                      f"profiled step): `{os.path.relpath(s['merged_trace'], s['out_dir'])}`. Open it, or any rank's "
                      f"trace, at https://ui.perfetto.dev (Open trace file) or chrome://tracing.")
-    lines.append("\nTensorBoard's profiler plugin (`pip install torch-tb-profiler`): "
-                 "`tensorboard --logdir <run>/traces/tb` and open the PYTORCH_PROFILER tab; each rank is a worker.")
+    lines.append(f"\nTensorBoard's profiler plugin (`pip install torch-tb-profiler`): `tensorboard --logdir "
+                 f"{s['out_dir']}` lists every run's `traces/tb` folder as a run (or give one run's folder), then "
+                 f"open the PYTORCH_PROFILER tab; each rank is a worker.")
     return "\n".join(lines) + "\n"
