@@ -48,6 +48,7 @@ def test_fsdp2_holds_about_half_the_model_state(results):
         mem = results[name].of_kind("memory")[0]
         assert mem["when"] == "after_first_step"
         assert mem["model_state_bytes"] == mem["param_bytes"] + mem["grad_bytes"] + mem["optim_bytes"]
+        print(name, "model_state_bytes / ddp =", mem["model_state_bytes"] / ddp["model_state_bytes"])
         assert mem["model_state_bytes"] <= 0.55 * ddp["model_state_bytes"]
     # DDP in fp32 with AdamW: 4 (param) + 4 (grad) + 8 (moments) bytes per parameter, plus step counters.
     params = results["ddp"].of_kind("start")[0]["params"]

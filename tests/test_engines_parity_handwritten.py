@@ -37,6 +37,7 @@ def test_handwritten_matches_ddp(results, name):
 def test_handwritten_model_state_is_the_local_shards(results):
     ddp = results["ddp"].of_kind("memory")[0]
     hw = results["hw-ac"].of_kind("memory")[0]
+    print("handwritten model_state_bytes / ddp =", hw["model_state_bytes"] / ddp["model_state_bytes"])
     assert 0.45 * ddp["model_state_bytes"] <= hw["model_state_bytes"] <= 0.55 * ddp["model_state_bytes"]
     shard_numel = results["hw-ac"].of_kind("start")[0]["notes"]["shard_numel"]
     assert hw["param_bytes"] == hw["grad_bytes"] == 4 * shard_numel
