@@ -58,6 +58,7 @@ class DashboardScreen(Screen):
         self._chart_t = 0.0
         self._baseline_drawn = ""
         self._bars = ("", "")
+        self._comm_final = False
 
     def compose(self) -> ComposeResult:
         """Lay out the dashboard (cards are mounted as runs are defined)."""
@@ -136,8 +137,10 @@ class DashboardScreen(Screen):
         if force or board.dirty_devices:
             self.devices.show(board.devices)
             board.dirty_devices = False
-        if force or board.dirty_comm:
-            self.comm.show([(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses)
+        if force or board.dirty_comm or (board.finished is not None and not self._comm_final):
+            self._comm_final = board.finished is not None
+            self.comm.show([(board.states[n], run_colour(i)) for i, n in enumerate(board.names)], board.analyses,
+                           finished=self._comm_final)
             board.dirty_comm = False
         if self.selected and (force or self.selected in board.dirty_consoles or self.selected in board.dirty_runs):
             self.log_pane.show(board.console(self.selected), board.states.get(self.selected))
@@ -154,7 +157,8 @@ class DashboardScreen(Screen):
         base = states.get(board.baseline)
         diffs = [series_of(loss_diff(states[n], base), n, colours[n], limit) for n in names
                  if base is not None and n != board.baseline]
-        self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}")
+        same = bool(diffs) and all(s.ys and not any(s.ys) for s in diffs)
+        self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}" + (" (identical)" if same else ""))
         units = {states[n].unit for n in names if states[n].throughput}
         self.rate_chart.set_series(
             [series_of(states[n].throughput, n, colours[n], limit) for n in names],

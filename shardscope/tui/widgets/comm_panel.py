@@ -47,10 +47,15 @@ def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float |
     return sorted(out, key=lambda row: -(row[1] or 0))
 
 
+EMPTY_FINISHED = ("No communication figures: no run recorded a profiler window. The window is set by "
+                  "profile.start_step and profile.steps in the preset (it must start before the last step).")
+
+
 class CommPanel(Static):
     """Shows each run's collectives (rank 0's figures); the parent calls ``show``."""
 
-    def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]]) -> None:
+    def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]],
+             finished: bool = False) -> None:
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record, else the run's trace analysis."""
         table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False)
         table.add_column("collective", ratio=1, min_width=8, no_wrap=True, overflow="ellipsis", header_style="dim")
@@ -74,4 +79,4 @@ class CommPanel(Static):
                 table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
         self.update(Group(Text("collectives per profiled step", "dim italic"), table) if any_rows
-                    else Text(EMPTY, "dim"))
+                    else Text(EMPTY_FINISHED if finished else EMPTY, "dim"))

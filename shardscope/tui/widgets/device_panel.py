@@ -30,7 +30,7 @@ class DevicePanel(Static):
     def show(self, sample: DeviceSample | None) -> None:
         """Redraw from ``sample`` (None: explain that nothing was sampled yet)."""
         if sample is None or not sample.readings:
-            self.update(Text("No device samples: they arrive while runs are live (a replay has none).", "dim"))
+            self.update(Text("No device samples yet: they arrive while runs are live.", "dim"))
             return
         width = max(6, (self.size.width or 40) // 4)
         table = Table.grid(padding=(0, 1), expand=True)

@@ -15,7 +15,7 @@ class LogPane(RichLog):
     """Tails one run's console. The parent calls ``follow`` to switch runs and ``show`` to append."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(max_lines=2000, wrap=True, markup=False, highlight=False, **kwargs)
+        super().__init__(max_lines=2000, wrap=True, min_width=20, markup=False, highlight=False, **kwargs)
         self.run = ""
         self._seen = 0
         self._error_shown = ""
