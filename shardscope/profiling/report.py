@@ -251,7 +251,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
             "compute (GPU kernels; on CPU, the training thread's operators). Theory: "]
     bases = {c.get("theory", {}).get("basis") for c in runs.values() if c.get("theory")}
     text.append("; ".join(sorted(b for b in bases if b)) or "-")
-    notes = {c.get("mfu_note") for c in runs.values() if c.get("mfu_note")}
+    notes = {c.get(key) for c in runs.values() for key in ("mfu_note", "note") if c.get(key)}
     if notes:
         text.append(". " + "; ".join(sorted(notes)))
     return "".join(text) + ".\n"

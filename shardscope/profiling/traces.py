@@ -614,9 +614,12 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
             theory = memory_model.expected_comm(spec)
         except (OSError, ValueError, KeyError) as err:
             theory = {"error": str(err)}
-        if theory.get("bytes_per_step"):
+        if theory.get("bytes_per_step") and out["comm_bytes_per_step"]:
             theory["ratio"] = out["comm_bytes_per_step"] / theory["bytes_per_step"]
         out["theory"] = theory
+    if out.get("collectives") and not out["comm_bytes_per_step"]:
+        # gloo's launch events carry sizes only in their recorded input shapes
+        out["note"] = "collective sizes unknown: traces recorded without shapes (set profile.record_shapes = true)"
     return out
 
 
