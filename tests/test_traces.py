@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -142,8 +143,15 @@ def _torchrun_job(out: Path, strategy: str) -> dict:
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(REPO / "tests" / "profiling_trace_job.py"), str(out),
            strategy, "4", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=100, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        console, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank share its session
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, console[-4000:]
     return json.loads((out / "params.json").read_text())
 
 
