@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -77,12 +78,29 @@ def main(ctx: click.Context) -> None:
         _open_app(preset=None)
 
 
+def _terminate_on(signals: tuple[int, ...], handler: Any) -> None:
+    for sig in signals:
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):  # not the main thread, or a signal this platform lacks
+            pass
+
+
+def _kill_runs_and_exit(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGHUP while the app runs: stop every torchrun job this process started, then exit."""
+    from shardscope.orchestrator.session import terminate_all
+
+    terminate_all()
+    os._exit(128 + signum)
+
+
 def _open_app(**kwargs: Any) -> None:
     try:
         from shardscope.tui.app import build_app
     except ImportError as err:
         fail_usage(f"the terminal app is unavailable ({err}); use `shardscope run --headless`")
     app = build_app(**kwargs)
+    _terminate_on((signal.SIGTERM, signal.SIGHUP), _kill_runs_and_exit)
     code = app.run()
     sys.exit(code if isinstance(code, int) else EXIT_OK)
 
@@ -131,6 +149,9 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
         fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
     session = Session(comparison, out, device=dev)
+    # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
+    # stopped, marked stopped, and the summary is still written.
+    _terminate_on((signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
     code = _run_headless(session)
     summary = _load_summary(out)
     if check_parity and summary is not None and code == EXIT_OK:

@@ -95,8 +95,9 @@ def test_fault_fails_only_its_run(tmp_path, kind):
     assert leftover_processes(str(out)) == []
 
 
-def test_sigint_stops_runs_and_writes_summary(tmp_path):
-    out = tmp_path / "sigint"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_runs_and_writes_summary(tmp_path, sig):
+    out = tmp_path / f"signal-{sig}"
     proc = subprocess.Popen([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(out),
                              "--set", "steps=100000", "--set", "profile.enabled=false"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -105,7 +106,7 @@ def test_sigint_stops_runs_and_writes_summary(tmp_path):
     while time.time() < deadline and not (rank0.exists() and '"kind":"step"' in rank0.read_text()):
         time.sleep(0.5)
     assert rank0.exists(), "the first run never started"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     output, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1, output[-3000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}

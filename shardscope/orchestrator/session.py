@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +28,20 @@ from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
 Subscriber = Callable[[list[Update]], None]
+_LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # sessions started in this process
+
+
+def terminate_all(grace_s: float = 3.0) -> None:
+    """Stop the torchrun jobs of every live session in this process now (for SIGTERM/SIGHUP handlers).
+
+    Safe to call from a signal handler on the main thread: it signals and reaps processes itself
+    instead of waiting for the session threads.
+    """
+    for session in list(_LIVE):
+        session.stop_all()
+        for active in list(session._active.values()):
+            active.stop_reason = active.stop_reason or "stopped"
+            active.proc.stop(grace_s)
 
 
 def default_out_dir(preset_name: str, root: str = "shardscope-runs") -> str:
@@ -103,6 +118,7 @@ class Session:
         if self._thread is not None:
             raise RuntimeError("session already started")
         self._thread = threading.Thread(target=self._main, name="shardscope-session", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
 
     def stop_run(self, name: str) -> None:
