@@ -3,7 +3,7 @@
 HYBRID_SHARD runs with its default layout: a 2-rank shard group inside the one node and a single
 replica (the same communication as FULL_SHARD). A 2-replica x 1-rank-shard layout is refused by the
 strategy, because FSDP1 silently clamps a one-rank shard group to NO_SHARD and then never
-all-reduces across replicas; the last test checks that refusal reaches the error record.
+all-reduces across replicas (test_engines_worker_faults.py checks that refusal reaches the error record).
 NO_SHARD runs in the gradient-accumulation test.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import assert_matches, launch, launch_all, tiny_comparison
+from _launch import assert_matches, launch_all, tiny_comparison
 from shardscope.config import RunSpec
 
 pytestmark = pytest.mark.slow
@@ -22,12 +22,7 @@ MODES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     runs = [RunSpec("ddp", "ddp")] + [RunSpec(m.lower(), "fsdp1", options={"sharding_strategy": m}) for m in MODES]
-    runs.append(RunSpec("hybrid-1", "fsdp1", options={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 1}))
-    comparison = tiny_comparison(runs, steps=6, parity=True)
-    out = tmp_path_factory.mktemp("fsdp1")
-    found = launch_all(out, comparison, ["ddp"] + [m.lower() for m in MODES])
-    found["hybrid-1"] = launch(out, comparison, "hybrid-1")
-    return found
+    return launch_all(tmp_path_factory.mktemp("fsdp1"), tiny_comparison(runs, steps=6, parity=True))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -46,11 +41,3 @@ def test_fsdp1_shards_model_state(results, mode):
     # Flat shards carry a little padding, so slightly over half.
     assert 0.45 * ddp <= mine <= 0.55 * ddp
 
-
-def test_hybrid_with_one_rank_shards_is_refused(results):
-    failed = results["hybrid-1"]
-    assert failed.returncode != 0
-    error = failed.of_kind("error")[0]
-    assert error["message"].startswith("ValueError: HYBRID_SHARD with a shard group of 1 rank")
-    assert "Traceback" in error["traceback"]
-    assert failed.of_kind("end")[0]["status"] == "failed"

@@ -1,6 +1,6 @@
 """End to end: a rank that fails writes an ``error`` record (one-line message, full traceback) and an
 ``end`` record with status failed, and torchrun exits non-zero; a crashed rank (``os._exit``) leaves
-the job failed without hanging the survivor."""
+the job failed without hanging the survivor; a layout a strategy refuses fails with its reason."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     runs = [RunSpec("raise", "ddp", fault="rank=1,step=2,kind=raise"),
-            RunSpec("exit", "fsdp2", fault="rank=0,step=1,kind=exit")]
+            RunSpec("exit", "fsdp2", fault="rank=0,step=1,kind=exit"),
+            RunSpec("hybrid-1", "fsdp1", options={"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 1})]
     comparison = tiny_comparison(runs, steps=5)
     out = prepare(tmp_path_factory.mktemp("faults"), comparison)
     return {r.name: launch(out, comparison, r.name) for r in runs}
@@ -37,3 +38,14 @@ def test_crashed_rank_fails_the_job(results):
     assert result.returncode != 0
     assert not result.of_kind("end", rank=0)  # os._exit: no chance to write anything
     assert [s["step"] for s in result.steps(rank=0)] == [0]
+
+
+def test_hybrid_with_one_rank_shards_is_refused(results):
+    """FSDP1 would clamp a one-rank shard group to NO_SHARD and never all-reduce across replicas."""
+    failed = results["hybrid-1"]
+    assert failed.returncode != 0
+    for rank in (0, 1):
+        error = failed.of_kind("error", rank)[0]
+        assert error["message"].startswith("ValueError: HYBRID_SHARD with a shard group of 1 rank")
+        assert "Traceback" in error["traceback"]
+        assert failed.of_kind("end", rank)[0]["status"] == "failed"
