@@ -3,15 +3,16 @@
 Launches every registered CPU-capable strategy under real torchrun (gloo, world size 2, fp32,
 3 steps) on the same model and reads each rank-0 ``memory`` record: parameter, gradient and
 optimizer bytes counted from the strategy's real local tensors (``Prepared.model_state_bytes``).
-Prints each strategy's bytes and its ratio to DDP. Tensor-parallel strategies run tp 2 x dp 1.
+Prints each strategy's bytes and its ratio to DDP, then the DeepSpeed stages again in bf16-params
+(the ZeRO paper's mixed-precision setting). Tensor-parallel strategies run tp 2 x dp 1.
 DeepSpeed AutoTP only takes a Hugging Face model, so it is measured on the Qwen2 layout
 against its own DDP run on that model.
 
     python benchmarks/memory_states.py [--d-model 256] [--layers 4] [--hf-layers 4]
 
-Reference (ZeRO paper, fp32 Adam, N ranks): DDP 16Ψ; ZeRO-1 4+4+12/N (DeepSpeed keeps an extra
-fp32 master partition even in fp32, so 4+4+12/N); ZeRO-2 4+(4+12)/N plus reduction buffers;
-ZeRO-3 16Ψ/N.
+Expected bytes per parameter, N ranks, fp32 (DeepSpeed keeps a separate fp32 master partition even
+when parameters are fp32): DDP 16; ZeRO-1 4 + 4 + 12/N; ZeRO-2 4 + 16/N; ZeRO-3 20/N. In
+bf16-params: ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N (the ZeRO paper's figures).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from shardscope.config import ModelSpec, RunSpec  # noqa: E402
 from shardscope.engines import registry  # noqa: E402
 
 
-def measure(out: Path, model: ModelSpec, names: list[str], seq_len: int) -> dict[str, dict[str, int]]:
-    """Launch ``ddp`` and ``names`` on ``model``; return {name: last memory record of rank 0}."""
-    runs = [RunSpec(n, n, world_size=2) for n in ["ddp", *names]]
+def measure(out: Path, model: ModelSpec, names: list[str], precision: str = "fp32") -> dict[str, dict[str, int]]:
+    """Launch ``ddp`` and ``names`` on ``model`` in ``precision``; return {name: last memory record of rank 0}."""
+    runs = [RunSpec(n, n, world_size=2, precision=precision) for n in ["ddp", *names]]
     comparison = tiny_comparison(runs, model=model, steps=3, global_batch=4)
     prepare(out, comparison)
     records = {}
@@ -70,11 +71,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         on_transformer = [n for n in cpu if "transformer" in registry.get(n).models]
         report(f"model-state bytes per rank, world size 2, fp32, transformer d={args.d_model} L={args.layers}",
-               measure(Path(tmp) / "transformer", transformer, on_transformer, 32))
+               measure(Path(tmp) / "transformer", transformer, on_transformer))
+        zero = [n for n in on_transformer if registry.get(n).needs_deepspeed]
+        report("the same in bf16-params (bf16 params/grads, fp32 master + moments; DDP keeps fp32 params)",
+               measure(Path(tmp) / "bf16", transformer, zero, "bf16-params"))
         on_hf = [n for n in cpu if n not in on_transformer]
         if on_hf:
             report(f"model-state bytes per rank, world size 2, fp32, qwen2-tiny with {args.hf_layers} layers",
-                   measure(Path(tmp) / "hf", hf, on_hf, 32))
+                   measure(Path(tmp) / "hf", hf, on_hf))
     return 0
 
 

@@ -241,6 +241,10 @@ def prepare_engine(
 _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
                "ipg_buffer")
 
+# ...and the fp32 master partitions (ZeRO-1/2, ZeRO-3, the stage-0 bf16 optimizer). ZeRO-3 swaps
+# them into the inner optimizer's param groups only while it steps, so they are read here.
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
 
 class _StateCounter:
     """Counts this rank's model-state bytes from the engine's real tensors.
@@ -286,7 +290,7 @@ class _StateCounter:
         params = self._param_storages()
         optim: dict[int, int] = {}
         opt = self.engine.optimizer
-        for p in _inner_params(opt):
+        for p in _inner_params(opt) + [t for name in _MASTER_ATTRS for t in _tensors(getattr(opt, name, None))]:
             _add(optim, p.data, skip=params)
         inner = getattr(opt, "optimizer", opt)
         for state in inner.state.values():
