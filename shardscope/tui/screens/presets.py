@@ -6,6 +6,7 @@ Every change re-validates through ``config.load_preset`` with ``--set``-style ov
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -42,7 +43,8 @@ class PresetsScreen(Screen):
         yield Static("[b]shardscope[/b] · choose a comparison", id="title")
         with Horizontal(id="presets-main"):
             with Vertical(id="preset-side"):
-                yield OptionList(*[Option(name, id=name) for name, _ in list_presets()], id="preset-list")
+                yield OptionList(*[Option(_entry(name, desc), id=name) for name, desc in list_presets()],
+                                 id="preset-list")
                 yield Input(placeholder="path/to/preset.toml ⏎", id="preset-path")
                 yield Static("", id="preset-path-error", classes="field-error")
             with VerticalScroll(id="preset-detail"):
@@ -89,7 +91,7 @@ class PresetsScreen(Screen):
             return
         presets = self.query_one("#preset-list", OptionList)
         if self.choose(path) and not _has_option(presets, path):
-            presets.add_option(Option(f"{path} (file)", id=path))
+            presets.add_option(Option(_entry(path, "your preset file"), id=path))
 
     def choose(self, name_or_path: str) -> bool:
         """Load a preset and fill the form; show its error instead if it does not load."""
@@ -186,6 +188,12 @@ class PresetsScreen(Screen):
     def action_focus_path(self) -> None:
         """Move the cursor to the preset path field."""
         self.query_one("#preset-path", Input).focus()
+
+
+def _entry(name: str, description: str, limit: int = 48) -> Text:
+    """A preset's line in the list: its name and the start of its description."""
+    short = description if len(description) <= limit else description[: limit - 1].rstrip() + "…"
+    return Text.assemble((name, "bold"), "\n", (short, "dim"))
 
 
 def _has_option(option_list: OptionList, option_id: str) -> bool:
