@@ -231,6 +231,8 @@ def prepare_engine(
         backward=backward,
         zero_grad=lambda: engine.zero_grad(),
         set_lr=set_lr,
+        # no_sync stays a no-op: with unmanaged accumulation stages 0/1 reduce only in step(),
+        # and stages 2/3 must reduce-scatter every micro-batch into their gradient partitions.
         handles_precision=True,
         notes=facts,
     )
