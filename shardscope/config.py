@@ -77,7 +77,8 @@ class ProfileSpec:
     enabled: bool = True
     start_step: int = 5
     steps: int = 2
-    record_shapes: bool = True
+    record_shapes: bool = True  # needed for collective sizes on gloo
+    profile_memory: bool = False  # allocation events in the trace (bigger traces)
 
 
 @dataclass

@@ -47,6 +47,7 @@ class StrategyInfo:
     tp_option: str | None = None  # name of the option holding the tensor-parallel degree
     models: tuple[str, ...] = ("transformer", "hf", "vit")
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
+    shard_layout: str = "flat"  # "flat": each unit's elements split evenly; "per-parameter": each tensor's dim 0
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
 
     def tp_degree(self, options: dict[str, Any]) -> int:
@@ -93,6 +94,7 @@ register(
             "reduce_dtype": OptionSpec(str, "auto", "dtype of gradient reduce-scatter", choices=("auto", "fp32", "bf16", "fp16")),
         },
         shards="all",
+        shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0
     )
 )
 
@@ -183,6 +185,7 @@ register(
         min_world_size=2,
         tp_option="tp",
         shards="all",
+        shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )

@@ -69,6 +69,13 @@ def versions() -> dict[str, str]:
     return out
 
 
+def device_name(device: torch.device) -> str:
+    """Return the accelerator's marketing name (for MFU's peak table), or the CPU model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def init_distributed(spec: dict[str, Any]) -> RankContext:
     """Initialise the process group and device mesh from torchrun's environment; return the RankContext.
 
@@ -128,8 +135,9 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     prof = comparison.profile
     window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
-                            cuda=ctx.device.type == "cuda")
+                            cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
+                 device_name=device_name(ctx.device),
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes)

@@ -30,13 +30,14 @@ class ProfilerWindow:
     """
 
     def __init__(self, run_dir: str, rank: int, *, enabled: bool, start_step: int, steps: int,
-                 total_steps: int, record_shapes: bool, cuda: bool) -> None:
+                 total_steps: int, record_shapes: bool, cuda: bool, profile_memory: bool = False) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.start, self.stop = start_step, start_step + steps
         # Profile only when the whole window fits in the run.
         self.enabled = enabled and steps > 0 and self.stop <= total_steps
         self.warmup = 1 if start_step >= 1 else 0
-        self.record_shapes = record_shapes
+        self.record_shapes = record_shapes  # keep on: gloo collectives' sizes come only from recorded shapes
+        self.profile_memory = profile_memory  # off by default: allocation events are ~15% of a trace's bytes
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof: profile | None = None
         self._records: list[dict[str, Any]] = []
@@ -51,7 +52,8 @@ class ProfilerWindow:
             sched = schedule(skip_first=self.start - self.warmup, wait=0, warmup=self.warmup,
                              active=self.stop - self.start, repeat=1)
             self._prof = profile(activities=self.activities, schedule=sched, on_trace_ready=self._export,
-                                 record_shapes=self.record_shapes, profile_memory=True, with_stack=False)
+                                 record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                                 with_stack=False)
             self._prof.__enter__()
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
@@ -80,8 +82,13 @@ class ProfilerWindow:
         tensorboard_trace_handler(tb_dir, worker_name=worker)(prof)
         written = sorted(glob.glob(os.path.join(tb_dir, f"{worker}.*.pt.trace.json")), key=os.path.getmtime)
         chrome = os.path.join(traces, f"rank{self.rank}.trace.json")
-        if written:  # same Chrome-format content; copy rather than export a second time
-            shutil.copyfile(written[-1], chrome)
+        if written:  # same Chrome-format content: a hard link (a copy where links fail) rather than a second export
+            try:
+                if os.path.exists(chrome):
+                    os.remove(chrome)
+                os.link(written[-1], chrome)
+            except OSError:
+                shutil.copyfile(written[-1], chrome)
         else:
             prof.export_chrome_trace(chrome)
         self._records.append({"path": os.path.relpath(chrome, self.run_dir), "format": "chrome", "steps": steps})
