@@ -113,3 +113,14 @@ def test_fsdp2_tp_start_record_names_the_plan(results):
     start = results["fsdp2-tp"].of_kind("start")[0]
     assert start["tp"] == 2 and start["dp"] == 2
     assert start["notes"]["tp_plan"]["layers.*.attn.q_proj"] == "colwise"
+
+
+@pytest.mark.parametrize("preset", ["tp-verification", "zero-stages", "vit", "parity"])
+def test_presets_validate_on_a_cpu_host(preset):
+    comparison = config.load_preset(preset, host=config.cpu_host())
+    assert "?" in comparison.description  # each preset's description is the question it answers
+    if preset == "parity":
+        from shardscope.engines import registry
+
+        assert comparison.parity and comparison.precision == "fp32" and comparison.steps == 20
+        assert {r.strategy for r in comparison.runs} == {n for n in registry.names() if not registry.get(n).gpu_only}
