@@ -5,8 +5,9 @@ replaces its linears: q/k/v and MLP up/gate become column-parallel (``LinearLaye
 dim split), the attention output and MLP down projections row-parallel (``LinearAllreduce``:
 input dim split, partial sums all-reduced). Embeddings, norms and the (tied) LM head stay
 replicated. Data-parallel size = world / tp; ZeRO (stage 0, 1 or 2) shards over the
-data-parallel group only. ZeRO-3 is refused at validation (DeepSpeed's AutoTP training
-tutorial supports stages 0-2).
+data-parallel group only. ZeRO-3 is refused at validation: DeepSpeed's AutoTP training
+tutorial documents stages 0-2 (0.19.8's engine source claims stage 3 works too, but that path is
+neither documented for training nor tested here); for sharded parameters with TP use fsdp2-tp.
 
 DeepSpeed makes its own TP and DP groups (TP = consecutive ranks). They must be the groups the
 worker's ``("dp", "tp")`` mesh made, or the shared data slices would not line up; ``apply``
