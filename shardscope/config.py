@@ -545,8 +545,9 @@ def _check_autotp_zero_stage(c: Comparison, run: RunSpec, tp: int, dp: int) -> s
     """DeepSpeed AutoTP training combines with ZeRO stages 0-2 only (its AutoTP training tutorial)."""
     stage = resolved_options(run).get("stage", 0)
     if stage not in (0, 1, 2):
+        sharded_tp = ", ".join(s.name for s in registry.STRATEGIES.values() if s.tp_option and s.shards == "all")
         return (f"options.stage = {stage}: DeepSpeed AutoTP (tp = {tp}, dp = {dp}) trains with ZeRO stage 0, 1 or 2; "
-                f"for sharded parameters with tensor parallelism use fsdp2-tp")
+                f"for sharded parameters with tensor parallelism use {sharded_tp}")
     return ""
 
 

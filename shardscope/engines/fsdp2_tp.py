@@ -79,7 +79,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     tp = int(options.get("tp", 2))
     names = tuple(getattr(ctx.mesh, "mesh_dim_names", None) or ())
     if names != ("dp", "tp") or ctx.tp_size != tp:
-        raise ValueError(f"fsdp2-tp needs a ('dp', 'tp') mesh with tp = {tp}; got dims {names} and tp_size {ctx.tp_size}")
+        raise ValueError(f"FSDP2 with tensor parallelism needs a ('dp', 'tp') mesh with tp = {tp}; got dims {names} and tp_size {ctx.tp_size}")
     kind = settings.extra.get("model_kind") or tp_plan.kind_of(model)
     mp = mixed_precision({}, settings.precision)
     reshard = bool(options.get("reshard_after_forward", True))
