@@ -7,7 +7,7 @@ input dim split, partial sums all-reduced). Embeddings, norms and the (tied) LM 
 replicated. Data-parallel size = world / tp; ZeRO (stage 0, 1 or 2) shards over the
 data-parallel group only. ZeRO-3 is refused at validation: DeepSpeed's AutoTP training
 tutorial documents stages 0-2 (0.19.8's engine source claims stage 3 works too, but that path is
-neither documented for training nor tested here); for sharded parameters with TP use fsdp2-tp.
+neither documented for training nor tested here); for sharded parameters with TP use FSDP2 + TP.
 
 DeepSpeed makes its own TP and DP groups (TP = consecutive ranks). They must be the groups the
 worker's ``("dp", "tp")`` mesh made, or the shared data slices would not line up; ``apply``
