@@ -11,6 +11,7 @@ host sync per step, which the step time needs anyway.
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import statistics
 import time
@@ -59,8 +60,14 @@ def device_memory(device: torch.device) -> dict[str, int]:
             "mem_reserved_bytes": torch.cuda.memory_reserved(device),
         }
     # ru_maxrss is in KiB on Linux: the peak resident set of this process.
-    return {"rss_bytes": psutil.Process().memory_info().rss,
+    return {"rss_bytes": _this_process().memory_info().rss,
             "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+@functools.lru_cache(maxsize=1)
+def _this_process() -> psutil.Process:
+    """This rank's process handle, made once: building one per step costs syscalls on the hot path."""
+    return psutil.Process()
 
 
 def _sync(device: torch.device) -> None:
