@@ -17,6 +17,7 @@ from typing import Any, Callable
 from shardscope.config import Comparison
 from shardscope.events import read_records
 from shardscope.orchestrator import state
+from shardscope.orchestrator.session import Completion
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import tail_text
 
@@ -55,14 +56,9 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
 def replay_updates(out_dir: str) -> list[Update]:
     """Return every update a live session would have published for ``out_dir``, in order."""
     comparison = load_comparison(out_dir)
-    summary = None
     summary_path = os.path.join(out_dir, "summary.json")
-    if os.path.exists(summary_path):
-        try:
-            with open(summary_path, encoding="utf-8") as fh:
-                summary = json.load(fh)
-        except ValueError:
-            summary = None
+    summary = _read_json(summary_path)
+    summary = summary if isinstance(summary, dict) else None
     updates: list[Update] = []
     for run in comparison.runs:
         run_dir = os.path.join(out_dir, run.name)
@@ -130,7 +126,7 @@ def _read_json(path: str) -> Any:
         return None
 
 
-class ReplaySource:
+class ReplaySource(Completion):
     """A run directory as a source with the ``Session`` API; control calls only post a notice.
 
     ``speed`` None publishes everything at once; otherwise updates are paced by their record
@@ -185,16 +181,6 @@ class ReplaySource:
 
     def stop_all(self) -> None:
         """Nothing to stop in a replay."""
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the replay has published everything; return its exit code."""
-        self._done.wait(timeout)
-        return self.exit_code if self._done.is_set() else None
-
-    @property
-    def finished(self) -> bool:
-        """True once everything was published."""
-        return self._done.is_set()
 
 
 def _paced(updates: list[Update], speed: float, chunk: int = 8) -> list[tuple[list[Update], float]]:

@@ -66,7 +66,24 @@ class _Active:
     ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
 
 
-class Session:
+class Completion:
+    """The end of a source's work: ``wait`` and ``finished`` (shared by Session and ReplaySource)."""
+
+    exit_code: int | None
+    _done: threading.Event
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Block until the work ends (or ``timeout``); return the exit code, or None if not ended."""
+        self._done.wait(timeout)
+        return self.exit_code if self._done.is_set() else None
+
+    @property
+    def finished(self) -> bool:
+        """True once everything ended (a session: every run ended and the reports were written)."""
+        return self._done.is_set()
+
+
+class Session(Completion):
     """Runs a comparison's runs as real torchrun jobs and publishes what happens."""
 
     def __init__(
@@ -132,16 +149,6 @@ class Session:
     def stop_all(self) -> None:
         """Stop every run; queued runs are marked ``stopped``. The summary is still written."""
         self._requests.append(("stop_all", ""))
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the comparison ends (or ``timeout``); return the exit code or None."""
-        self._done.wait(timeout)
-        return self.exit_code if self._done.is_set() else None
-
-    @property
-    def finished(self) -> bool:
-        """True once every run ended and the reports were written."""
-        return self._done.is_set()
 
     # ---- the session thread ------------------------------------------------------------------
 
