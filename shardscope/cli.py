@@ -173,7 +173,7 @@ def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None
 def _run_headless(session) -> int:
     from rich.console import Console
 
-    from shardscope.headless import HeadlessView, comparison_table
+    from shardscope.headless import HeadlessView, comparison_table, loss_table
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -206,6 +206,7 @@ def _run_headless(session) -> int:
     summary = _load_summary(session.out_dir)
     if summary is not None:
         console.print(comparison_table(summary))
+        console.print(loss_table(summary))
     for notice in view.notices:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)

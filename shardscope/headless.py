@@ -130,6 +130,19 @@ class HeadlessView:
             live.update(self.table())
 
 
+def loss_table(summary: dict[str, Any]) -> Table:
+    """Return per-run loss statistics and differences from the baseline, from a summary dict."""
+    base = summary.get("baseline", "")
+    table = Table(title=f"loss per run, and |difference| from {base} at common steps")
+    for col in ("run", "initial", "final", "min", "mean", "max |Δ|", "mean |Δ|", "final |Δ|"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in summary.get("runs", []):
+        table.add_row(r["name"], *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
+                      *(fmt_num(r.get(k), ".2e") for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
+                                                           "loss_final_abs_diff")))
+    return table
+
+
 def comparison_table(summary: dict[str, Any]) -> Table:
     """Return the final comparison table built from a summary dict."""
     base = summary.get("baseline", "")

@@ -150,3 +150,21 @@ def test_torch_compile_matches_eager(tmp_path):
     assert cache.is_dir() and any(cache.rglob("*.py")), "inductor generated no code: the run was not compiled"
     runs = {r["name"]: r for r in load_summary(out)["runs"]}
     assert runs["fsdp2"]["options"] is not None and runs["fsdp2"]["loss_max_abs_diff"] <= 1e-5
+
+
+def test_bf16_run_tracks_fp32_baseline_and_is_flagged(tmp_path):
+    """A bf16-autocast FSDP2 run stays within 2e-2 of the fp32 DDP baseline at every step, is flagged as
+    not like-for-like, and --check-parity leaves it out instead of failing on rounding."""
+    out = tmp_path / "bf16"
+    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=10",
+                    "--set", "profile.enabled=false", "--set", "runs.fsdp2.precision='bf16-autocast'", "--check-parity"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    runs = {r["name"]: r for r in load_summary(out)["runs"]}
+    bf16 = runs["fsdp2"]
+    assert 0 < bf16["loss_max_abs_diff"] <= 2e-2, bf16["loss_max_abs_diff"]
+    assert any("precision bf16-autocast" in f for f in bf16["fairness_flags"])
+    assert "fsdp2 skipped (not like-for-like" in proc.stdout
+    assert "loss per run" in proc.stdout and "final |Δ|" in proc.stdout
+    starts = [events.read_records(out / run / "metrics" / "rank0.jsonl")[0][0] for run in ("ddp", "fsdp2")]
+    assert starts[0]["init_sha256"] == starts[1]["init_sha256"], "both runs loaded the same initial weights"
+    assert starts[1]["precision"]["compute"] == "bfloat16" and starts[0]["precision"]["compute"] == "float32"

@@ -60,6 +60,9 @@ def test_fold_and_summary(tmp_path):
     assert abs(f["loss_max_abs_diff"] - 0.1) < 1e-9 and abs(f["loss_mean_abs_diff"] - 0.1 / 3) < 1e-9
     assert f["speedup"] == 0.5 and abs(f["mem_ratio"] - 61 / 101) < 1e-9
     assert any("precision" in flag for flag in f["fairness_flags"])
+    assert (f["initial_loss"], f["min_loss"]) == (5.0, 3.0) and abs(f["mean_loss"] - 12.1 / 3) < 1e-9
+    assert abs(f["loss_final_abs_diff"] - 0.0) < 1e-12  # step 2: both 3.0
+    assert by["ddp"]["loss_final_abs_diff"] == 0.0 and by["ddp"]["mean_loss"] == 3.5
     assert by["ddp"]["speedup"] == 1.0 and by["ddp"]["fairness_flags"] == []
 
 

@@ -13,6 +13,7 @@ The process group is always destroyed.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -67,6 +68,15 @@ def versions() -> dict[str, str]:
         out["cuda"] = str(torch.version.cuda)
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return out
+
+
+def file_sha256(path: str) -> str:
+    """Return the SHA-256 of a file (the shared initial weights this run loaded), read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def device_name(device: torch.device) -> str:
@@ -137,7 +147,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
                             cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
-                 device_name=device_name(ctx.device),
+                 device_name=device_name(ctx.device), init_sha256=file_sha256(spec["init_path"]),
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes)

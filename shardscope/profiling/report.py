@@ -156,8 +156,10 @@ def _num(v: Any, fmt: str = "{:,.0f}") -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    def row(cells: list[str]) -> str:  # a literal "|" in a cell ("max |Δ|") would split it: escape it
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    lines = [row(header), "|" + "|".join("---" for _ in header) + "|"] + [row(r) for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +186,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         if r.get("error"):
             out.append(f"\n- **{r['name']} failed**: {r['error']}")
     out.append("\n")
+    out.append(_loss_md(s))
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
@@ -192,6 +195,16 @@ def render_markdown(s: dict[str, Any]) -> str:
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
     return "\n".join(x for x in out if x)
+
+
+def _loss_md(s: dict[str, Any]) -> str:
+    """Loss statistics per run and |difference| from the baseline at common steps."""
+    rows = [[r["name"], *(_num(r.get(k), "{:.4f}") for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
+             *(_num(r.get(k), "{:.2e}") for k in ("loss_max_abs_diff", "loss_mean_abs_diff", "loss_final_abs_diff"))]
+            for r in s["runs"]]
+    return ("## Loss statistics\n\n" + _table(["run", "initial", "final", "min", "mean", f"max |Δ| vs {s['baseline']}",
+                                               "mean |Δ|", "final |Δ|"], rows)
+            + "Differences are taken at the steps both runs completed.\n")
 
 
 def _memory_md(m: dict[str, Any]) -> str:

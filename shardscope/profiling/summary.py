@@ -32,6 +32,20 @@ def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | Non
     return max(diffs), sum(diffs) / len(diffs), len(diffs)
 
 
+def loss_stats(run: RunState, base: RunState) -> dict[str, float | None]:
+    """Return initial/final/min/mean loss of ``run`` and its final |difference| from the baseline."""
+    values = [loss for _, loss in run.losses]
+    base_losses = dict(base.losses)
+    last_common = [step for step, _ in run.losses if step in base_losses]
+    final_diff = abs(dict(run.losses)[last_common[-1]] - base_losses[last_common[-1]]) if last_common else None
+    return {
+        "initial_loss": values[0] if values else None,
+        "min_loss": min(values) if values else None,
+        "mean_loss": sum(values) / len(values) if values else None,
+        "loss_final_abs_diff": final_diff,
+    }
+
+
 def fairness_flags(c: Comparison, run: RunState, base: RunState) -> list[str]:
     """Return human-readable reasons why ``run`` is not like-for-like with the baseline (empty if fair)."""
     flags = []
@@ -77,6 +91,7 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "loss_max_abs_diff": max_diff,
         "loss_mean_abs_diff": mean_diff,
         "loss_steps_compared": common,
+        **loss_stats(state, base),
         "speedup": (rate / base_rate) if rate and base_rate else None,
         "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)
         if state.peak_mem_bytes and base.peak_mem_bytes else None,
