@@ -204,6 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalization, once records are flushed and the process group is gone.
+
+    gloo's C++ worker threads can still be alive while the interpreter tears down; destroying them then
+    aborts the process (SIGABRT, "terminate called without an active exception") after a run that had
+    finished and written its ``end`` record (seen here intermittently with torch 2.13 and gloo; see
+    pytorch/pytorch#179291). Skipping finalization keeps a finished run finished.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
 
