@@ -347,13 +347,26 @@ class HostInfo:
     max_ranks_per_node: int
     detail: str = ""  # for messages: "2 CPU cores" or "8 GPUs"
     has_deepspeed: bool = True
+    cpu_fp16: bool = False  # the CPU has AVX512-FP16 or AMX-FP16 (DeepSpeed's CPU accelerator needs one for fp16)
+
+
+def cpu_has_fp16_isa(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Return True when the CPU flags include AVX512-FP16 or AMX-FP16, the instructions oneDNN
+    needs for fp16 (DeepSpeed's CPU accelerator refuses fp16 without them). Read from the
+    kernel's flag list so that the orchestrator stays torch-free; False where unreadable."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            flags = {word for line in f if line.startswith("flags") for word in line.split()}
+    except OSError:
+        return False
+    return bool(flags & {"avx512_fp16", "amx_fp16"})
 
 
 def cpu_host() -> HostInfo:
     """Host info for gloo on CPU: ranks may oversubscribe cores, up to max(4, 2 x cores)."""
     cores = os.cpu_count() or 1
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    return HostInfo("cpu", max(4, 2 * cores), f"{cores} CPU cores", has_ds)
+    return HostInfo("cpu", max(4, 2 * cores), f"{cores} CPU cores", has_ds, cpu_has_fp16_isa())
 
 
 def resolved_world_size(comparison: Comparison, run: RunSpec) -> int:
@@ -505,8 +518,12 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
             raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: needs a GPU; this machine has {host.detail}")
         if info.needs_deepspeed and not host.has_deepspeed:
             raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: needs DeepSpeed (pip install deepspeed)")
-        if host.device != "cuda" and resolved_precision(c, run) == "fp16":
-            raise ConfigError(f"{src}: {where}.precision = 'fp16': needs a GPU (fp16 with loss scaling); on CPU use fp32 or bf16-autocast")
+        if host.device != "cuda" and resolved_precision(c, run) == "fp16" and info.needs_deepspeed and not host.cpu_fp16:
+            # torch's CPU autocast runs fp16 anywhere; DeepSpeed's CPU accelerator refuses it without the ISA.
+            raise ConfigError(
+                f"{src}: {where}.precision = 'fp16': {run.strategy} runs fp16 on CPU only with AVX512-FP16 or "
+                f"AMX-FP16, which this CPU lacks; use fp32 or bf16-params here, or a GPU"
+            )
     tp = info.tp_degree(resolved_options(run))
     if ws % tp:
         raise ConfigError(f"{src}: {where}: world_size {ws} is not dp x tp with tp = {tp} (dp would be {ws / tp:g})")

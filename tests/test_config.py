@@ -52,7 +52,6 @@ def test_user_file_by_path(tmp_path):
     ("model.kind='cnn'", "model.kind = 'cnn': allowed: transformer, hf, vit"),
     ("data.kind='text'", "data.path = '': no such text file"),
     ("launch.device='tpu'", "launch.device = 'tpu': allowed: auto, cpu, cuda"),
-    ("precision='fp16'", "needs a GPU"),
 ])
 def test_bad_inputs_name_key_value_and_allowed(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -61,6 +60,23 @@ def test_bad_inputs_name_key_value_and_allowed(override, needle):
     assert needle in message
     assert "\n" not in message
     assert "smoke" in message or "--set" in message
+
+
+def test_fp16_on_cpu_torch_strategies_yes_deepspeed_only_with_the_isa(tmp_path):
+    """torch's CPU autocast runs fp16 anywhere; DeepSpeed's CPU accelerator needs AVX512-FP16/AMX-FP16."""
+    c = config.load_preset("smoke", ["precision=fp16"], host=HOST)
+    assert c.precision == "fp16"
+    with pytest.raises(ConfigError) as info:
+        config.load_preset("zero-stages", ["precision=fp16"], host=HOST)
+    assert "precision = 'fp16'" in str(info.value) and "AVX512-FP16" in str(info.value)
+    with_isa = HostInfo("cpu", 4, "2 CPU cores", True, cpu_fp16=True)
+    assert config.load_preset("zero-stages", ["precision=fp16"], host=with_isa).precision == "fp16"
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor : 0\nflags\t\t: fpu sse2 avx512f avx512_fp16\n")
+    assert config.cpu_has_fp16_isa(str(flags))
+    flags.write_text("processor : 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n")
+    assert not config.cpu_has_fp16_isa(str(flags))
+    assert not config.cpu_has_fp16_isa(str(tmp_path / "absent"))
 
 
 def test_missing_and_malformed_files(tmp_path):

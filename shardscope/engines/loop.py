@@ -101,8 +101,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler)
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
+        finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
         layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        grad_norm, skipped = _clip_and_step(prep, settings, scaler, ctx)
+        grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         handle.wait()
         loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
         _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
@@ -156,17 +157,15 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
     return loss_sum
 
 
-def _clip_and_step(prep: Prepared, settings: TrainSettings, scaler: LossScaler | None,
-                   ctx: RankContext) -> tuple[float, bool]:
-    """Return (global grad norm, skipped). With fp16 loss scaling, unscale first and skip on overflow."""
+def _unscale(prep: Prepared, scaler: LossScaler | None) -> bool:
+    """With fp16 loss scaling, unscale the gradients, update the scale and return whether they are
+    finite on every rank (False: skip this step). Without a scaler, return True."""
     if scaler is None:
-        return float(prep.clip_and_step(settings.grad_clip)), False
+        return True
     assert prep.optimizer is not None
     finite = scaler.unscale_and_check(prep.optimizer)
     scaler.update(finite)
-    if not finite:
-        return float("inf"), True
-    return float(prep.clip_and_step(settings.grad_clip)), False
+    return finite
 
 
 def write_memory(prep: Prepared, ctx: RankContext, writer: events.RecordWriter, step: int, when: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shardscope.engines.api import TrainSettings
 
@@ -69,6 +70,12 @@ class LossScaler:
     The loss is multiplied by ``scale``; before stepping, gradients (the optimizer's tensors, so
     local shards for sharded strategies) are divided by it. If any rank saw inf/nan the step is
     skipped and the scale halves; after ``growth_interval`` good steps it doubles.
+
+    Written here rather than using ``torch.amp.GradScaler``: that one owns ``optimizer.step`` (we
+    must clip by the global norm across shards and TP ranks in between), checks only local
+    tensors (FSDP needs ``ShardedGradScaler``; the hand-written FSDP and DTensor TP need their
+    own reduction), and keeps its state per device. One scaler for every strategy keeps fp16
+    runs comparable.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
@@ -87,8 +94,11 @@ class LossScaler:
             for p in pg["params"]:
                 if p.grad is None:
                     continue
-                p.grad.div_(self.scale)
-                bad = (~torch.isfinite(p.grad)).any().float()
+                # DTensor grads (FSDP2, TP) live on different meshes: check the local shard, then
+                # reduce the flag over the whole group below.
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.div_(self.scale)
+                bad = (~torch.isfinite(local)).any().float()
                 found_inf = bad if found_inf is None else torch.maximum(found_inf, bad)
         flag = found_inf if found_inf is not None else torch.zeros((), device="cpu")
         flag = flag.reshape(1).float()

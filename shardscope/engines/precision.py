@@ -7,7 +7,8 @@
   precision, the hand-written FSDP), fp32 sharded master weights and fp32 gradient reduction. A
   strategy that cannot hold bf16 parameters (DDP) leaves ``handles_precision`` False and the loop
   falls back to bf16 autocast, so compute is bf16 either way; ``Prepared.notes`` says which.
-- ``fp16``: like bf16-autocast in fp16, plus dynamic loss scaling (GPU only).
+- ``fp16``: like bf16-autocast in fp16, plus dynamic loss scaling (torch strategies on any device;
+  DeepSpeed on a GPU or an AVX512-FP16/AMX-FP16 CPU).
 """
 
 from __future__ import annotations
