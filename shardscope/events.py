@@ -27,7 +27,7 @@ TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "ten
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
 COMM = "comm"  # collective summary computed in-rank, optional
 ERROR = "error"  # message, traceback
-END = "end"  # status ("ok" | "failed" | "stopped"), steps_completed
+END = "end"  # status ("ok" | "failed" | "stopped"), steps_completed; compiled_graphs when compile is on
 
 KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")

@@ -122,13 +122,14 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def launch_all(out_dir: Path, comparison: Comparison, names: list[str] | None = None) -> dict[str, LaunchResult]:
-    """Prepare ``out_dir`` and launch the named runs (default: all) one after another; assert each
-    ended ok; return {run name: LaunchResult}."""
+def launch_all(out_dir: Path, comparison: Comparison, names: list[str] | None = None, *,
+               timeout_s: float = 110.0) -> dict[str, LaunchResult]:
+    """Prepare ``out_dir`` and launch the named runs (default: all) one after another, each within
+    ``timeout_s``; assert each ended ok; return {run name: LaunchResult}."""
     prepare(out_dir, comparison)
     results = {}
     for name in names or [r.name for r in comparison.runs]:
-        results[name] = launch(out_dir, comparison, name)
+        results[name] = launch(out_dir, comparison, name, timeout_s=timeout_s)
         assert_ok(results[name])
     return results
 

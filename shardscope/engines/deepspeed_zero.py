@@ -29,6 +29,7 @@ from torch import nn
 
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
+from shardscope.engines.parallelize import checkpoint_blocks
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -178,6 +179,10 @@ def prepare_engine(
     deepspeed = import_deepspeed(ctx.device)
     # The worker created the process group; DeepSpeed adopts it instead of making its own.
     deepspeed.init_distributed(dist_backend=ctx.backend, auto_mpi_discovery=False)
+    if settings.activation_checkpointing:
+        # torch's non-reentrant checkpoint per block, as for every other strategy (DeepSpeed's own
+        # checkpointing API needs model code changes); ZeRO-3's hooks re-gather on recompute.
+        checkpoint_blocks(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         # The shared AdamW recipe (optim.make_optimizer) as a DeepSpeed "client optimizer".
@@ -185,6 +190,10 @@ def prepare_engine(
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=config,
     )
+    if settings.compile:
+        # DeepSpeed's supported path: the engine compiles the whole module (its ZeRO hooks are
+        # excluded from tracing), rather than parallelize.compile_blocks per block.
+        engine.compile()
     states = _StateCounter(engine)
 
     def backward(loss: torch.Tensor) -> None:

@@ -131,10 +131,19 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
     write_memory(prep, ctx, writer, settings.steps - 1, "end")
-    writer.write(events.END, status="ok", steps_completed=settings.steps,
+    extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
+    writer.write(events.END, status="ok", steps_completed=settings.steps, **extra,
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
     return settings.steps
+
+
+def compiled_graph_count() -> int:
+    """Return how many graphs torch.compile (dynamo) has compiled in this process: > 0 proves that
+    a ``compile = true`` run really ran compiled code, whichever way its strategy compiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
