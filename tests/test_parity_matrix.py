@@ -60,3 +60,12 @@ def test_strategy_matches_ddp(name, baselines, tmp_path):
     assert abs(result.losses()[0] - ddp.losses()[0]) <= 1e-6, name
     assert diff <= TOLERANCE.get(name, 1e-5), name
     assert max_abs_diff(grad_norms(result), grad_norms(ddp)) <= 1e-5, name
+    # The divergence locator's per-layer norms (full tensors across shards and TP ranks, reduced
+    # gradients before clipping) agree with DDP's at every step, for every strategy.
+    mine, theirs = result.of_kind("layers"), ddp.of_kind("layers")
+    assert len(mine) == len(theirs) == len(ddp.steps()), name
+    for a, b in zip(theirs, mine):
+        for key in ("grad_norms", "param_norms"):
+            assert a[key].keys() == b[key].keys(), (name, key)
+            for layer, value in a[key].items():
+                assert abs(value - b[key][layer]) <= TOLERANCE.get(name, 1e-5), (name, key, a["step"], layer)

@@ -97,7 +97,9 @@ class Prepared:
     - ``model_state_bytes()`` returns this rank's exact ``param_bytes``, ``grad_bytes`` and
       ``optim_bytes`` (local shards, counted from the tensors).
     - ``layer_norms()`` (parity mode) returns ``{"grad": {layer: norm}, "param": {layer: norm}}``
-      computed on full tensors across shards and TP ranks; None when not supported.
+      computed on full tensors across shards and TP ranks, of the reduced gradients before
+      clipping; None when not supported. It is called between backward and ``clip_and_step``; a
+      strategy that reduces inside its step (DeepSpeed) may return a dict that step fills.
     """
 
     model: nn.Module

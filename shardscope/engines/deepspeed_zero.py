@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from shardscope.engines import norms
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
@@ -230,6 +231,7 @@ def prepare_engine(
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
 
+    tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
     facts = {"deepspeed_config": {k: v for k, v in config.items() if k != "steps_per_print"}}
     facts.update(notes or {})
     return Prepared(
@@ -243,8 +245,77 @@ def prepare_engine(
         # no_sync stays a no-op: with unmanaged accumulation stages 0/1 reduce only in step(),
         # and stages 2/3 must reduce-scatter every micro-batch into their gradient partitions.
         handles_precision=True,
+        layer_norms=_layer_norms_at_reduction(engine, tp_size),
         notes=facts,
     )
+
+
+def _layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[str, dict[str, float]]]:
+    """Return a ``Prepared.layer_norms`` for a DeepSpeed engine.
+
+    In unmanaged accumulation DeepSpeed reduces gradients inside ``engine.step()`` (stages 0/1:
+    ``engine.allreduce_gradients``; stages 2/3: ``optimizer.finalize_gradient_accumulation_boundary``)
+    and clips right after, with no hook in between. Before step, ZeRO-1 holds each rank's own
+    unreduced gradients and ZeRO-2 has not built its partitions yet, so the norms must be read
+    inside step: those two methods are wrapped on this engine instance to compute the norms right
+    after the reduction (before clipping, as for every other strategy). ``layer_norms()`` (called
+    by the loop between backward and step) arms the capture and returns the dict that step fills.
+    """
+    captured: dict[str, dict[str, float]] = {}
+    armed = [False]
+    fp16 = bool(engine.fp16_enabled())
+
+    def after(reduce: Callable[..., Any]) -> Callable[..., Any]:
+        def reduce_then_capture(*args: Any, **kwargs: Any) -> Any:
+            out = reduce(*args, **kwargs)
+            if armed[0]:
+                armed[0] = False
+                found = deepspeed_layer_norms(engine.module, tp_size)
+                if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
+                    inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
+                    found["grad"] = {k: v * inv for k, v in found["grad"].items()}
+                captured.update(found)
+            return out
+        return reduce_then_capture
+
+    engine.allreduce_gradients = after(engine.allreduce_gradients)
+    finalize = getattr(engine.optimizer, "finalize_gradient_accumulation_boundary", None)
+    if finalize is not None:
+        engine.optimizer.finalize_gradient_accumulation_boundary = after(finalize)
+
+    def layer_norms() -> dict[str, dict[str, float]]:
+        captured.clear()
+        armed[0] = True
+        return captured
+
+    return layer_norms
+
+
+def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict[str, float]]:
+    """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, on
+    full tensors: DeepSpeed's ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` gather ZeRO
+    partitions (collectives: every rank calls this in the same order, after backward and before
+    step). Parameters are the fp32 masters, as FSDP's sharded parameters are.
+
+    Under AutoTP (``tp_size`` > 1) a tensor-parallel shard's square sum is added over the TP group;
+    a replicated tensor is scaled by 1/sqrt(tp_size) first so that adding its tp identical copies
+    counts it once.
+    """
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
+
+    grads: list[tuple[str, torch.Tensor | None]] = []
+    params: list[tuple[str, torch.Tensor]] = []
+    for name, p in module.named_parameters():
+        g, w = safe_get_full_grad(p), safe_get_full_fp32_param(p)
+        w = p if w is None else w  # no ZeRO wrapper (AutoTP stage 0 in fp32): the parameter is the master
+        g = torch.zeros(0, device=w.device) if g is None else g  # keep the key on every rank
+        if tp_size > 1 and not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)):
+            g, w = g / tp_size**0.5, w / tp_size**0.5
+        grads.append((name, g))
+        params.append((name, w))
+    group = groups.get_tensor_model_parallel_group() if tp_size > 1 else None
+    return {"grad": norms.layer_norms(grads, shard_group=group, sharded=tp_size > 1),
+            "param": norms.layer_norms(params, shard_group=group, sharded=tp_size > 1)}
 
 
 # Attributes of DeepSpeed's ZeRO optimizers that hold gradient partitions or reduction buffers
