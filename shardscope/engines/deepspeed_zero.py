@@ -21,6 +21,7 @@ group the worker already created. On GPU it uses NCCL.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -136,7 +137,43 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     if stage not in (1, 2, 3):
         raise ValueError(f"options.stage = {stage!r}: allowed: 1, 2, 3")
     config = build_config(settings, ctx, stage=stage, bucket_mb=int(options.get("bucket_mb", 25)))
-    return prepare_engine(model, ctx, settings, config, notes={"zero_stage": stage})
+    notes: dict[str, Any] = {"zero_stage": stage}
+    if stage == 3 and settings.precision.name in ("fp32", "bf16-autocast"):
+        reuse = bool(options.get("reuse_fp32_partitions", True))
+        reuse_fp32_partitions_in_zero3(reuse)
+        notes["fp32_master"] = ("the fp32 parameter partitions, stepped in place" if reuse
+                                else "a separate fp32 copy of the parameter partitions (DeepSpeed 0.19 default)")
+    return prepare_engine(model, ctx, settings, config, notes=notes)
+
+
+def reuse_fp32_partitions_in_zero3(enabled: bool) -> None:
+    """Make ZeRO-3 use fp32 parameter partitions as its fp32 master partitions (``enabled``), or not.
+
+    DeepSpeed means to: ``DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions`` skips the copy
+    when a partition already has the master dtype and device ("we don't need another copy of the
+    weights"). But it compares ``tensor.device == self.device`` where ``self.device`` is the
+    accelerator's device *name* (a str), and a ``torch.device`` never equals a str, so fp32 runs keep
+    a second fp32 copy (0.625x DDP's model state at 2 ranks instead of 0.5x). Here the method runs
+    with ``self.device`` as a ``torch.device``, so the comparison means what it says. Only that
+    method is affected; it is restored to DeepSpeed's own when ``enabled`` is False.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    original = getattr(Stage3._create_fp32_partitions, "__wrapped__", Stage3._create_fp32_partitions)
+    if not enabled:
+        Stage3._create_fp32_partitions = original
+        return
+
+    @functools.wraps(original)
+    def create_fp32_partitions(self: Any) -> Any:
+        name = self.device
+        self.device = torch.device(name) if isinstance(name, str) else name
+        try:
+            return original(self)
+        finally:
+            self.device = name
+
+    Stage3._create_fp32_partitions = create_fp32_partitions
 
 
 def apply_stage1(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:

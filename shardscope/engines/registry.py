@@ -138,6 +138,8 @@ register(
 # DeepSpeed ZeRO: one name per stage, because each shards a different set of model states
 # (which the memory model reads from ``shards``). All three share one module and config builder.
 _DS_BUCKET = OptionSpec(int, 25, "reduce / all-gather bucket size in MiB", minimum=1)
+_DS_REUSE = OptionSpec(bool, True, "fp32 runs: the fp32 parameter partitions are the master weights, stepped in "
+                       "place (DeepSpeed's intended path; false keeps DeepSpeed 0.19's extra fp32 copy)")
 for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Adam moments) sharded"),
                                (2, "grads", "optimizer states and gradients sharded"),
                                (3, "all", "optimizer states, gradients and parameters sharded")):
@@ -146,7 +148,7 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             name=f"deepspeed-zero{_stage}",
             entry=f"shardscope.engines.deepspeed_zero:apply_stage{_stage}",
             description=f"DeepSpeed ZeRO-{_stage}: {_what}; torch AdamW as the client optimizer",
-            options={"bucket_mb": _DS_BUCKET},
+            options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
         )

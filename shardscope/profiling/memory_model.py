@@ -197,6 +197,7 @@ class Layout:
     flat_optimizer: bool = False  # the optimizer sees flat partitions (one step counter), not the model's tensors
     shard_layout: str = "flat"  # "flat": each unit's elements split evenly (FSDP1, ZeRO-3, hand-written FSDP);
     # "per-parameter": dim 0 of every tensor chunked (FSDP2's DTensors), so ranks can hold different amounts
+    grads_of_overlapping_tensors: bool = False  # ZeRO-2: whole gradients of every tensor its partition touches
 
 
 # Options that change what a strategy shards, by option name and value (the registry's ``shards``
@@ -236,11 +237,13 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
     shards = shards_for(info, options)
     # Measured (benchmarks/memory_model.py): DeepSpeed ZeRO-1/2 keep a separate fp32 partition for
-    # the optimizer even in fp32 training; ZeRO-3 in fp32 steps its partitions in place.
-    master = low or (info.needs_deepspeed and shards in ("optim", "grads"))
+    # the optimizer even in fp32 training; ZeRO-3 in fp32 steps its partitions in place unless
+    # its ``reuse_fp32_partitions`` option is off.
+    copy = shards in ("optim", "grads") or not options.get("reuse_fp32_partitions", True)
+    master = low or (info.needs_deepspeed and copy)
     shard_layout = str((notes or {}).get("shard_layout") or getattr(info, "shard_layout", "") or "flat")
     return Layout(ws, tp, max(1, ws // tp), shards, precision, low, run.activation_checkpointing, master,
-                  info.needs_deepspeed, shard_layout)
+                  info.needs_deepspeed, shard_layout, info.needs_deepspeed and shards == "grads")
 
 
 def unit_numels(params: list[Param], tp: int = 1) -> dict[str, int]:
@@ -251,6 +254,27 @@ def unit_numels(params: list[Param], tp: int = 1) -> dict[str, int]:
         key = match.group(0) if match else "root"
         units[key] = units.get(key, 0) + math.prod(tp_local(p, tp))
     return units
+
+
+def overlapping_tensor_numel(sizes: list[int], dp: int, rank: int, align: int = 2) -> int:
+    """Elements of the gradients DeepSpeed ZeRO-2 holds on ``rank``: the whole gradient of every
+    tensor that overlaps the rank's partition of the flat buffer, not just the partition's slice.
+
+    DeepSpeed 0.19 (stage_1_and_2.py, ``get_all_grad_tensors`` / ``get_flat_partition``) gathers
+    full ``.grad`` tensors of ``params_in_partition`` into one buffer and takes the partition as
+    views of it. The flat buffer is the tensors in order, padded to a multiple of ``align * dp``
+    (``nccl_start_alignment_factor`` = 2) and cut into ``dp`` equal partitions. Measured exact
+    on every rank at dp 2 and 4 (benchmarks/memory_model.py).
+    """
+    total = sum(sizes)
+    part = math.ceil(total / (align * dp)) * align
+    lo, hi = rank * part, (rank + 1) * part
+    held, start = 0, 0
+    for size in sizes:
+        if start < hi and start + size > lo:
+            held += size
+        start += size
+    return held
 
 
 def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
@@ -273,6 +297,8 @@ def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dic
     sharded_o = layout.shards in ("optim", "grads", "all")
     param_numel = shard if sharded_p else full
     grad_numel = (shard if sharded_p else flat_shard) if sharded_g else full
+    if layout.grads_of_overlapping_tensors and dp > 1:
+        grad_numel = overlapping_tensor_numel([math.prod(tp_local(p, layout.tp)) for p in params], dp, r)
     optim_numel = (shard if sharded_p else flat_shard) if sharded_o else full
     # One step counter per tensor the optimizer sees: the model's tensors, or one flat partition.
     counters = 1 if layout.flat_optimizer else len(params)
