@@ -10,9 +10,11 @@ against its own DDP run on that model.
 
     python benchmarks/memory_states.py [--d-model 256] [--layers 4] [--hf-layers 4]
 
-Expected bytes per parameter, N ranks, fp32 (DeepSpeed keeps a separate fp32 master partition even
-when parameters are fp32): DDP 16; ZeRO-1 4 + 4 + 12/N; ZeRO-2 4 + 16/N; ZeRO-3 20/N. In
-bf16-params: ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N (the ZeRO paper's figures).
+Expected bytes per parameter, N ranks, fp32 (ZeRO-1/2 keep a separate fp32 master partition even
+when parameters are fp32; ZeRO-3 steps its fp32 parameter partitions in place, see the
+``reuse_fp32_partitions`` option): DDP 16; ZeRO-1 4 + 4 + 12/N; ZeRO-2 4 + 16/N (plus the whole
+gradients of tensors straddling a partition edge); ZeRO-3 16/N. In bf16-params: ZeRO-1
+2 + 2 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N (the ZeRO paper's figures).
 """
 
 from __future__ import annotations
