@@ -274,7 +274,10 @@ def open_cmd(out_dir: str) -> None:
 @click.option("--world-size", "-n", type=int, required=True, help="World size to predict for.")
 @click.option("--device-memory", default=None, help="Device memory to check against, e.g. 80GiB.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
-def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overrides: tuple[str, ...]) -> None:
+@click.option("--traced", is_flag=True, help="Also run one rank of each traceable run on a fake process group "
+              "with fake tensors (torch's memory tracker) and show its measured bytes.")
+def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overrides: tuple[str, ...],
+                 traced: bool) -> None:
     """Predict per-rank memory of each run at a world size this machine may not have."""
     try:
         comparison = config.load_preset(preset, [*overrides, f"world_size={world_size}"])
@@ -289,7 +292,7 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
             limit = parse_size(device_memory)
         except ValueError as err:
             fail_usage(f"--device-memory {device_memory!r}: {err}")
-    estimate.print_estimate(comparison, world_size, limit)
+    estimate.print_estimate(comparison, world_size, limit, traced=traced)
 
 
 def parse_size(text: str) -> int:

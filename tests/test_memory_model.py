@@ -163,3 +163,29 @@ def test_prediction_matches_real_runs_on_every_rank_at_4(strategy, tmp_path):
         measured = result.of_kind("memory", rank)[-1]["model_state_bytes"]
         predicted = memory_model.model_state_bytes(params, layout, rank)["model_state_bytes"]
         assert abs(predicted - measured) <= 0.03 * measured, (rank, predicted, measured)
+
+
+@pytest.mark.parametrize("ws", [2, 8])
+def test_traced_estimate_agrees_with_the_model_for_fsdp2(ws):
+    """``estimate --traced``: the real fully_shard on rank 0 of a fake ``ws``-rank group, fake
+    tensors, two steps under torch's FSDPMemTracker. Its resident model states equal the memory
+    model's exactly (which the real runs above confirm at 4 ranks); the traced peak is above them."""
+    c = _comparison(UNEVEN, RunSpec("fsdp2", "fsdp2"), RunSpec("ddp", "ddp"), ws=ws)
+    traced = estimate.traced_estimates(c, ws, timeout_s=300)
+    fsdp2 = traced["fsdp2"]
+    predicted = memory_model.model_state_bytes(memory_model.model_params(UNEVEN), memory_model.layout_for(c, c.runs[0]))
+    for key in ("param_bytes", "grad_bytes", "optim_bytes", "model_state_bytes"):
+        assert fsdp2[key] == predicted[key], (key, fsdp2[key], predicted[key])
+    assert fsdp2["peak_bytes"] > fsdp2["model_state_bytes"]
+    assert "not traceable" in traced["ddp"]["error"]
+
+
+def test_estimate_traced_command(shardscope_cmd):
+    import subprocess
+
+    proc = subprocess.run([*shardscope_cmd, "estimate", "--preset", "smoke", "--world-size", "8", "--traced"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "traced states" in proc.stdout and "fsdp2: traced on rank 0 of a fake 8-rank group" in proc.stdout
+    assert "(+0.00% vs analytic)" in proc.stdout
+    assert "ddp: traced: not traceable" in proc.stdout

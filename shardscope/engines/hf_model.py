@@ -66,7 +66,8 @@ def build_model(spec: Any, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = causal_lm_class(config)(config)
-    model.float()
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model.float()  # (skipped when already fp32: fake tensors, as in estimate --traced, cannot be swapped)
     if spec.weights_dir:
         load_weights(model, spec.weights_dir)
     return model

@@ -49,6 +49,10 @@ class StrategyInfo:
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
     shard_layout: str = "flat"  # "flat": each unit's elements split evenly; "per-parameter": each tensor's dim 0
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
+    # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
+    # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
+    # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
+    traceable: bool = False
 
     def tp_degree(self, options: dict[str, Any]) -> int:
         """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
@@ -95,6 +99,7 @@ register(
         },
         shards="all",
         shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0
+        traceable=True,
     )
 )
 
