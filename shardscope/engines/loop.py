@@ -125,7 +125,7 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
-        if layer_record is not None:
+        if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
             writer.write(events.LAYERS, step=step, grad_norms=layer_record["grad"], param_norms=layer_record["param"])
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")

@@ -94,7 +94,6 @@ def trace(spec: dict[str, Any]) -> dict[str, Any]:
     settings = train_settings(comparison, run, ctx.dp_size)
     micro_batches, _ = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     real_inputs, real_targets = micro_batches(0)[0]
-    autocast_dtype = None
     # Non-fake inputs allowed: the device mesh holds a real (tiny) tensor of rank ids.
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = build_model(comparison.model, comparison.seed)
@@ -102,7 +101,8 @@ def trace(spec: dict[str, Any]) -> dict[str, Any]:
         autocast_dtype = loop_autocast_dtype(settings.precision, prep.handles_precision)
         inputs, targets = mode.from_tensor(real_inputs), mode.from_tensor(real_targets)
         tracker = _tracker(prep.model, prep.optimizer)
-        tracker.track_inputs((inputs,)) if hasattr(tracker, "track_inputs") else None
+        if hasattr(tracker, "track_inputs"):  # FSDPMemTracker counts the batch as "Inputs"
+            tracker.track_inputs((inputs,))
         with tracker:
             for step in range(2):  # the second step holds optimizer state from the start: the steady state
                 if prep.zero_grad is not None:

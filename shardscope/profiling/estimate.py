@@ -5,6 +5,7 @@ Pure Python (no torch): rows come from ``memory_model``; ``print_estimate`` rend
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,8 +70,8 @@ def traced_estimates(comparison: Comparison, world_size: int, timeout_s: float =
                 traceable = ", ".join(n for n in registry.names() if registry.get(n).traceable)
                 out[run.name] = {"error": f"not traceable (fake tensors run only {traceable})"}
                 continue
-            run_ws = dataclass_replace_world_size(run, world_size)
-            payload = config.run_spec_payload(comparison, run_ws, out_dir=tmp, device="cpu")
+            at_size = dataclasses.replace(run, world_size=world_size)
+            payload = config.run_spec_payload(comparison, at_size, out_dir=tmp, device="cpu")
             spec = os.path.join(tmp, f"{run.name}.json")
             config.dump_json(spec, payload)
             try:
@@ -86,13 +87,6 @@ def traced_estimates(comparison: Comparison, world_size: int, timeout_s: float =
                 continue
             out[run.name] = json.loads(lines[-1])
     return out
-
-
-def dataclass_replace_world_size(run: config.RunSpec, world_size: int) -> config.RunSpec:
-    """Return ``run`` with its own world size set to ``world_size``."""
-    import dataclasses
-
-    return dataclasses.replace(run, world_size=world_size)
 
 
 def render_table(rows: list[dict[str, Any]], world_size: int, device_memory_bytes: int | None = None) -> Any:
