@@ -79,6 +79,7 @@ class ProfileSpec:
     steps: int = 2
     record_shapes: bool = True  # needed for collective sizes on gloo
     profile_memory: bool = False  # allocation events in the trace (bigger traces)
+    count_collectives: bool = False  # in-rank byte count per collective type (ground truth; slows the window)
 
 
 @dataclass

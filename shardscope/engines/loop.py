@@ -111,6 +111,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
+            counted = cfg.profiler.take_comm_count()
+            if counted is not None:
+                writer.write(events.COMM, step=step, **counted)
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)

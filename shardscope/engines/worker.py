@@ -145,7 +145,8 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     prof = comparison.profile
     window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
-                            cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
+                            cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory,
+                            count_collectives=prof.count_collectives)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
                  device_name=device_name(ctx.device), init_sha256=file_sha256(spec["init_path"]),
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
