@@ -32,6 +32,7 @@ from shardscope.engines import norms
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
+from shardscope.profiling.comm_count import instrument
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -307,7 +308,8 @@ def _layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[st
             out = reduce(*args, **kwargs)
             if armed[0]:
                 armed[0] = False
-                found = deepspeed_layer_norms(engine.module, tp_size)
+                with instrument():  # the instrument's gathers are not the strategy's communication
+                    found = deepspeed_layer_norms(engine.module, tp_size)
                 if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
                     inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
                     found["grad"] = {k: v * inv for k, v in found["grad"].items()}

@@ -30,6 +30,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.profiling.capture import ProfilerWindow
+from shardscope.profiling.comm_count import instrument
 
 
 @dataclass
@@ -102,7 +103,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
+        with instrument():
+            layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         handle.wait()
         loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)

@@ -13,7 +13,8 @@ record a collective:
   (``distributedInfo.pg_config``) has the same size, else the size is unknown.
 - ``record_param_comms`` (NCCL, and where torch emits it): ``Collective name``, ``In/Out msg
   nelems``, ``dtype``, ``Group size``. It describes the ``c10d::`` op it is nested in, and wins.
-- ``_c10d_functional::<op>`` (DTensor): counted only when no ``c10d::`` op runs inside it.
+- ``_c10d_functional::<op>`` (DTensor): counted only when no ``c10d::`` op runs inside it; an op
+  recorded twice, nested (under a Python dispatch mode), is counted once.
 - Execution: ``gloo:<op>`` annotations on gloo's threads (gloo runs a reduce-scatter as an
   all-reduce) or ``nccl*`` GPU kernels, paired with launches in time order: they time the
   collective and give the dtype a tensor-list launch does not say.
@@ -107,6 +108,7 @@ class Collective:
     step: int | None = None  # index of the profiled step it falls in (0-based), None outside
     numel: int | None = None  # elements sized, waiting for a dtype from the execution event
     unknown: str = ""
+    instrument: bool = False  # launched by shardscope's own measuring (parity norms): left out
 
 
 def dtype_bytes(name: str) -> int | None:
@@ -235,7 +237,9 @@ def execution(e: dict[str, Any]) -> tuple[str, float, float, str, str] | None:
 
 def drop_wrappers(launches: list[Collective], tids: list[Any]) -> list[Collective]:
     """Keep the innermost description of each collective: a ``c10d::`` op with a ``record_param_comms``
-    inside it, or a functional op with a ``c10d::`` op inside it, is the same collective."""
+    inside it, a functional op with a ``c10d::`` op inside it, or an op with the same op inside it
+    (a Python dispatch mode, like the in-rank counter, records each op once more around the kernel)
+    is one collective."""
     order = sorted(range(len(launches)), key=lambda i: launches[i].launch_ts)
     keep = [True] * len(launches)
     for pos, i in enumerate(order):
@@ -247,8 +251,8 @@ def drop_wrappers(launches: list[Collective], tids: list[Any]) -> list[Collectiv
             inner = launches[j]
             if inner.launch_ts > end:
                 break
-            if tids[j] == tids[i] and inner.op != outer.op and (
-                    inner.op == "record_param_comms" or outer.op.startswith("_c10d_functional::")):
+            if tids[j] == tids[i] and (inner.op == outer.op or inner.op == "record_param_comms"
+                                       or outer.op.startswith("_c10d_functional::")):
                 keep[i] = False
                 break
     return [c for c, k in zip(launches, keep) if k]

@@ -14,9 +14,11 @@ dispatch mode slows every operator of the steps it covers.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (namespace::name without overload) -> (collective type, how to size it)
@@ -41,6 +43,25 @@ _FUNCTIONAL = {
     "reduce_scatter_tensor": ("reduce_scatter", "in0"), "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in0"),
     "all_to_all_single": ("all_to_all", "in0"), "broadcast": ("broadcast", "in0"), "broadcast_": ("broadcast", "in0"),
 }
+
+
+INSTRUMENT_SPAN = "shardscope::instrument"  # the trace analysis leaves collectives inside it out
+_ACTIVE: list["CollectiveCounter"] = []
+
+
+@contextlib.contextmanager
+def instrument() -> Iterator[None]:
+    """Mark shardscope's own measuring (parity mode's per-layer norms, which gather full tensors):
+    a profiler span the trace analysis leaves out, and a pause of every active counter, so that
+    the figures describe the strategy's communication, not the instrument's."""
+    for counter in _ACTIVE:
+        counter.paused += 1
+    try:
+        with torch.profiler.record_function(INSTRUMENT_SPAN):
+            yield
+    finally:
+        for counter in _ACTIVE:
+            counter.paused -= 1
 
 
 def tensor_bytes(value: Any) -> int:
@@ -76,6 +97,7 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.by_type: dict[str, dict[str, int]] = {}
         self._active = False
+        self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105 - the mode's hook
         kwargs = kwargs or {}
@@ -83,9 +105,16 @@ class CollectiveCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             sized = collective_size(namespace, func._schema.name.split("::", 1)[-1], tuple(args))
             if sized is not None:
-                row = self.by_type.setdefault(sized[0], {"count": 0, "bytes": 0})
-                row["count"] += 1
-                row["bytes"] += sized[1]
+                if not self.paused:
+                    row = self.by_type.setdefault(sized[0], {"count": 0, "bytes": 0})
+                    row["count"] += 1
+                    row["bytes"] += sized[1]
+                # Run it without the mode: the c10d op a functional collective issues is the same collective.
+                return func(*args, **kwargs)
+        if any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types):
+            # Let a tensor subclass (DTensor) handle the op with this mode still active: the
+            # collectives it issues for it (a Partial placement reduced for a norm) then count.
+            return NotImplemented
         return func(*args, **kwargs)
 
     def start(self) -> None:
@@ -93,9 +122,11 @@ class CollectiveCounter(TorchDispatchMode):
         if not self._active:
             self.__enter__()
             self._active = True
+            _ACTIVE.append(self)
 
     def stop(self) -> None:
         """Stop counting (leave the mode); a second call does nothing."""
         if self._active:
             self._active = False
+            _ACTIVE.remove(self)
             self.__exit__(None, None, None)

@@ -28,6 +28,7 @@ from typing import Any
 from shardscope.profiling.collectives import COMM_EVENT_NAME, Collective, parse_collectives
 from shardscope.profiling.intervals import subtract, union
 
+INSTRUMENT_SPAN = b"shardscope::instrument"  # comm_count.instrument(): shardscope's own measuring
 _X_EVENT = re.compile(
     rb'"ph":\s*"X",\s*"cat":\s*"([^"]*)",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*("?[^,"]*"?),'
     rb'\s*"tid":\s*("?[^,"]*"?),\s*"ts":\s*([-0-9.eE]+),\s*"dur":\s*([-0-9.eE]+)'
@@ -170,8 +171,11 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
 
     groups = [int(g.get("pg_size", 0) or 0) for g in info.get("pg_config", []) or [] if isinstance(g, dict)]
     launches = parse_collectives(comm_events, world, groups)
+    spans = sorted((float(ts), float(ts) + float(dur)) for cat, name, pid, tid, ts, dur in events
+                   if name == INSTRUMENT_SPAN)
     for c in launches:
         c.step = step_index(steps, c.launch_ts)
+        c.instrument = any(lo <= c.launch_ts <= hi for lo, hi in spans)
 
     compute: list[tuple[float, float]] = []
     if b"kernel" in {e[0] for e in events}:

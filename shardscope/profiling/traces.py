@@ -31,10 +31,12 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
     """Return per-collective counts, bytes, times and bandwidths, and per-step compute/comm/exposed time.
 
     Figures are per profiled step (averaged over the steps the trace holds). Times in seconds,
-    bytes in bytes, bandwidths in GB/s (1e9). Collectives outside the profiled steps are ignored.
+    bytes in bytes, bandwidths in GB/s (1e9). Collectives outside the profiled steps, and
+    those of shardscope's own measuring (``comm_count.instrument``), are left out.
     """
     inside = [c for c in trace.collectives if c.step is not None or not trace.steps]
-    collectives = per_type(inside, trace.window_steps)
+    collectives = per_type([c for c in inside if not c.instrument], trace.window_steps)
+    instrument = sum(c.instrument for c in inside) / trace.window_steps
     steps = []
     comm_all = union((c.start_us, c.start_us + c.dur_us) for c in trace.collectives)
     compute_all = union(trace.compute)
@@ -62,6 +64,7 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
         "steps": steps,
         "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
         "comm_bytes_per_step": total_bytes(collectives),
+        "instrument_collectives_per_step": instrument,  # parity-mode norms' own collectives, left out
     }
 
 
@@ -108,6 +111,8 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "collectives": collectives,
         "per_step": per_step,
         "comm_bytes_per_step": total_bytes(collectives),
+        "instrument_collectives_per_step": statistics.fmean(r.get("instrument_collectives_per_step", 0)
+                                                            for r in per_rank),
     }
 
 
