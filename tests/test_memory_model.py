@@ -127,17 +127,6 @@ def test_checkpointing_shrinks_predicted_activations():
     assert b["activation_bytes"] < a["activation_bytes"] and a["model_state_bytes"] == b["model_state_bytes"]
 
 
-def test_expected_comm_from_a_spec_payload(tmp_path):
-    c = _comparison(UNEVEN, RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2"),
-                    RunSpec("keep", "fsdp2", options={"reshard_after_forward": False}))
-    psi = memory_model.param_count(UNEVEN)
-    got = {r.name: memory_model.expected_comm(config.run_spec_payload(c, r, out_dir=str(tmp_path), device="cpu"))
-           for r in c.runs}
-    assert got["ddp"]["bytes_per_step"] == 4 * psi
-    assert got["fsdp2"]["bytes_per_step"] == 3 * 4 * psi
-    assert got["keep"]["bytes_per_step"] == 2 * 4 * psi
-
-
 def test_flops_per_token_follows_torchtitan():
     spec = ModelSpec()
     n, emb = memory_model.param_count(spec), spec.vocab_size * spec.d_model + spec.seq_len * spec.d_model

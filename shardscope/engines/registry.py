@@ -34,6 +34,22 @@ class OptionSpec:
 
 
 @dataclass(frozen=True)
+class CommRecipe:
+    """How a strategy communicates in a step, for the communication theory (profiling/comm_theory.py)."""
+
+    grads: str = "all_reduce"  # how gradients are reduced over dp when something is sharded: all_reduce | reduce_scatter
+    gathers: str = "none"  # parameters gathered: none | after_step (updated partitions) | per_unit (before use)
+    root_regathers: bool = True  # per_unit: the root unit (embeddings, final norm, head) gathered again for backward
+    regather: str = "reshard"  # per_unit backward re-gather: "reshard" (reshard_after_forward) | "reuse_distance" (ZeRO-3)
+    padding: str = "none"  # none | unit (each flat unit padded to a multiple of dp) | dim0 (each tensor's dim 0)
+    low_precision_params: bool = False  # under bf16-params/fp16, parameters are gathered in the compute dtype
+    reduce_in_param_dtype: bool = False  # ... and gradients reduced in it too (DeepSpeed's 16-bit gradients)
+    reduce_per_micro_batch: bool = False  # gradients reduced after every micro-batch, not once per step
+    broadcasts_buffers: bool = False  # module buffers broadcast from rank 0 before every forward (DDP)
+    notes: tuple[str, ...] = ()  # one line per way it departs from the textbook formula
+
+
+@dataclass(frozen=True)
 class StrategyInfo:
     """What the registry knows of one strategy."""
 
@@ -53,6 +69,7 @@ class StrategyInfo:
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
     # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
     traceable: bool = False
+    comm: CommRecipe = field(default_factory=CommRecipe)
 
     def tp_degree(self, options: dict[str, Any]) -> int:
         """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
@@ -61,6 +78,12 @@ class StrategyInfo:
         return int(options.get(self.tp_option, self.options[self.tp_option].default))
 
 
+_ROOT_KEPT = "keeps the root unit (embeddings, final norm, head) gathered from forward into backward: re-gathers only blocks"
+_ZERO12_COMM = CommRecipe(gathers="after_step", low_precision_params=True, reduce_in_param_dtype=True,
+                          notes=("DeepSpeed ZeRO-1/2 all-reduce gradient buckets, each rank keeping its partition, "
+                                 "then all-gather the updated parameters",))
+_ZERO3_COMM = CommRecipe(grads="reduce_scatter", gathers="per_unit", regather="reuse_distance",
+                         low_precision_params=True, reduce_in_param_dtype=True)
 _BOOL_RESHARD = OptionSpec(bool, True, "free gathered parameters after forward (re-gather in backward)")
 
 STRATEGIES: dict[str, StrategyInfo] = {}
@@ -84,6 +107,7 @@ register(
             "static_graph": OptionSpec(bool, False, "tell DDP the graph does not change between steps"),
         },
         shards="none",
+        comm=CommRecipe(broadcasts_buffers=True),
     )
 )
 
@@ -100,6 +124,7 @@ register(
         shards="all",
         shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0
         traceable=True,
+        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", padding="dim0", low_precision_params=True),
     )
 )
 
@@ -122,6 +147,8 @@ register(
                                             "(0 = the ranks of one node)", minimum=0),
         },
         shards="all",
+        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", root_regathers=False, padding="unit",
+                        low_precision_params=True, notes=(_ROOT_KEPT,)),
     )
 )
 
@@ -136,6 +163,8 @@ register(
         },
         models=("transformer", "hf", "vit"),
         shards="all",
+        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", root_regathers=False, padding="unit",
+                        low_precision_params=True, reduce_per_micro_batch=True, notes=(_ROOT_KEPT,)),
     )
 )
 
@@ -156,6 +185,7 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
+            comm=_ZERO3_COMM if _stage == 3 else _ZERO12_COMM,
         )
     )
 
@@ -175,6 +205,7 @@ register(
         tp_option="tp",
         models=("hf",),
         shards="optim",  # at the default stage 1
+        comm=_ZERO12_COMM,
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
     )
 )
@@ -193,6 +224,7 @@ register(
         tp_option="tp",
         shards="all",
         shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
+        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", padding="dim0", low_precision_params=True),
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )
