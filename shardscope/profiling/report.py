@@ -151,6 +151,11 @@ def write_reports(out_dir: str) -> dict[str, str]:
 # --- report.md -----------------------------------------------------------------------------------
 
 
+def _mib(v: Any) -> str:
+    """Bytes as MiB; "unknown" where the trace did not say (the note names the op)."""
+    return "unknown" if v is None else f"{v / 2**20:,.3f}"
+
+
 def _num(v: Any, fmt: str = "{:,.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -239,7 +244,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
     rows, steps = [], []
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
-            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
+            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), _mib(row["bytes_per_step"]),
                          _num(row["time_per_step_s"] * 1e3, "{:.3f}"), _num(row["algbw_GBps"], "{:.3f}"),
                          _num(row["busbw_GBps"], "{:.3f}"), str(row["group_size"]), row["dtype"] or "-",
                          row["timed_by"]])
@@ -250,7 +255,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
                       _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
                       _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
                       _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
-                      f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
+                      _mib(c.get("comm_bytes_per_step")),
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
     text = ["## Communication\n\n",
@@ -265,6 +270,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
     bases = {c.get("theory", {}).get("basis") for c in runs.values() if c.get("theory")}
     text.append("; ".join(sorted(b for b in bases if b)) or "-")
     notes = {c.get(key) for c in runs.values() for key in ("mfu_note", "note") if c.get(key)}
+    notes |= {f"{name}: {n}" for name, c in runs.items() for n in (c.get("theory") or {}).get("notes", [])}
     if notes:
         text.append(". " + "; ".join(sorted(notes)))
     return "".join(text) + ".\n"
