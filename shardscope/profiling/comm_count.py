@@ -86,6 +86,11 @@ def collective_size(namespace: str, name: str, args: tuple) -> tuple[str, int] |
     return kind, tensor_bytes(args[1] if how == "in" else args[0])
 
 
+def _handles_dispatch(cls: type) -> bool:
+    """True for a tensor subclass with a dispatch of its own (DTensor), not Parameter nor FakeTensor."""
+    return cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and not issubclass(cls, FakeTensor)
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts, per collective type, the calls and bytes handed to collectives while it is active.
 
@@ -111,7 +116,7 @@ class CollectiveCounter(TorchDispatchMode):
                     row["bytes"] += sized[1]
                 # Run it without the mode: the c10d op a functional collective issues is the same collective.
                 return func(*args, **kwargs)
-        if any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types):
+        if any(_handles_dispatch(t) for t in types):
             # Let a tensor subclass (DTensor) handle the op with this mode still active: the
             # collectives it issues for it (a Partial placement reduced for a norm) then count.
             return NotImplemented

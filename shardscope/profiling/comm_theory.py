@@ -55,13 +55,14 @@ def _tp_allreduces(params: list[Param]) -> tuple[int, int]:
 
 
 def _buffer_bytes(comp: Comparison) -> int:
-    """Bytes of the model's buffers (DDP broadcasts them): the Hugging Face rotary ``inv_freq``."""
+    """Bytes of the model's buffers (DDP broadcasts them): the Hugging Face rotary embedding's
+    ``inv_freq`` and ``original_inv_freq`` (head_dim / 2 fp32 each); the other models have none."""
     m = comp.model
     if m.kind != "hf":
         return 0
     a = ARCHS[m.hf_arch]
     head_dim = a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]
-    return head_dim // 2 * 4
+    return 2 * (head_dim // 2) * 4
 
 
 def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
     add = (lambda kind, n: parts.__setitem__(kind, parts.get(kind, 0) + n))  # noqa: E731
     shards = shards_for(info, opts)
     if layout.dp > 1:
-        units = _units(params, layout.tp, layout.dp, recipe.padding)
+        units = _units(params, layout.tp, layout.dp, recipe.padding if shards != "none" else "none")
         total = sum(units.values())
         grads = "all_reduce" if shards == "none" else recipe.grads
         add(grads, total * reduce * (accum if recipe.reduce_per_micro_batch else 1))
