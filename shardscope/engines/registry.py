@@ -79,7 +79,7 @@ class StrategyInfo:
 
 
 _ROOT_KEPT = "keeps the root unit (embeddings, final norm, head) gathered from forward into backward: re-gathers only blocks"
-_ZERO12_COMM = CommRecipe(gathers="after_step", low_precision_params=True, reduce_in_param_dtype=True,
+_ZERO12_COMM = CommRecipe(gathers="after_step", low_precision_params=True,
                           notes=("DeepSpeed ZeRO-1/2 all-reduce gradient buckets, each rank keeping its partition, "
                                  "then all-gather the updated parameters",))
 _ZERO3_COMM = CommRecipe(grads="reduce_scatter", gathers="per_unit", regather="reuse_distance",
