@@ -4,7 +4,8 @@ torchrun starts each worker in a session of its own (``start_new_session=True`` 
 torch.distributed.elastic), so signalling torchrun's process group does not reach the ranks.
 ``RunProcess`` therefore remembers every descendant it has seen (psutil) and, on stop, sends
 SIGTERM to torchrun's group (torchrun forwards it to the ranks), then SIGKILL after the grace
-period to the group and to every remembered descendant still alive.
+period to the group and to every remembered descendant still alive. Nothing outlives the
+orchestrator either: see ``lifeline`` (torchrun's parent-death signal, the ranks' watchdog).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
+
+from shardscope.orchestrator import lifeline
 
 
 def free_port() -> int:
@@ -179,12 +182,22 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
 
 
 def start(plan: LaunchPlan) -> RunProcess:
-    """Start the plan's command in a new process group, stdout and stderr appended to its console log."""
+    """Start the plan's command in a new process group, stdout and stderr appended to its console log.
+
+    Call it from a thread that outlives the job: torchrun gets SIGTERM when that thread ends
+    (``lifeline.die_with_parent``), and its ranks stop when this process is gone. Raises OSError
+    when the console log cannot be written.
+    """
     os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
     log = open(plan.console_path, "ab", buffering=0)
-    log.write(f"$ {plan.shell_line()}\n".encode())
+    try:
+        log.write(f"$ {plan.shell_line()}\n".encode())
+    except OSError:
+        log.close()
+        raise
     env = dict(os.environ)
     env.update(plan.env)
+    env.update(lifeline.rank_env())
     popen = subprocess.Popen(
         plan.argv,
         stdout=log,
@@ -193,5 +206,6 @@ def start(plan: LaunchPlan) -> RunProcess:
         cwd=plan.cwd,
         env=env,
         start_new_session=True,  # its own process group, so the whole job can be signalled
+        preexec_fn=lifeline.die_with_parent(),  # torchrun ends when this thread or process does
     )
     return RunProcess(plan=plan, popen=popen, _log=log)

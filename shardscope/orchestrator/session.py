@@ -10,8 +10,6 @@ the background thread acts on at its next poll.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -21,9 +19,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardscope import config
+from shardscope import config, outspace
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import launcher, state
+from shardscope.orchestrator import launcher, lifeline, state, verdict
+from shardscope.orchestrator.completion import Completion
+from shardscope.orchestrator.device_log import DeviceLog
+from shardscope.orchestrator.reporting import write_reports
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
@@ -63,24 +64,9 @@ class _Active:
     saw_end: str = ""  # status of an `end` record from rank 0, if any
     error: str = ""
     traceback: str = ""
+    cause: str = ""  # the first error record's cause: oom | disk | error
+    last_steps: dict[int, int] = field(default_factory=dict)  # rank -> last step recorded
     ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
-
-
-class Completion:
-    """The end of a source's work: ``wait`` and ``finished`` (shared by Session and ReplaySource)."""
-
-    exit_code: int | None
-    _done: threading.Event
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the work ends (or ``timeout``); return the exit code, or None if not ended."""
-        self._done.wait(timeout)
-        return self.exit_code if self._done.is_set() else None
-
-    @property
-    def finished(self) -> bool:
-        """True once everything ended (a session: every run ended and the reports were written)."""
-        return self._done.is_set()
 
 
 class Session(Completion):
@@ -116,8 +102,8 @@ class Session(Completion):
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._pending: list[Update] = []
-        self._sampler = None
-        self._device_log = None
+        self._sampler: DeviceLog | None = None
+        self._spare = outspace.Spare(self.out_dir)  # freed on a disk fault, so the summary fits
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -158,9 +144,12 @@ class Session(Completion):
         if isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
             # The orchestrator's verdict goes on disk too, so reports rebuilt from files agree with it.
             run_dir = os.path.join(self.out_dir, update.run)
-            os.makedirs(run_dir, exist_ok=True)
-            dump_json(os.path.join(run_dir, "status.json"),
-                      {"status": update.status, "error": update.error, "traceback": update.traceback, "t": update.t})
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                dump_json(os.path.join(run_dir, "status.json"), {"status": update.status, "error": update.error,
+                                                                 "traceback": update.traceback, "t": update.t})
+            except OSError as err:  # a full disk: the live view and the summary still carry the verdict
+                self._pending.append(state.Notice(f"{update.run}: status.json not written: {err}", "warning"))
 
     def _flush(self) -> None:
         if not self._pending:
@@ -177,6 +166,9 @@ class Session(Completion):
     def _main(self) -> None:
         try:
             os.makedirs(self.out_dir, exist_ok=True)
+            self._spare.reserve()
+            if self.comparison.launch.node_rank == 0:
+                lifeline.write_identity(self.out_dir)
             for run in self.comparison.runs:
                 self._define(run)
             self._queue.extend(self.run_names)
@@ -190,11 +182,14 @@ class Session(Completion):
         except Exception as err:  # keep the contract: every run ends with a status, a summary is written
             import traceback
 
-            self._emit(state.Notice(f"orchestrator error: {err!r}", "error"))
+            disk = outspace.disk_error(err)
+            message = outspace.describe(disk) if disk is not None else f"orchestrator error: {err!r}"
+            if disk is not None:
+                self._spare.release()
+            self._emit(state.Notice(message, "error"))
             for name in self.run_names:
                 if self.states[name].status not in state.FINISHED:
-                    self._emit(state.StatusChanged(name, state.FAILED, f"orchestrator error: {err!r}",
-                                                   traceback.format_exc()))
+                    self._emit(state.StatusChanged(name, state.FAILED, message, traceback.format_exc()))
             for active in list(self._active.values()):
                 active.proc.kill()
         finally:
@@ -314,13 +309,20 @@ class Session(Completion):
             os.replace(run_dir, os.path.join(self.out_dir, f"{name}.attempt{attempt}"))
             self._define(run)
         self._attempts[name] = attempt + 1
-        os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        dump_json(os.path.join(run_dir, "spec.json"),
-                  config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
         plan = self._plan(run)
         self._emit(state.StatusChanged(name, state.STARTING))
         self._emit(state.Notice(f"{name}: {plan.shell_line()}"))
-        proc = launcher.start(plan)
+        try:
+            os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+            dump_json(os.path.join(run_dir, "spec.json"),
+                      config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
+            proc = launcher.start(plan)
+        except OSError as err:
+            disk = outspace.disk_error(err)
+            if disk is None:
+                raise
+            self._halt_for_disk(name, verdict.Verdict(outspace.describe(disk), "", verdict.DISK))
+            return
         self._active[name] = _Active(name, proc, MetricsTailer(os.path.join(run_dir, "metrics")),
                                      ConsoleTailer(plan.console_path), time.monotonic())
 
@@ -347,9 +349,12 @@ class Session(Completion):
             active.last_progress = time.monotonic()
             active.started = True
             for r in records:
-                if r.get("kind") == "error" and not active.error:
+                if r.get("kind") == "step":
+                    active.last_steps[int(r.get("rank", 0))] = int(r.get("step", 0))
+                elif r.get("kind") == "error" and not active.error:
                     active.error = str(r.get("message", "error"))
                     active.traceback = str(r.get("traceback", ""))
+                    active.cause = str(r.get("cause", ""))
                 elif r.get("kind") == "end" and r.get("rank") == 0:
                     active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
@@ -376,10 +381,29 @@ class Session(Completion):
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
         else:
-            console = tail_text(active.proc.plan.console_path, 30)
-            error = active.error or _last_line(console) or f"torchrun exited with code {code}"
-            update = state.StatusChanged(active.name, state.FAILED, error, active.traceback or console)
+            found = self._failure(active, code)
+            if found.cause == verdict.DISK:
+                self._halt_for_disk(active.name, found)
+                return
+            update = state.StatusChanged(active.name, state.FAILED, found.error, found.traceback)
         self._emit(update)
+
+    def _failure(self, active: _Active, code: int | None) -> verdict.Verdict:
+        """Why a run failed: its error record, else a kill (OOM or not) or the output disk, else the console."""
+        if active.error:
+            return verdict.Verdict(active.error, active.traceback, active.cause or verdict.ERROR)
+        console = tail_text(active.proc.plan.console_path, 60)
+        return (verdict.from_kill(console, active.last_steps)
+                or verdict.from_output(os.path.join(self.out_dir, active.name), console)
+                or verdict.Verdict(_last_line(console) or f"torchrun exited with code {code}", console))
+
+    def _halt_for_disk(self, name: str, found: verdict.Verdict) -> None:
+        """A full or unwritable output: fail the run, start no other (they would fail the same way)."""
+        self._spare.release()
+        self._emit(state.StatusChanged(name, state.FAILED, found.error, found.traceback))
+        for queued in list(self._queue):
+            self._emit(state.StatusChanged(queued, state.STOPPED, f"not started: {found.error}"))
+        self._queue.clear()
 
     # ---- device sampling and the end ----------------------------------------------------------
 
@@ -389,32 +413,21 @@ class Session(Completion):
     def _start_sampler(self) -> None:
         if not self.sample_devices:
             return
-        try:
-            from shardscope.profiling.nvml import DeviceSampler
-        except ImportError:
-            return
-        sampler = DeviceSampler()
-        log = open(os.path.join(self.out_dir, "devices.jsonl"), "a", encoding="utf-8", buffering=1)
+        self._sampler = DeviceLog(self.out_dir)
 
         def publish(sample: state.DeviceSample) -> None:
-            if sample.readings:
-                log.write(json.dumps(dataclasses.asdict(sample), separators=(",", ":")) + "\n")
             with self._lock:
                 subscribers = list(self._subscribers)
             for callback in subscribers:
                 callback([sample])
 
-        try:
-            sampler.start(publish, self._pids_by_run)
-        except Exception as err:  # sampling is optional; runs go on without it
-            self._emit(state.Notice(f"device sampling unavailable: {err!r}", "warning"))
-            return
-        self._sampler, self._device_log = sampler, log
+        why = self._sampler.start(publish, self._pids_by_run)
+        if why:
+            self._emit(state.Notice(why, "warning"))
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
             self._sampler.close()
-            self._device_log.close()
 
     def _finish(self) -> None:
         statuses = [self.states[n].status for n in self.run_names]
@@ -425,36 +438,17 @@ class Session(Completion):
             self._flush()
             self._done.set()
             return
+        self._spare.release()  # its room is for the summary
         try:
             self.paths = write_reports(self.out_dir, self.comparison, self.states)
             summary_path, report_path = self.paths.get("summary", ""), self.paths.get("report", "")
         except Exception as err:
-            self._emit(state.Notice(f"writing the reports failed: {err!r}", "error"))
+            disk = outspace.disk_error(err)
+            why = outspace.describe(disk) if disk is not None else repr(err)
+            self._emit(state.Notice(f"writing the reports failed: {why}", "error"))
         self._emit(state.ComparisonFinished(self.out_dir, self.exit_code, summary_path, report_path))
         self._flush()
         self._done.set()
-
-
-def write_reports(out_dir: str, comparison: Comparison, states: dict[str, RunState]) -> dict[str, str]:
-    """Write summary.json (and, when the profiling reports are available, report.md and plots).
-
-    Returns the paths written by name. Falls back to the core summary alone when the full report
-    writer fails, so a summary always exists.
-    """
-    from shardscope.profiling import summary
-
-    try:
-        from shardscope.profiling.report import write_reports as full_reports
-    except ImportError:
-        full_reports = None
-    if full_reports is not None:
-        try:
-            return full_reports(out_dir)
-        except Exception as err:
-            print(f"shardscope: full report failed, writing the core summary: {err!r}", file=sys.stderr)
-    path = os.path.join(out_dir, "summary.json")
-    dump_json(path, summary.build_summary(comparison, states, out_dir))
-    return {"summary": path}
 
 
 def _last_line(text: str) -> str:
