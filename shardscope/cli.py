@@ -143,6 +143,11 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
+    from shardscope.outspace import preflight
+
+    short = preflight(comparison, out)  # traces dominate: refuse a directory that cannot hold them
+    if short:
+        fail_usage(short)
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return

@@ -3,17 +3,19 @@
 Torch-free; used by the orchestrator (before launching, and when a run fails) and by ranks
 (``engines/failure.py``, ``profiling/capture.py``).
 
-Bytes per profiled step, per rank, measured with ``shardscope run --preset P --headless --device cpu``
-on this repository's built-in CPU presets (torch 2.13.0+cpu, gloo, profile.record_shapes on,
-profile_memory off), as the size of ``<run>/traces/tb/rank<R>.*.pt.trace.json`` (the Chrome trace beside
-it is a hard link, so it costs no more) divided by profile.steps and by the model's layers:
+Trace bytes per profiled step, per rank, measured with
+``shardscope run --preset smoke --headless --set steps=13 --set model.n_layers=L`` (L = 2 and 4; CPU,
+gloo, torch 2.13.0+cpu, profile.steps 2, record_shapes on, profile_memory off) as the size of
+``<run>/traces/tb/rank0.*.pt.trace.json`` (the Chrome trace beside it is a hard link: no extra bytes):
 
-    smoke (transformer, 2 layers, d 64): ddp 141 KiB/step/layer, fsdp2 210 KiB/step/layer
-    (measured 2025, see tests/test_faults_disk.py::test_trace_bytes_constant_covers_a_real_trace)
+    ddp    L=2: 3,499,102 B   L=4: 5,550,057 B   -> 512,739 B per layer per step, floor 724,312 B per step
+    fsdp2  L=2: 4,374,343 B   L=4: 7,119,927 B   -> 686,396 B per layer per step, floor 814,379 B per step
 
-The estimate takes the larger figure (FSDP2's per-parameter collectives make the most events), plus
-a margin for the metric records and the reports. It is a bound to refuse a hopeless directory, not
-a measurement shown to users.
+The merged Perfetto trace of the report (3,604,580 B on smoke) holds less than one rank's trace per
+run; it is counted as one. The estimate uses FSDP2's figures (its per-parameter collectives make the most events). Records:
+5,513 B for 13 steps of rank 0 on smoke (start, step, memory and end records), 424 B per step.
+The estimate is a bound to refuse a directory that cannot hold the comparison, never shown as a
+measurement; a margin of 25% covers strategies and models not measured here.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from typing import Any
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system"}
 
-TRACE_BYTES_PER_STEP_PER_LAYER = 210 * 1024  # the fsdp2 figure above, the larger of the two
-TRACE_BYTES_FLOOR_PER_STEP = 64 * 1024  # events outside the blocks (embedding, loss, optimizer)
-RECORD_BYTES_PER_STEP = 600  # one step record line per rank (measured on smoke: 480-560 bytes)
-REPORT_BYTES = 2 << 20  # summary.json, report.md, plots and the merged trace of a small comparison
+TRACE_BYTES_PER_STEP_PER_LAYER = 686_396  # fsdp2 on smoke, above
+TRACE_BYTES_FLOOR_PER_STEP = 814_379  # events outside the blocks (embedding, loss, optimizer), fsdp2 on smoke
+RECORD_BYTES_PER_STEP = 424  # per rank, smoke, above
+REPORT_BYTES = 512 << 10  # summary.json, report.md and plots of smoke: 176,449 B measured, with room
 SPARE_BYTES = 1 << 20  # kept free by the orchestrator so that the summary fits after a disk fault
+MARGIN = 1.25
 
 
 def disk_error(exc: BaseException) -> OSError | None:
@@ -79,8 +82,8 @@ class SpaceEstimate:
 
     @property
     def total(self) -> int:
-        """All parts together, plus the orchestrator's spare."""
-        return self.traces + self.records + self.weights + self.reports + SPARE_BYTES
+        """All parts together with the margin, plus the orchestrator's spare."""
+        return int(MARGIN * (self.traces + self.records + self.weights + self.reports)) + SPARE_BYTES
 
 
 def estimate(comparison: Any, world_sizes: list[int], weight_bytes: int = 0) -> SpaceEstimate:
@@ -90,8 +93,9 @@ def estimate(comparison: Any, world_sizes: list[int], weight_bytes: int = 0) -> 
     profiled = prof.steps if prof.enabled and prof.start_step + prof.steps <= comparison.steps else 0
     layers = max(1, int(getattr(comparison.model, "n_layers", 1) or 1))
     per_step = TRACE_BYTES_FLOOR_PER_STEP + TRACE_BYTES_PER_STEP_PER_LAYER * layers
+    merged = profiled * len(world_sizes) * per_step  # the report's merged trace
     return SpaceEstimate(traces=profiled * ranks * per_step, records=comparison.steps * ranks * RECORD_BYTES_PER_STEP,
-                         weights=weight_bytes, reports=REPORT_BYTES)
+                         weights=weight_bytes, reports=REPORT_BYTES + merged)
 
 
 def shortfall(out_dir: str, needed: SpaceEstimate) -> str | None:
@@ -135,3 +139,16 @@ class Spare:
             os.remove(self.path)
         except OSError:
             pass
+
+
+def preflight(comparison: Any, out_dir: str) -> str | None:
+    """One line when ``out_dir`` cannot hold what ``comparison`` will write, else None."""
+    from shardscope.config import resolved_world_size
+    from shardscope.profiling.memory_model import param_count
+
+    try:
+        weights = 4 * param_count(comparison.model)  # init.safetensors holds fp32 weights
+    except (KeyError, ValueError):
+        weights = 0
+    sizes = [resolved_world_size(comparison, run) for run in comparison.runs]
+    return shortfall(out_dir, estimate(comparison, sizes, weights))

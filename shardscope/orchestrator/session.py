@@ -64,7 +64,8 @@ class _Active:
     saw_end: str = ""  # status of an `end` record from rank 0, if any
     error: str = ""
     traceback: str = ""
-    cause: str = ""  # the first error record's cause: oom | disk | error
+    cause: str = ""  # the root-cause error record's cause: oom | disk | error
+    error_rank: tuple[int, float] = (2, 0.0)  # verdict.priority of that record
     last_steps: dict[int, int] = field(default_factory=dict)  # rank -> last step recorded
     ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
 
@@ -351,10 +352,9 @@ class Session(Completion):
             for r in records:
                 if r.get("kind") == "step":
                     active.last_steps[int(r.get("rank", 0))] = int(r.get("step", 0))
-                elif r.get("kind") == "error" and not active.error:
-                    active.error = str(r.get("message", "error"))
-                    active.traceback = str(r.get("traceback", ""))
-                    active.cause = str(r.get("cause", ""))
+                elif r.get("kind") == "error" and verdict.priority(r) < active.error_rank:  # the root cause
+                    active.error, active.traceback = str(r.get("message", "error")), str(r.get("traceback", ""))
+                    active.cause, active.error_rank = str(r.get("cause", "")), verdict.priority(r)
                 elif r.get("kind") == "end" and r.get("rank") == 0:
                     active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
@@ -390,10 +390,11 @@ class Session(Completion):
 
     def _failure(self, active: _Active, code: int | None) -> verdict.Verdict:
         """Why a run failed: its error record, else a kill (OOM or not) or the output disk, else the console."""
-        if active.error:
-            return verdict.Verdict(active.error, active.traceback, active.cause or verdict.ERROR)
+        recorded = verdict.Verdict(active.error, active.traceback, active.cause or verdict.ERROR) if active.error else None
+        if recorded is not None and recorded.cause != verdict.ERROR:
+            return recorded
         console = tail_text(active.proc.plan.console_path, 60)
-        return (verdict.from_kill(console, active.last_steps)
+        return (verdict.from_kill(console, active.last_steps) or recorded  # a killed rank's peers only saw it go
                 or verdict.from_output(os.path.join(self.out_dir, active.name), console)
                 or verdict.Verdict(_last_line(console) or f"torchrun exited with code {code}", console))
 

@@ -3,7 +3,7 @@
 A rank that raises writes an ``error`` record (its message already names out of memory or a full
 disk: ``engines/failure.py``). A rank that is killed writes nothing; then the orchestrator looks:
 
-- torchrun's failure table in the console (``rank : R``, ``exitcode : -9 (pid: P)``) gives the rank,
+- torchrun's root-cause entry in the console (``rank : R``, ``exitcode : -9 (pid: P)``) gives the rank,
   its pid and the signal; the kernel log (``/dev/kmsg``, readable by root) says whether the OOM
   killer killed that pid (``Killed process P``) — a SIGKILL from anyone else is named as such, and
   where the kernel log cannot be read the message says the OOM killer could not be confirmed;
@@ -35,10 +35,18 @@ class Verdict:
     cause: str = ERROR
 
 
+def priority(record: dict) -> tuple[int, float]:
+    """Order error records by how likely each is the root cause: a named cause (oom, disk) first, then
+    the earliest; a peer whose collective broke when the failing rank left comes later."""
+    return (0 if record.get("cause") in (OOM, DISK) else 1, float(record.get("t", 0.0)))
+
+
 def killed_ranks(console: str) -> list[tuple[int, int, int]]:
-    """Return (rank, signal number, pid) for each rank torchrun reports as killed by a signal."""
+    """Return (rank, signal number, pid) when torchrun's root cause (first observed failure) is a rank
+    killed by a signal; peers that failed after it (a broken collective, torchrun's SIGTERM) are not."""
     out = []
-    for rank, code, pid in _FAILURE_ROW.findall(console):
+    _, found, root = console.rpartition("Root Cause (first observed failure)")
+    for rank, code, pid in _FAILURE_ROW.findall(root if found else ""):
         if int(code) < 0:
             out.append((int(rank), -int(code), int(pid)))
     return out

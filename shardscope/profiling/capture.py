@@ -79,7 +79,10 @@ class ProfilerWindow:
         try:
             self._write(prof)
         except Exception as err:  # torch reports a full disk as a bare RuntimeError: name the true cause
-            problem = filesystem_problem(os.path.join(self.run_dir, "traces"))
+            partial = glob.glob(os.path.join(self.run_dir, "traces", "tb", f"rank{self.rank}.*.tmp"))
+            for path in partial:  # torch's half-written temporary traces
+                os.remove(path)
+            problem = filesystem_problem(partial[0][:-len(".tmp")] if partial else os.path.join(self.run_dir, "traces"))
             if problem is not None:
                 raise problem from err
             raise
