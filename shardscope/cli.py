@@ -143,9 +143,9 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
-    from shardscope.outspace import preflight
+    from shardscope.orchestrator.preflight import check_space
 
-    short = preflight(comparison, out)  # traces dominate: refuse a directory that cannot hold them
+    short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
     if short:
         fail_usage(short)
     if not headless:

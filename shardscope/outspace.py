@@ -139,16 +139,3 @@ class Spare:
             os.remove(self.path)
         except OSError:
             pass
-
-
-def preflight(comparison: Any, out_dir: str) -> str | None:
-    """One line when ``out_dir`` cannot hold what ``comparison`` will write, else None."""
-    from shardscope.config import resolved_world_size
-    from shardscope.profiling.memory_model import param_count
-
-    try:
-        weights = 4 * param_count(comparison.model)  # init.safetensors holds fp32 weights
-    except (KeyError, ValueError):
-        weights = 0
-    sizes = [resolved_world_size(comparison, run) for run in comparison.runs]
-    return shortfall(out_dir, estimate(comparison, sizes, weights))
