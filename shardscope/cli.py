@@ -230,7 +230,7 @@ def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None
 def _run_headless(session) -> int:
     from rich.console import Console
 
-    from shardscope.headless import HeadlessView, comparison_table, loss_table
+    from shardscope.headless import HeadlessView, comparison_table, loss_table, rank_timing_table
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -264,6 +264,12 @@ def _run_headless(session) -> int:
     if summary is not None:
         console.print(comparison_table(summary))
         console.print(loss_table(summary))
+        timing = rank_timing_table(summary)
+        if timing is not None:
+            console.print(timing)
+        for entry in (summary.get("stragglers") or {}).values():
+            for flag in entry.get("flagged", []):
+                console.print(f"[bold yellow]{flag['line']}[/]", highlight=False)
     for notice in view.notices:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
