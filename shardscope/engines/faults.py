@@ -12,7 +12,10 @@ At the start of the given step, on the given rank:
   use and touches 1 GiB, so the kernel's OOM killer SIGKILLs it; raises RuntimeError where no
   cgroup can be made;
 - ``nospace``: from this step on the rank's record writer fails with ENOSPC, as on a full disk,
-  until the rank frees its reserved spare (what it does to write its last records).
+  until the rank frees its reserved spare (what it does to write its last records);
+- ``slow`` (``kind=slow,ms=50``): the rank is busy ``ms`` more milliseconds in every step from the
+  given one on, like a slower device: it spins rather than sleeps, because a slow device computes
+  (a rank that only slept would look like one waiting in a collective).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Fault:
     rank: int
     step: int
     kind: str  # one of config.FAULT_KINDS
+    ms: int = 100  # kind "slow": extra busy milliseconds per step
     writer: Any = None
 
     @staticmethod
@@ -47,10 +51,16 @@ class Fault:
         if not text.strip():
             return None
         spec = parse_fault(text)
-        return Fault(spec["rank"], spec["step"], spec["kind"], writer)
+        return Fault(spec["rank"], spec["step"], spec["kind"], spec.get("ms", 100), writer)
 
     def maybe_fire(self, rank: int, step: int) -> None:
         """Fire the fault if (rank, step) match (see the module docstring for each kind)."""
+        if self.kind == "slow":
+            if rank == self.rank and step >= self.step:
+                busy_until = time.perf_counter() + self.ms / 1000
+                while time.perf_counter() < busy_until:
+                    pass
+            return
         if rank != self.rank or step != self.step:
             return
         if self.kind == "raise":
