@@ -89,6 +89,8 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
+    records_endpoint: str = ""  # host:port of node 0's record server (no shared filesystem); "" = files
     concurrent: bool = False
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s

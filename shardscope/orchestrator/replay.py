@@ -17,6 +17,7 @@ from typing import Any, Callable
 from shardscope.config import Comparison
 from shardscope.events import read_records
 from shardscope.orchestrator import state
+from shardscope.orchestrator.root_cause import root_cause
 from shardscope.orchestrator.session import Completion
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import tail_text
@@ -41,8 +42,7 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
     errors = [r for r in records if r.get("kind") == "error"]
     ends = [r for r in records if r.get("kind") == "end"]
     if errors:
-        return state.StatusChanged(name, state.FAILED, str(errors[0].get("message", "error")),
-                                   str(errors[0].get("traceback", "")))
+        return state.StatusChanged(name, state.FAILED, *root_cause(errors))
     ranks = {r.get("rank") for r in records}
     ended = {e.get("rank") for e in ends}
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):

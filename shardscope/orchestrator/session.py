@@ -23,7 +23,8 @@ from typing import Callable
 
 from shardscope import config
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import launcher, state
+from shardscope.orchestrator import launcher, nodes, state
+from shardscope.orchestrator.root_cause import root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
@@ -63,7 +64,9 @@ class _Active:
     saw_end: str = ""  # status of an `end` record from rank 0, if any
     error: str = ""
     traceback: str = ""
-    ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
+    ranks: dict[int, int] = field(default_factory=dict)  # pid -> global rank
+    errors: list[dict] = field(default_factory=list)  # every rank's error records (root_cause picks one)
+    ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
 
 
 class Completion:
@@ -155,7 +158,8 @@ class Session(Completion):
     def _emit(self, update: Update) -> None:
         self._pending.append(update)
         state.fold([update], self.states)
-        if isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
+        owner = nodes.owns_verdict(self.comparison.launch.node_rank)
+        if owner and isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
             # The orchestrator's verdict goes on disk too, so reports rebuilt from files agree with it.
             run_dir = os.path.join(self.out_dir, update.run)
             os.makedirs(run_dir, exist_ok=True)
@@ -293,17 +297,18 @@ class Session(Completion):
         run_dir = os.path.join(self.out_dir, run.name)
         ws = config.resolved_world_size(self.comparison, run)
         launch = self.comparison.launch
+        prefix = launch.rdzv_id or f"shardscope-{self.comparison.name}"
         argv = launcher.torchrun_argv(
             os.path.join(run_dir, "spec.json"),
             nproc_per_node=ws // launch.nnodes,
             nnodes=launch.nnodes,
             node_rank=launch.node_rank,
-            rdzv_endpoint=launch.rdzv_endpoint,
-            rdzv_id=f"shardscope-{self.comparison.name}-{run.name}",
+            rdzv_endpoint=launcher.endpoint_for_run(launch.rdzv_endpoint, self.run_names.index(run.name)),
+            rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
         )
         return launcher.LaunchPlan(run.name, argv, launcher.worker_env(self.device),
-                                   os.path.join(run_dir, "console.log"), os.getcwd())
+                                   os.path.join(run_dir, nodes.console_name(launch.node_rank)), os.getcwd())
 
     def _launch(self, name: str) -> None:
         run = self.comparison.run(name)
@@ -339,6 +344,8 @@ class Session(Completion):
         else:
             active.proc.kill()  # torchrun ended: make sure no rank outlived it
         self._read(active)
+        if code != 0 and self.comparison.launch.nnodes > 1:
+            self._await_other_nodes(active)
         self._settle(active, active.proc.poll())
 
     def _read(self, active: _Active) -> None:
@@ -347,15 +354,25 @@ class Session(Completion):
             active.last_progress = time.monotonic()
             active.started = True
             for r in records:
-                if r.get("kind") == "error" and not active.error:
-                    active.error = str(r.get("message", "error"))
-                    active.traceback = str(r.get("traceback", ""))
-                elif r.get("kind") == "end" and r.get("rank") == 0:
-                    active.saw_end = str(r.get("status", ""))
+                if r.get("kind") == "error":
+                    active.errors.append(r)
+                    active.error, active.traceback = root_cause(active.errors)
+                elif r.get("kind") == "end":
+                    active.ended.add(int(r.get("rank", -1)))
+                    if r.get("rank") == 0:
+                        active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
         text = active.console.poll()
         if text:
             self._emit(state.ConsoleText(active.name, text))
+
+    def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
+        """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""
+        world = self.states[active.name].world_size
+        deadline = time.monotonic() + timeout_s
+        while len(active.ended) < world and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self._read(active)
 
     def _stall_limit(self, active: _Active) -> float:
         """Seconds without a new record before a run counts as stalled (startup gets longer)."""
@@ -394,9 +411,14 @@ class Session(Completion):
         except ImportError:
             return
         sampler = DeviceSampler()
-        log = open(os.path.join(self.out_dir, "devices.jsonl"), "a", encoding="utf-8", buffering=1)
+        launch = self.comparison.launch
+        log = open(os.path.join(self.out_dir, nodes.devices_name(launch.node_rank)), "a", encoding="utf-8", buffering=1)
+        node = nodes.node_label(launch.node_rank, launch.nnodes)
 
         def publish(sample: state.DeviceSample) -> None:
+            if node:  # several nodes: say whose device or process this is
+                sample = dataclasses.replace(sample, readings=tuple(
+                    dataclasses.replace(r, label=f"{node} {r.label}") for r in sample.readings))
             if sample.readings:
                 log.write(json.dumps(dataclasses.asdict(sample), separators=(",", ":")) + "\n")
             with self._lock:
