@@ -24,7 +24,7 @@ from typing import Callable
 from shardscope import config
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import launcher, nodes, state
-from shardscope.orchestrator.root_cause import root_cause
+from shardscope.orchestrator.root_cause import is_secondary, root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
@@ -121,6 +121,8 @@ class Session(Completion):
         self._pending: list[Update] = []
         self._sampler = None
         self._device_log = None
+        launch = comparison.launch
+        self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class Session(Completion):
     def _main(self) -> None:
         try:
             os.makedirs(self.out_dir, exist_ok=True)
+            self._watch.start()
             for run in self.comparison.runs:
                 self._define(run)
             self._queue.extend(self.run_names)
@@ -203,6 +206,7 @@ class Session(Completion):
                 active.proc.kill()
         finally:
             self._stop_sampler()
+            self._watch.stop()
             self._finish()
 
     def _define(self, run: config.RunSpec) -> None:
@@ -258,6 +262,7 @@ class Session(Completion):
         max_active = len(self.run_names) if self.comparison.launch.concurrent else 1
         while True:
             self._handle_requests()
+            self._check_nodes()
             while self._queue and len(self._active) < max_active and not self._stopping:
                 self._launch(self._queue.popleft())
             if not self._active and (not self._queue or self._stopping):
@@ -270,6 +275,17 @@ class Session(Completion):
             self._emit(state.StatusChanged(name, state.STOPPED, "stopped before it started"))
         self._queue.clear()
         self._flush()
+
+    def _check_nodes(self) -> None:
+        """Node 0: a lost node fails the active runs (their ranks here are stopped) and every queued run."""
+        lost = self._watch.lost()
+        if not lost:
+            return
+        message = nodes.lost_message(lost, self._watch.timeout_s)
+        for active in self._active.values():
+            active.stop_reason = active.stop_reason or message
+        while self._queue:
+            self._emit(state.StatusChanged(self._queue.popleft(), state.FAILED, message))
 
     def _handle_requests(self) -> None:
         while self._requests:
@@ -390,11 +406,16 @@ class Session(Completion):
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
                 f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
+        elif active.stop_reason:  # a lost node
+            update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
         else:
             console = tail_text(active.proc.plan.console_path, 30)
             error = active.error or _last_line(console) or f"torchrun exited with code {code}"
+            if not active.error or is_secondary(active.error):  # peers' errors only: did a node vanish?
+                error = nodes.silent_verdict(active.ended | {int(e.get("rank", -1)) for e in active.errors},
+                                             self.states[active.name].world_size, self.comparison.launch) or error
             update = state.StatusChanged(active.name, state.FAILED, error, active.traceback or console)
         self._emit(update)
 
