@@ -133,19 +133,16 @@ def presets_cmd() -> None:
 @click.option("--rdzv-endpoint", default=None, help="host:port of node 0's rendezvous for several nodes "
               "(run i of the comparison uses port + i).")
 @click.option("--rdzv-id", default=None, help="Prefix of each run's rendezvous id; unique per job (several nodes).")
-@click.option("--records-endpoint", default=None,
-              help="host:port of node 0's record server: ranks send records over TCP (no shared filesystem).")
 @click.option("--slurm-task", is_flag=True, help="One task of an sbatch job (`shardscope slurm`): node rank from "
               "SLURM_NODEID; exit 0 once this orchestrator finished, whatever the runs' verdicts.")
 @click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            rdzv_id: str | None, records_endpoint: str | None, slurm_task: bool, check_parity: bool) -> None:
+            rdzv_id: str | None, slurm_task: bool, check_parity: bool) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
     if slurm_task:
         node_rank = _slurm_node_rank(node_rank)
-    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id,
-                                                        records_endpoint=records_endpoint)
+    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id)
     comparison, dev = resolve(preset, all_overrides)
     from shardscope.orchestrator.session import Session, default_out_dir
 
@@ -339,11 +336,10 @@ def parse_size(text: str) -> int:
 @click.option("--gpus-per-node", type=int, default=None, help="GPU nodes: ranks (GPUs) per node.")
 @click.option("--cpus-per-node", type=int, default=None, help="CPU nodes: ranks per node (gloo on CPU).")
 @click.option("--cpus-per-rank", type=int, default=None, help="CPUs asked per rank [default: 1 on CPU, 4 on GPU].")
-@click.option("--no-shared-fs", is_flag=True, help="Nodes share no filesystem: ranks send records over TCP to node 0.")
 @click.option("--time", "time_limit", default="01:00:00", show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
 def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node: int | None,
-              cpus_per_rank: int | None, no_shared_fs: bool, time_limit: str, overrides: tuple[str, ...]) -> None:
+              cpus_per_rank: int | None, time_limit: str, overrides: tuple[str, ...]) -> None:
     """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch).
 
     Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
@@ -359,8 +355,8 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
                                     f"launch.nnodes={nodes}"])
     except (ConfigError, ValueError) as err:
         fail_usage(str(err))
-    click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides),
-                             shared_fs=not no_shared_fs), nl=False)
+    click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
+               nl=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

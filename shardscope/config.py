@@ -90,7 +90,6 @@ class LaunchSpec:
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
     rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
-    records_endpoint: str = ""  # host:port of node 0's record server (no shared filesystem); "" = files
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     concurrent: bool = False
     grace_period_s: float = 5.0

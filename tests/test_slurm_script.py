@@ -57,18 +57,17 @@ def test_script_passes_any_set_value_and_path_verbatim_with_the_head_address_and
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == f"10.1.2.3:{port + 1}"
     assert cmd[cmd.index("--rdzv-id") + 1] == "shardscope-4242"
     assert cmd[cmd.index("--out") + 1] == f"{work}/shardscope-runs/slurm-4242-smoke"
-    assert cmd[cmd.index("--device") + 1] == "cpu" and "--slurm-task" in cmd and "--records-endpoint" not in cmd
+    assert cmd[cmd.index("--device") + 1] == "cpu" and "--slurm-task" in cmd
 
 
-def test_script_without_shared_filesystem_names_node_0s_record_server(tmp_path):
-    """--no-shared-fs: ranks are told node 0's record server, on the job's first port."""
+def test_gpu_variant_from_the_presets_device_asks_gpus_and_cpus_per_node(tmp_path):
+    """A cuda preset without node options: its world size split over the nodes, GPUs and 4 CPUs per rank."""
     shape = slurm.node_shape("cuda", 16, 2, gpus_per_node=None, cpus_per_node=None, cpus_per_rank=None)
     assert shape == slurm.NodeShape(8, True, 4)
-    script = slurm.sbatch_script("smoke", nodes=2, shape=shape, time_limit="1:00:00", overrides=[], shared_fs=False)
+    script = slurm.sbatch_script("smoke", nodes=2, shape=shape, time_limit="1:00:00", overrides=[])
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --cpus-per-task=32" in script
     cmd = script_argv(tmp_path, script, job_id="7")
-    port = slurm.PORT_BASE + slurm.PORTS_PER_JOB * 7
-    assert cmd[cmd.index("--records-endpoint") + 1] == f"10.1.2.3:{port}" and "--device" not in cmd
+    assert cmd[cmd.index("--set") + 1] == "world_size=16" and "--device" not in cmd
 
 
 @pytest.mark.parametrize("kwargs, message", [

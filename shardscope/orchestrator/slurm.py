@@ -25,8 +25,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-# Ports of a job: 21000 + 32 * (job id mod 300), below Linux's ephemeral range (32768+). The first is node 0's
-# record server (records over TCP), run i's rendezvous uses the next plus i.
+# Ports of a job: 21000 + 32 * (job id mod 300), below Linux's ephemeral range (32768+). The first is kept
+# for node 0's record server (records over TCP, not built yet); run i's rendezvous uses the next plus i.
 PORT_BASE, PORT_SLOTS, PORTS_PER_JOB = 21000, 300, 32
 
 
@@ -73,11 +73,11 @@ def node_shape(device: str, world_size: int, nodes: int, *, gpus_per_node: int |
 
 
 def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str, overrides: list[str],
-                  python: str = sys.executable, shared_fs: bool = True) -> str:
+                  python: str = sys.executable) -> str:
     """Return the text of an sbatch script that runs ``preset`` on ``nodes`` nodes of ``shape``.
 
-    ``shared_fs=False``: ranks send records over TCP to node 0's orchestrator, which writes the run
-    directory on its own disk; other nodes keep their consoles in a directory of their own.
+    The run directory must be on a filesystem every node sees (ranks of every node append their record
+    files there, and other nodes wait there for node 0's initial weights).
     """
     world = nodes * shape.ranks_per_node
     kind = f"{shape.ranks_per_node} GPU{'s' if shape.ranks_per_node > 1 else ''}" if shape.gpus else \
@@ -89,13 +89,9 @@ def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str,
     static += [["--set", item] for item in overrides]
     lines = [" ".join(shlex.quote(a) for a in words) for words in static]
     dynamic = ['--rdzv-endpoint "$HEAD_ADDR:$((PORT + 1))"', '--rdzv-id "shardscope-$SLURM_JOB_ID"', '--out "$OUT"']
-    if not shared_fs:
-        dynamic.append('--records-endpoint "$HEAD_ADDR:$PORT"')
     command = "\n  ".join(lines + dynamic)
     gres = f"#SBATCH --gpus-per-node={shape.ranks_per_node}\n" if shape.gpus else ""
-    out_comment = ("# The run directory: on a filesystem every node sees." if shared_fs else
-                   "# The run directory: node 0's own disk (ranks send records over TCP); other nodes keep their\n"
-                   "# consoles and device samples under the same path on their own disks.")
+    out_comment = "# The run directory: on a filesystem every node sees."
     return f"""#!/bin/bash
 # shardscope: preset {preset} on {nodes} node(s) x {kind} (world size {world}).
 #SBATCH --job-name={shlex.quote(f"shardscope-{preset}")}
