@@ -22,7 +22,7 @@ def script_argv(tmp_path, script: str, job_id: str = "4242") -> list[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fakes = {
-        "scontrol": '#!/bin/bash\nif [ "$1 $2" = "show hostnames" ]; then echo nodeA; echo nodeB; '
+        "scontrol": '#!/bin/bash\nif [ "$1 $2" = "show hostnames" ]; then echo nodeA; seq 1 100000 | sed s/^/node/; '
                     'else echo "NodeName=nodeA Arch=x86_64 CoresPerSocket=1"; echo "   NodeAddr=10.1.2.3 NodeHostName=a"; fi\n',
         "srun": f'#!/bin/bash\nprintf "%s\\0" "$@" > {shlex.quote(str(tmp_path / "srun.argv"))}\n',
     }

@@ -104,8 +104,9 @@ set -euo pipefail
 {out_comment}
 OUT="${{OUT:-$PWD/shardscope-runs/slurm-$SLURM_JOB_ID-{_safe(preset)}}}"
 # Node 0 hosts the rendezvous: its address as slurmctld knows it (NodeAddr), else its name.
-HEAD_NAME=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-HEAD_ADDR=$(scontrol show node "$HEAD_NAME" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
+# (sed -n 1p reads all its input: `head` would leave the writer a SIGPIPE, fatal under pipefail)
+HEAD_NAME=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+HEAD_ADDR=$(scontrol show node "$HEAD_NAME" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' | sed -n 1p)
 HEAD_ADDR=${{HEAD_ADDR:-$HEAD_NAME}}
 # A rendezvous port and id of this job alone, so jobs sharing a node never join each other's rendezvous.
 PORT=$(( {PORT_BASE} + {PORTS_PER_JOB} * (SLURM_JOB_ID % {PORT_SLOTS}) ))
