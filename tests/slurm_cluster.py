@@ -61,7 +61,8 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
 ReturnToService=2
-KillWait=10
+# SLURM's default: scancel's SIGTERM, then SIGKILL 30 s later; node 0 writes the summary in between
+KillWait=30
 GresTypes=gpu
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
