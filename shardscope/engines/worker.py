@@ -186,7 +186,8 @@ def write_failure(writer: events.RecordWriter, exc: BaseException, rank: int, st
     except OSError:
         pass
     try:
-        writer.write(events.ERROR, message=message, cause=cause, step=steps_completed, traceback=text)
+        writer.write(events.ERROR, message=message, cause=cause, step=steps_completed, traceback=text,
+                     host=socket.gethostname())
         writer.write(events.END, status="failed", steps_completed=steps_completed)
     except OSError:  # nothing more can be recorded; the orchestrator diagnoses the output directory
         pass

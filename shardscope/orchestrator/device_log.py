@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Callable
 
 from shardscope.orchestrator import state
@@ -14,8 +13,9 @@ from shardscope.orchestrator import state
 class DeviceLog:
     """Runs a ``profiling.nvml.DeviceSampler`` and keeps its samples in ``devices.jsonl``."""
 
-    def __init__(self, out_dir: str) -> None:
-        self.path = os.path.join(out_dir, "devices.jsonl")
+    def __init__(self, path: str, node_label: str = "") -> None:
+        self.path = path
+        self.node_label = node_label  # several nodes: "node N (host)" before each reading's label
         self._sampler = None
         self._log = None
 
@@ -30,6 +30,9 @@ class DeviceLog:
         log = open(self.path, "a", encoding="utf-8", buffering=1)
 
         def on_sample(sample: state.DeviceSample) -> None:
+            if self.node_label:  # several nodes: say whose device or process this is
+                sample = dataclasses.replace(sample, readings=tuple(
+                    dataclasses.replace(r, label=f"{self.node_label} {r.label}") for r in sample.readings))
             if sample.readings and not log.closed:
                 try:
                     log.write(json.dumps(dataclasses.asdict(sample), separators=(",", ":")) + "\n")

@@ -60,15 +60,18 @@ def torchrun_argv(
 ) -> tuple[str, ...]:
     """Return the exact torchrun command for one run.
 
-    Single node without an endpoint gets a free local port; several nodes use the given
-    c10d rendezvous endpoint (``host:port``) and node rank.
+    One node: c10d rendezvous on the given endpoint, or a free local port. Several nodes: torchrun's
+    static rendezvous hosted by node 0 at ``rdzv_endpoint``, with ``--node-rank``: global ranks are then
+    ``node_rank * nproc_per_node + local_rank``, so node N's ranks are known before launch (a fault, a
+    label, a lost node can be tied to a node). c10d would order nodes by host name and process id, and
+    ignores ``--node-rank`` with a warning. The rendezvous id keeps jobs' store keys apart.
     """
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     argv = [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(nproc_per_node),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", "c10d" if nnodes == 1 else "static",
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", rdzv_id,
         "--max-restarts", "0",
@@ -77,6 +80,18 @@ def torchrun_argv(
         argv += ["--node-rank", str(node_rank)]
     argv += ["-m", "shardscope.engines.worker", spec_path]
     return tuple(argv)
+
+
+def endpoint_for_run(endpoint: str, index: int) -> str:
+    """Return ``host:port+index``: each run of a multi-node comparison its own rendezvous port.
+
+    A node that finishes a run first starts the next one at once; on the same port it could reach the
+    store node 0's previous run still holds, and fail when that store closes.
+    """
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        return endpoint
+    return f"{host}:{int(port) + index}"
 
 
 def worker_env(device: str) -> dict[str, str]:
@@ -107,7 +122,7 @@ class RunProcess:
         return self.popen.poll()
 
     def refresh_descendants(self) -> dict[int, int]:
-        """Remember torchrun's current descendants; return {pid: local rank} for worker processes."""
+        """Remember torchrun's current descendants; return {pid: global rank} for worker processes."""
         ranks: dict[int, int] = {}
         try:
             children = psutil.Process(self.pid).children(recursive=True)
@@ -116,7 +131,7 @@ class RunProcess:
         for child in children:
             try:
                 self.seen.setdefault(child.pid, child.create_time())
-                env_rank = child.environ().get("LOCAL_RANK")
+                env_rank = child.environ().get("RANK")  # global: several nodes label ranks alike
                 if env_rank is not None:
                     ranks[child.pid] = int(env_rank)
             except (psutil.Error, ValueError):

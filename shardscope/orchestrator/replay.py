@@ -18,6 +18,7 @@ from shardscope.config import Comparison
 from shardscope.events import ORCHESTRATOR_LOST, read_records
 from shardscope.orchestrator import lifeline, state
 from shardscope.orchestrator.completion import Completion
+from shardscope.orchestrator.root_cause import root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import tail_text
 
@@ -48,8 +49,7 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
         return state.StatusChanged(name, state.STOPPED, ORCHESTRATOR_LOST if records else
                                    f"{ORCHESTRATOR_LOST} before it started", tail_text(os.path.join(run_dir, "console.log"), 20))
     if errors:
-        return state.StatusChanged(name, state.FAILED, str(errors[0].get("message", "error")),
-                                   str(errors[0].get("traceback", "")))
+        return state.StatusChanged(name, state.FAILED, *root_cause(errors))
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
     if not records:

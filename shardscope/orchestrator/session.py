@@ -21,10 +21,11 @@ from typing import Callable
 
 from shardscope import config, outspace
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import launcher, lifeline, state, verdict
+from shardscope.orchestrator import launcher, lifeline, nodes, state, verdict
 from shardscope.orchestrator.completion import Completion
 from shardscope.orchestrator.device_log import DeviceLog
 from shardscope.orchestrator.reporting import write_reports
+from shardscope.orchestrator.root_cause import is_secondary, root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
@@ -65,9 +66,10 @@ class _Active:
     error: str = ""
     traceback: str = ""
     cause: str = ""  # the root-cause error record's cause: oom | disk | error
-    error_rank: tuple[int, float] = (2, 0.0)  # verdict.priority of that record
     last_steps: dict[int, int] = field(default_factory=dict)  # rank -> last step recorded
-    ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
+    ranks: dict[int, int] = field(default_factory=dict)  # pid -> global rank
+    errors: list[dict] = field(default_factory=list)  # every rank's error records (root_cause picks one)
+    ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
 
 
 class Session(Completion):
@@ -105,6 +107,8 @@ class Session(Completion):
         self._pending: list[Update] = []
         self._sampler: DeviceLog | None = None
         self._spare = outspace.Spare(self.out_dir)  # freed on a disk fault, so the summary fits
+        launch = comparison.launch
+        self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -142,7 +146,8 @@ class Session(Completion):
     def _emit(self, update: Update) -> None:
         self._pending.append(update)
         state.fold([update], self.states)
-        if isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
+        owner = nodes.owns_verdict(self.comparison.launch.node_rank)
+        if owner and isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
             # The orchestrator's verdict goes on disk too, so reports rebuilt from files agree with it.
             run_dir = os.path.join(self.out_dir, update.run)
             try:
@@ -170,6 +175,7 @@ class Session(Completion):
             self._spare.reserve()
             if self.comparison.launch.node_rank == 0:
                 lifeline.write_identity(self.out_dir)
+            self._watch.start()
             for run in self.comparison.runs:
                 self._define(run)
             self._queue.extend(self.run_names)
@@ -195,6 +201,7 @@ class Session(Completion):
                 active.proc.kill()
         finally:
             self._stop_sampler()
+            self._watch.stop()
             self._finish()
 
     def _define(self, run: config.RunSpec) -> None:
@@ -250,6 +257,7 @@ class Session(Completion):
         max_active = len(self.run_names) if self.comparison.launch.concurrent else 1
         while True:
             self._handle_requests()
+            self._check_nodes()
             while self._queue and len(self._active) < max_active and not self._stopping:
                 self._launch(self._queue.popleft())
             if not self._active and (not self._queue or self._stopping):
@@ -262,6 +270,17 @@ class Session(Completion):
             self._emit(state.StatusChanged(name, state.STOPPED, "stopped before it started"))
         self._queue.clear()
         self._flush()
+
+    def _check_nodes(self) -> None:
+        """Node 0: a lost node fails the active runs (their ranks here are stopped) and every queued run."""
+        lost = self._watch.lost()
+        if not lost:
+            return
+        message = nodes.lost_message(lost, self._watch.timeout_s)
+        for active in self._active.values():
+            active.stop_reason = active.stop_reason or message
+        while self._queue:
+            self._emit(state.StatusChanged(self._queue.popleft(), state.FAILED, message))
 
     def _handle_requests(self) -> None:
         while self._requests:
@@ -289,17 +308,18 @@ class Session(Completion):
         run_dir = os.path.join(self.out_dir, run.name)
         ws = config.resolved_world_size(self.comparison, run)
         launch = self.comparison.launch
+        prefix = launch.rdzv_id or f"shardscope-{self.comparison.name}"
         argv = launcher.torchrun_argv(
             os.path.join(run_dir, "spec.json"),
             nproc_per_node=ws // launch.nnodes,
             nnodes=launch.nnodes,
             node_rank=launch.node_rank,
-            rdzv_endpoint=launch.rdzv_endpoint,
-            rdzv_id=f"shardscope-{self.comparison.name}-{run.name}",
+            rdzv_endpoint=launcher.endpoint_for_run(launch.rdzv_endpoint, self.run_names.index(run.name)),
+            rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
         )
         return launcher.LaunchPlan(run.name, argv, launcher.worker_env(self.device),
-                                   os.path.join(run_dir, "console.log"), os.getcwd())
+                                   os.path.join(run_dir, nodes.console_name(launch.node_rank)), os.getcwd())
 
     def _launch(self, name: str) -> None:
         run = self.comparison.run(name)
@@ -342,6 +362,8 @@ class Session(Completion):
         else:
             active.proc.kill()  # torchrun ended: make sure no rank outlived it
         self._read(active)
+        if code != 0 and self.comparison.launch.nnodes > 1:
+            self._await_other_nodes(active)
         self._settle(active, active.proc.poll())
 
     def _read(self, active: _Active) -> None:
@@ -352,15 +374,26 @@ class Session(Completion):
             for r in records:
                 if r.get("kind") == "step":
                     active.last_steps[int(r.get("rank", 0))] = int(r.get("step", 0))
-                elif r.get("kind") == "error" and verdict.priority(r) < active.error_rank:  # the root cause
-                    active.error, active.traceback = str(r.get("message", "error")), str(r.get("traceback", ""))
-                    active.cause, active.error_rank = str(r.get("cause", "")), verdict.priority(r)
-                elif r.get("kind") == "end" and r.get("rank") == 0:
-                    active.saw_end = str(r.get("status", ""))
+                elif r.get("kind") == "error":
+                    active.errors.append(r)
+                    active.error, active.traceback = root_cause(active.errors)
+                    active.cause = verdict.cause_of(active.errors, active.error)
+                elif r.get("kind") == "end":
+                    active.ended.add(int(r.get("rank", -1)))
+                    if r.get("rank") == 0:
+                        active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
         text = active.console.poll()
         if text:
             self._emit(state.ConsoleText(active.name, text))
+
+    def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
+        """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""
+        world = self.states[active.name].world_size
+        deadline = time.monotonic() + timeout_s
+        while len(active.ended) < world and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self._read(active)
 
     def _stall_limit(self, active: _Active) -> float:
         """Seconds without a new record before a run counts as stalled (startup gets longer)."""
@@ -378,6 +411,8 @@ class Session(Completion):
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
                 f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
+        elif active.stop_reason:  # a lost node
+            update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
         else:
@@ -385,7 +420,11 @@ class Session(Completion):
             if found.cause == verdict.DISK:
                 self._halt_for_disk(active.name, found)
                 return
-            update = state.StatusChanged(active.name, state.FAILED, found.error, found.traceback)
+            error = found.error
+            if not active.error or is_secondary(active.error):  # peers' errors only: did a node vanish?
+                error = nodes.silent_verdict(active.ended | {int(e.get("rank", -1)) for e in active.errors},
+                                             self.states[active.name].world_size, self.comparison.launch) or error
+            update = state.StatusChanged(active.name, state.FAILED, error, found.traceback)
         self._emit(update)
 
     def _failure(self, active: _Active, code: int | None) -> verdict.Verdict:
@@ -414,7 +453,9 @@ class Session(Completion):
     def _start_sampler(self) -> None:
         if not self.sample_devices:
             return
-        self._sampler = DeviceLog(self.out_dir)
+        launch = self.comparison.launch
+        self._sampler = DeviceLog(os.path.join(self.out_dir, nodes.devices_name(launch.node_rank)),
+                                  nodes.node_label(launch.node_rank, launch.nnodes))
 
         def publish(sample: state.DeviceSample) -> None:
             with self._lock:

@@ -35,10 +35,9 @@ class Verdict:
     cause: str = ERROR
 
 
-def priority(record: dict) -> tuple[int, float]:
-    """Order error records by how likely each is the root cause: a named cause (oom, disk) first, then
-    the earliest; a peer whose collective broke when the failing rank left comes later."""
-    return (0 if record.get("cause") in (OOM, DISK) else 1, float(record.get("t", 0.0)))
+def cause_of(errors: list[dict], message: str) -> str:
+    """The ``cause`` (oom | disk | error) of the error record whose message is ``message`` (the root cause)."""
+    return next((str(e.get("cause", "")) for e in errors if str(e.get("message", "")) == message), "")
 
 
 def killed_ranks(console: str) -> list[tuple[int, int, int]]:
