@@ -26,6 +26,9 @@ Root Cause (first observed failure):
 def test_only_torchruns_root_cause_counts_as_killed():
     assert verdict.killed_ranks(CONSOLE) == [(1, 9, 222)]
     assert verdict.killed_ranks(CONSOLE.replace("-9 (pid: 222)", "1 (pid: 222)")) == []
+    # Under load torchrun may observe the killed rank's peer first: a SIGKILL among the other failures counts.
+    swapped = CONSOLE.replace("-15 (pid: 111)", "-9 (pid: 111)").replace("-9 (pid: 222)", "1 (pid: 222)")
+    assert verdict.killed_ranks(swapped) == [(0, 9, 111)]
 
 
 def test_disk_error_named_through_causes():

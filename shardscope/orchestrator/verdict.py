@@ -41,13 +41,19 @@ def cause_of(errors: list[dict], message: str) -> str:
 
 
 def killed_ranks(console: str) -> list[tuple[int, int, int]]:
-    """Return (rank, signal number, pid) when torchrun's root cause (first observed failure) is a rank
-    killed by a signal; peers that failed after it (a broken collective, torchrun's SIGTERM) are not."""
-    out = []
-    _, found, root = console.rpartition("Root Cause (first observed failure)")
-    for rank, code, pid in _FAILURE_ROW.findall(root if found else ""):
-        if int(code) < 0:
-            out.append((int(rank), -int(code), int(pid)))
+    """Return (rank, signal number, pid) of the ranks torchrun's failure table shows killed by a signal,
+    its root cause (first observed failure) first. Under load torchrun may observe a peer whose collective
+    broke (exit code 1) before the killed rank, so the other failures of the table count too."""
+    block = console[console.rfind("Failures:"):] if "Failures:" in console else console
+    _, found, root = block.rpartition("Root Cause (first observed failure)")
+    rows = [(r, c, p, True) for r, c, p in _FAILURE_ROW.findall(root if found else "")]
+    rows += [(r, c, p, False) for r, c, p in _FAILURE_ROW.findall(block)]
+    out: list[tuple[int, int, int]] = []
+    for rank, code, pid, is_root in rows:
+        entry = (int(rank), -int(code), int(pid))
+        # Beyond the root cause only SIGKILL counts: torchrun itself ends the other ranks with SIGTERM.
+        if int(code) < 0 and (is_root or -int(code) == 9) and entry not in out:
+            out.append(entry)
     return out
 
 
