@@ -35,6 +35,7 @@ sys.path.insert(0, REPO)
 
 from shardscope import config, events  # noqa: E402  (torch-free)
 from shardscope.engines import registry  # noqa: E402
+from shardscope.profiling.estimate import fmt_bytes  # noqa: E402  (torch-free; rich only inside functions)
 
 NOT = "not measured"
 
@@ -156,16 +157,6 @@ def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: st
 
 
 # --- the table -------------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Binary units ("1.5 GiB"); the caller handles None."""
-    value = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def _or_not(value: Any, fmt: str, why: str) -> str:
