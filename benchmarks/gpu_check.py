@@ -117,11 +117,13 @@ class NvmlPeaks:
     def describe(self, run: str) -> str:
         """"rank 0 1.2 GiB; GPU0 ... 3.4 GiB" for ``run``, or "" when nothing was read for it."""
         parts = [f"rank {rank} {fmt_bytes(b)}" for (r, rank), b in sorted(self.process.items()) if r == run]
-        parts += [f"{label.split(' ')[0]} used {fmt_bytes(b)}" for (r, label), b in sorted(self.device.items()) if r == run]
+        parts += [f"{label.split(' ')[0]} used {fmt_bytes(b)}"
+                  for (r, label), b in sorted(self.device.items()) if r == run]
         return "; ".join(parts)
 
 
-def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: str, traced: dict[str, Any]) -> dict[str, Any]:
+def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: str,
+            traced: dict[str, Any]) -> dict[str, Any]:
     """One table row for a finished run, from its rank 0 records, traces and the predictions."""
     from shardscope.orchestrator.state import RecordsArrived, RunState
     from shardscope.profiling import memory_model, summary, traces
@@ -165,7 +167,8 @@ def _or_not(value: Any, fmt: str, why: str) -> str:
 
 def render_table(rows: Iterable[dict[str, Any]]) -> str:
     """The markdown table of ``run_row`` rows."""
-    header = ["run", "status", "tokens/s", "MFU", "CUDA alloc / reserved / peak (rank 0)", "predicted peak: analytic / traced",
+    header = ["run", "status", "tokens/s", "MFU", "CUDA alloc / reserved / peak (rank 0)",
+              "predicted peak: analytic / traced",
               "NVML peaks (run's ranks, GPUs)", "NCCL kernels in traces", "comm bytes/step observed / theory"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:

@@ -125,6 +125,55 @@ def presets_cmd() -> None:
     Console().print(table)
 
 
+def tolerance_options(fn: Any) -> Any:
+    """Add the diff gate's --loss-tol/--speed-tol/--mem-tol options (defaults from profiling.diff)."""
+    from shardscope.profiling.diff import DEFAULT_LOSS_TOL, DEFAULT_MEM_TOL, DEFAULT_SPEED_TOL
+
+    fn = click.option("--mem-tol", type=float, default=DEFAULT_MEM_TOL, show_default=True,
+                      help="Fail when a run's peak memory grows by more than this fraction.")(fn)
+    fn = click.option("--speed-tol", type=float, default=DEFAULT_SPEED_TOL, show_default=True,
+                      help="Fail when a run's median throughput falls by more than this fraction and by more "
+                      "than the noise band of the two runs' step-to-step spread.")(fn)
+    return click.option("--loss-tol", type=float, default=DEFAULT_LOSS_TOL, show_default=True,
+                        help="Fail when |Δloss| at a common step exceeds this (a non-finite loss on either "
+                        "side always fails).")(fn)
+
+
+def _gate(old: str, new: str, maps: tuple[str, ...], loss_tol: float, speed_tol: float, mem_tol: float,
+          as_json: bool = False, plots_dir: str | None = None) -> int:
+    from shardscope import diffview
+    from shardscope.profiling.diff import DiffInputError, Tolerances
+
+    for name, value in (("--loss-tol", loss_tol), ("--speed-tol", speed_tol), ("--mem-tol", mem_tol)):
+        if not value >= 0:
+            fail_usage(f"{name} {value}: must be a number >= 0")
+    try:
+        return diffview.report(old, new, maps, Tolerances(loss_tol, speed_tol, mem_tol), as_json=as_json,
+                               plots_dir=plots_dir)
+    except DiffInputError as err:
+        fail_usage(str(err))
+        raise
+
+
+@main.command("diff")
+@click.argument("old", type=click.Path(file_okay=False))
+@click.argument("new", type=click.Path(file_okay=False))
+@click.option("--map", "maps", multiple=True, metavar="OLD_RUN=NEW_RUN",
+              help="Compare runs whose names differ (repeatable); other runs are matched by name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON instead of tables.")
+@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False),
+              help="Where to write one loss PNG per run (default NEW/diff).")
+@tolerance_options
+def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir: str | None, loss_tol: float,
+             speed_tol: float, mem_tol: float) -> None:
+    """Compare two comparison directories run by run: loss, throughput, memory, bytes, settings.
+
+    Exit 0 when every matched run is the same within tolerance, 1 when a difference passes a
+    tolerance or a new run did not end ok, 2 on bad input. Runs on one side only are listed.
+    """
+    sys.exit(_gate(old, new, maps, loss_tol, speed_tol, mem_tol, as_json, plots_dir))
+
+
 @main.command("run")
 @click.option("--preset", "-p", default=None, help="Built-in preset name or path to a .toml file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -137,9 +186,12 @@ def presets_cmd() -> None:
 @click.option("--node-rank", type=int, default=None, help="This node's rank when --nnodes > 1.")
 @click.option("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous for several nodes.")
 @click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
+@click.option("--against", default=None, type=click.Path(file_okay=False),
+              help="With --headless: afterwards, gate this comparison against a stored one (as `shardscope diff`).")
+@tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            check_parity: bool) -> None:
+            check_parity: bool, against: str | None, loss_tol: float, speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
     all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint)
     comparison, dev = resolve(preset, all_overrides)
@@ -150,6 +202,9 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
+    if against and not (headless and os.path.isfile(os.path.join(against, "comparison.json"))):
+        fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
+                                               "not a shardscope run directory (no comparison.json)"))
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
@@ -163,6 +218,8 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     summary = _load_summary(out)
     if check_parity and summary is not None and code == EXIT_OK:
         code = _check_parity(summary)
+    if against and summary is not None:
+        code = max(code, _gate(against, out, (), loss_tol, speed_tol, mem_tol))
     sys.exit(code)
 
 
@@ -180,7 +237,7 @@ def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None
 def _run_headless(session) -> int:
     from rich.console import Console
 
-    from shardscope.headless import HeadlessView, comparison_table, loss_table
+    from shardscope.headless import HeadlessView, comparison_table, loss_table, rank_timing_table
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -214,6 +271,12 @@ def _run_headless(session) -> int:
     if summary is not None:
         console.print(comparison_table(summary))
         console.print(loss_table(summary))
+        timing = rank_timing_table(summary)
+        if timing is not None:
+            console.print(timing)
+        for entry in (summary.get("stragglers") or {}).values():
+            for flag in entry.get("flagged", []):
+                console.print(f"[bold yellow]{flag['line']}[/]", highlight=False)
     for notice in view.notices:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)

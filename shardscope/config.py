@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("raise", "exit", "hang")
+FAULT_KINDS = ("raise", "exit", "hang", "slow")
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -106,7 +106,7 @@ class RunSpec:
     activation_checkpointing: bool = False
     compile: bool = False
     options: dict[str, Any] = field(default_factory=dict)
-    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" (tests)
+    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
 
 
 @dataclass
@@ -132,6 +132,8 @@ class Comparison:
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
+    straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -398,7 +400,7 @@ def parse_fault(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": 0, "step": 0, "kind": "raise"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = part.partition("=")
-        if key in ("rank", "step"):
+        if key in ("rank", "step", "ms"):
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
@@ -407,7 +409,7 @@ def parse_fault(text: str) -> dict[str, Any]:
                 raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {val!r}")
             out[key] = val
         else:
-            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind")
+            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow)")
     return out
 
 
@@ -426,9 +428,9 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     src = c.source or "preset"
     if not NAME_RE.match(c.name):
         raise ConfigError(f"{src}: name = {c.name!r}: use letters, digits, '.', '_' or '-'")
-    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every"):
+    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
         _positive(src, key, getattr(c, key))
-    for key in ("lr", "stall_timeout_s"):
+    for key in ("lr", "stall_timeout_s", "straggler_threshold"):
         _positive(src, key, getattr(c, key))
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -147,10 +148,11 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
                             cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
-                 device_name=device_name(ctx.device), init_sha256=file_sha256(spec["init_path"]),
+                 device_name=device_name(ctx.device), host=socket.gethostname(), init_sha256=file_sha256(spec["init_path"]),
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
-                 grad_accum=settings.grad_accum, notes=prep.notes)
+                 grad_accum=settings.grad_accum, notes=prep.notes,
+                 straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window})
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", "")), window

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope import events
+from shardscope.profiling.stragglers import StragglerWatch
 
 QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED = "queued", "starting", "running", "ok", "failed", "stopped"
 ACTIVE = (STARTING, RUNNING)
@@ -146,6 +147,7 @@ class RunState:
     ended_at: float | None = None
     first_step_t: float | None = None
     last_step_t: float | None = None
+    stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
 
     # -- queries --
     @property
@@ -204,6 +206,7 @@ class RunState:
             peak = r.get("mem_peak_bytes")
             if isinstance(peak, (int, float)):
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
+            self.stragglers.add(rank, int(r.get("step", 0)), r, self.world_size)
             if rank != 0:
                 return
             step = int(r.get("step", self.step + 1))
@@ -237,6 +240,7 @@ class RunState:
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
         elif kind == events.START:
             self.start[rank] = r
+            self.stragglers.configure(r.get("straggler"))
             if self.status in (QUEUED, STARTING):
                 self.status = RUNNING
         elif kind == events.TRACE:

@@ -15,7 +15,7 @@ from typing import Any
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import divergence, framework_fixes, memory_model, plots, summary, traces
+from shardscope.profiling import divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 
 
@@ -134,6 +134,7 @@ def write_reports(out_dir: str) -> dict[str, str]:
     layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
+    data["stragglers"] = straggler_report.section(states)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
              "plots": os.path.join(out_dir, "plots")}
     if data["traces"]:
@@ -142,7 +143,10 @@ def write_reports(out_dir: str) -> dict[str, str]:
         data["merged_trace"] = merged
         paths["merged_trace"] = merged
     losses = {name: st.losses for name, st in states.items()}
-    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots.write_plots(data, losses, paths["plots"]).items()}
+    made = plots.write_plots(data, losses, paths["plots"])
+    timing = straggler_report.plot(states, os.path.join(paths["plots"], "rank_timing.png"))
+    made.update({"rank_timing": timing} if timing else {})
+    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
     dump_json(paths["summary"], data)
     with open(paths["report"], "w", encoding="utf-8") as fh:
         fh.write(render_markdown(data))
@@ -191,6 +195,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
+    out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
     if s.get("plots"):
         out.append("## Plots\n")
