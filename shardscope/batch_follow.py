@@ -22,31 +22,29 @@ DEFAULT_WORLD_SIZE = 2
 DEFAULT_GLOBAL_BATCH = 8
 
 
-def follow_world_size(preset: dict[str, Any], raw: dict[str, Any], override_keys: Iterable[list[str]]) -> str:
+def follow_world_size(preset: dict[str, Any], raw: dict[str, Any], override_keys: Iterable[list[str]]) -> list[str]:
     """Scale ``raw["global_batch"]`` when the overrides changed ``world_size`` but not ``global_batch``.
 
     ``preset`` is the top-level table as the preset set it (after its cpu_overrides, before the
     user's overrides); ``raw`` is the same table after the overrides and is changed in place;
     ``override_keys`` are the dotted key parts of every override. Returns one line describing the
-    change for the user, or "" when nothing changed (the world size was not changed alone, or
+    change for the user, or [] when nothing changed (the world size was not changed alone, or
     the scaled batch would not be a whole number; validation then explains what is allowed).
     """
     keys = {tuple(k) for k in override_keys}
     if ("world_size",) not in keys or ("global_batch",) in keys:
-        return ""
+        return []
     old_ws, new_ws = preset.get("world_size", DEFAULT_WORLD_SIZE), raw.get("world_size")
     old_gb = preset.get("global_batch", DEFAULT_GLOBAL_BATCH)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (old_ws, new_ws, old_gb)):
-        return ""  # validation reports the bad value
-    if new_ws == old_ws:
-        return ""
+        return []  # validation reports the bad value
     scaled = Fraction(old_gb * new_ws, old_ws)
-    if scaled.denominator != 1:
-        return ""
+    if new_ws == old_ws or scaled.denominator != 1:
+        return []
     raw["global_batch"] = int(scaled)
     note = (f"global_batch {old_gb} -> {int(scaled)}: follows world_size {old_ws} -> {new_ws} so each rank's "
             f"micro-batch stays what the preset set (set global_batch to choose it yourself)")
     fixed = [str(r.get("name")) for r in raw.get("runs", []) if isinstance(r, dict) and r.get("world_size")]
     if fixed:
         note += f"; runs with their own world_size ({', '.join(fixed)}) keep their dp, so their micro-batch changes"
-    return note
+    return [note]

@@ -229,9 +229,9 @@ def load_preset(
     as_preset_set = dict(raw)
     for item in overrides:
         apply_override(raw, item, src)
-    note = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
+    notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
     comparison = build_comparison(raw, src)
-    comparison.adjustments = [note] if note else []
+    comparison.adjustments = notes
     validate(comparison, host=host)
     return comparison
 
@@ -334,8 +334,7 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     runs = [_build(RunSpec, r, f"runs[{i}]", src) for i, r in enumerate(runs_raw)]
     top = {k: v for k, v in raw.items() if k not in nested and k != "runs"}
     top.pop("source", None)
-    skip = ("model", "data", "profile", "launch", "runs", "source", "adjustments")
-    comparison = _build(Comparison, top, "", src, skip=skip)
+    comparison = _build(Comparison, top, "", src, skip=(*nested, "runs", "source", "adjustments"))
     for k, v in parts.items():
         setattr(comparison, k, v)
     comparison.runs = runs
