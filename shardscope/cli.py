@@ -38,8 +38,9 @@ def default_preset(device: str) -> str:
     return "ddp-vs-fsdp" if device == "cuda" else "smoke"
 
 
-def _launch_overrides(device: str | None, nnodes: int | None, node_rank: int | None, rdzv: str | None) -> list[str]:
-    out = []
+def _launch_overrides(device: str | None, nnodes: int | None, node_rank: int | None, rdzv: str | None,
+                      **strings: str | None) -> list[str]:
+    out = [f"launch.{key}={json.dumps(value)}" for key, value in strings.items() if value]
     if device:
         out.append(f"launch.device={json.dumps(device)}")
     if nnodes is not None:
@@ -184,16 +185,23 @@ def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir
 @click.option("--device", type=click.Choice(config.DEVICES), default=None, help="Force cpu or cuda (default auto).")
 @click.option("--nnodes", type=int, default=None, help="Number of nodes (torchrun rendezvous).")
 @click.option("--node-rank", type=int, default=None, help="This node's rank when --nnodes > 1.")
-@click.option("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous for several nodes.")
+@click.option("--rdzv-endpoint", default=None, help="host:port of node 0's rendezvous for several nodes "
+              "(run i of the comparison uses port + i).")
+@click.option("--rdzv-id", default=None, help="Prefix of each run's rendezvous id; unique per job (several nodes).")
+@click.option("--slurm-task", is_flag=True, help="One task of an sbatch job (`shardscope slurm`): node rank from "
+              "SLURM_NODEID; exit 0 once this orchestrator finished, whatever the runs' verdicts.")
 @click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
 @click.option("--against", default=None, type=click.Path(file_okay=False),
               help="With --headless: afterwards, gate this comparison against a stored one (as `shardscope diff`).")
 @tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            check_parity: bool, against: str | None, loss_tol: float, speed_tol: float, mem_tol: float) -> None:
+            rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, loss_tol: float,
+            speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
-    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint)
+    if slurm_task:
+        node_rank = _slurm_node_rank(node_rank)
+    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id)
     comparison, dev = resolve(preset, all_overrides)
     from shardscope.orchestrator.session import Session, default_out_dir
 
@@ -205,6 +213,11 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if against and not (headless and os.path.isfile(os.path.join(against, "comparison.json"))):
         fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
                                                "not a shardscope run directory (no comparison.json)"))
+    from shardscope.orchestrator.preflight import check_space
+
+    short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
+    if short:
+        fail_usage(short)
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
@@ -220,7 +233,20 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
         code = _check_parity(summary)
     if against and summary is not None:
         code = max(code, _gate(against, out, (), loss_tol, speed_tol, mem_tol))
+    if slurm_task:  # finished: the verdict is in the summary; a non-zero exit would make srun kill other nodes
+        click.echo(f"shardscope: node {comparison.launch.node_rank} finished (exit {code} without --slurm-task)")
+        code = EXIT_OK
     sys.exit(code)
+
+
+def _slurm_node_rank(given: int | None) -> int:
+    """This task's node rank: ``SLURM_NODEID`` (exits 2 when it is missing or disagrees with --node-rank)."""
+    raw = os.environ.get("SLURM_NODEID", "")
+    if not raw.isdigit():
+        fail_usage(f"--slurm-task: SLURM_NODEID = {raw!r}: expected a node index (run this under srun)")
+    if given is not None and given != int(raw):
+        fail_usage(f"--node-rank {given}: differs from SLURM_NODEID = {raw}; give one")
+    return int(raw)
 
 
 def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
@@ -384,21 +410,31 @@ def parse_size(text: str) -> int:
 @main.command("slurm")
 @click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
 @click.option("--nodes", type=int, default=1, show_default=True)
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpus-per-node", type=int, default=None, help="GPU nodes: ranks (GPUs) per node.")
+@click.option("--cpus-per-node", type=int, default=None, help="CPU nodes: ranks per node (gloo on CPU).")
+@click.option("--cpus-per-rank", type=int, default=None, help="CPUs asked per rank [default: 1 on CPU, 4 on GPU].")
 @click.option("--time", "time_limit", default="01:00:00", show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def slurm_cmd(preset: str, nodes: int, gpus_per_node: int, time_limit: str, overrides: tuple[str, ...]) -> None:
-    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch)."""
-    from shardscope.orchestrator.slurm import sbatch_script
+def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node: int | None,
+              cpus_per_rank: int | None, time_limit: str, overrides: tuple[str, ...]) -> None:
+    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch).
+
+    Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
+    unless the preset (or --set launch.device) says "cpu".
+    """
+    from shardscope.orchestrator.slurm import node_shape, sbatch_script
 
     try:
-        comparison = config.load_preset(preset, [*overrides, f"world_size={nodes * gpus_per_node}",
-                                                 f"launch.nnodes={nodes}"])
-    except ConfigError as err:
+        comparison = config.load_preset(preset, list(overrides))
+        shape = node_shape(comparison.launch.device, comparison.world_size, nodes, gpus_per_node=gpus_per_node,
+                           cpus_per_node=cpus_per_node, cpus_per_rank=cpus_per_rank)
+        at_size = config.load_preset(preset, [*overrides, f"world_size={nodes * shape.ranks_per_node}",
+                                              f"launch.nnodes={nodes}"])
+    except (ConfigError, ValueError) as err:
         fail_usage(str(err))
-    say_adjustments(comparison, err=True)  # stdout is the script
-    click.echo(sbatch_script(preset, nodes=nodes, gpus_per_node=gpus_per_node, time_limit=time_limit,
-                             overrides=list(overrides)))
+    say_adjustments(at_size, err=True)  # stdout is the script
+    click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
+               nl=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

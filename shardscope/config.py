@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("raise", "exit", "hang", "slow")
+FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "nospace")
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -90,6 +90,8 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
+    node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     concurrent: bool = False
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
@@ -462,6 +464,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     _positive(src, "launch.nnodes", c.launch.nnodes)
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
+    _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]

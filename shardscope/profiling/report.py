@@ -9,7 +9,6 @@ writes everything. It never imports torch (the orchestrator is torch-free); trac
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 from shardscope.config import Comparison, dump_json
