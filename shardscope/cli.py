@@ -27,6 +27,12 @@ def fail_usage(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+def say_adjustments(comparison: config.Comparison, err: bool = False) -> None:
+    """Print, one line each, what loading the preset changed for the user (e.g. the global batch)."""
+    for line in comparison.adjustments:
+        click.echo(f"shardscope: note: {line}", err=err)
+
+
 def default_preset(device: str) -> str:
     """The preset used when none is named: ``smoke`` without a GPU, ``ddp-vs-fsdp`` with one."""
     return "ddp-vs-fsdp" if device == "cuda" else "smoke"
@@ -200,6 +206,7 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     from shardscope.orchestrator.session import Session, default_out_dir
 
     out = out_dir or default_out_dir(comparison.name)
+    say_adjustments(comparison, err=not dry_run)
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
@@ -381,6 +388,7 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
             limit = parse_size(device_memory)
         except ValueError as err:
             fail_usage(f"--device-memory {device_memory!r}: {err}")
+    say_adjustments(comparison)
     estimate.print_estimate(comparison, world_size, limit, traced=traced)
 
 
@@ -420,10 +428,11 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
         comparison = config.load_preset(preset, list(overrides))
         shape = node_shape(comparison.launch.device, comparison.world_size, nodes, gpus_per_node=gpus_per_node,
                            cpus_per_node=cpus_per_node, cpus_per_rank=cpus_per_rank)
-        config.load_preset(preset, [*overrides, f"world_size={nodes * shape.ranks_per_node}",
-                                    f"launch.nnodes={nodes}"])
+        at_size = config.load_preset(preset, [*overrides, f"world_size={nodes * shape.ranks_per_node}",
+                                              f"launch.nnodes={nodes}"])
     except (ConfigError, ValueError) as err:
         fail_usage(str(err))
+    say_adjustments(at_size, err=True)  # stdout is the script
     click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
                nl=False)
 

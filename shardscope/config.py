@@ -25,6 +25,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from shardscope import batch_follow
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 
@@ -118,7 +119,7 @@ class Comparison:
     description: str = ""
     source: str = ""  # the preset file this came from
     steps: int = 30
-    global_batch: int = 8  # sequences (or images) per optimizer step, over all data-parallel ranks
+    global_batch: int = batch_follow.DEFAULT_GLOBAL_BATCH  # sequences (or images) per optimizer step, over all data-parallel ranks
     grad_accum: int = 1  # micro-batches per optimizer step on each rank
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -127,7 +128,7 @@ class Comparison:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234
     precision: str = "fp32"
-    world_size: int = 2
+    world_size: int = batch_follow.DEFAULT_WORLD_SIZE
     baseline: str = ""  # a run name; "" = the first run
     stall_timeout_s: float = 120.0
     parity: bool = False  # record per-layer norms for the divergence locator
@@ -141,6 +142,7 @@ class Comparison:
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     runs: list[RunSpec] = field(default_factory=list)
+    adjustments: list[str] = field(default_factory=list)  # what load_preset changed for the user, one line each
 
     def run(self, name: str) -> RunSpec:
         """Return the run called ``name``; raises KeyError."""
@@ -226,9 +228,12 @@ def load_preset(
             for key, value in cpu_sizes.items():
                 _set_dotted(raw, key, value, src)
             raw["size_profile"] = "cpu"
+    as_preset_set = dict(raw)
     for item in overrides:
         apply_override(raw, item, src)
+    notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
     comparison = build_comparison(raw, src)
+    comparison.adjustments = notes
     validate(comparison, host=host)
     return comparison
 
@@ -331,7 +336,7 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     runs = [_build(RunSpec, r, f"runs[{i}]", src) for i, r in enumerate(runs_raw)]
     top = {k: v for k, v in raw.items() if k not in nested and k != "runs"}
     top.pop("source", None)
-    comparison = _build(Comparison, top, "", src, skip=("model", "data", "profile", "launch", "runs", "source"))
+    comparison = _build(Comparison, top, "", src, skip=(*nested, "runs", "source", "adjustments"))
     for k, v in parts.items():
         setattr(comparison, k, v)
     comparison.runs = runs

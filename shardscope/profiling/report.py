@@ -14,7 +14,7 @@ from typing import Any
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import divergence, memory_model, plots, straggler_report, summary, traces
+from shardscope.profiling import divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 
 
@@ -73,6 +73,7 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             "measured": measured,
             "per_rank": per_rank,
             "model_state_error": max(errors) if errors else None,
+            "as_shipped": framework_fixes.as_shipped(c, run, st.world_size or None),
         }
     return out
 
@@ -228,12 +229,15 @@ def _memory_md(m: dict[str, Any]) -> str:
                      _num(r.get("model_state_error"), "{:.2%}"),
                      fmt_bytes(p["activation_bytes"] + p["gathered_unit_bytes"]), fmt_bytes(meas.get("peak_bytes"))])
     kind = m.get("measured_peak_kind") or "measured"
+    fixes = "".join(framework_fixes.note_md(name, r["predicted"], r.get("as_shipped"))
+                    for name, r in m["runs"].items() if "error" not in r)
     return ("## Memory per rank: predicted / measured\n\n"
             + _table(["run", "dp×tp (shards)", "params", "grads", "optimizer", "model states", "worst error",
                       "pred. activations+gathered", f"peak ({kind})"], rows)
             + "\nModel states are measured exactly from the tensors each rank holds (rank 0 shown; the error is the "
               "worst over ranks). Activations are predicted with Korthikanti et al.'s formula; on CPU the measured "
-              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n")
+              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n"
+            + (f"\n{fixes}" if fixes else ""))
 
 
 def _comm_md(comm: dict[str, Any]) -> str:
