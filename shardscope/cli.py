@@ -17,6 +17,7 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.explainview import explain_cmd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -83,6 +84,9 @@ def main(ctx: click.Context) -> None:
     """
     if ctx.invoked_subcommand is None:
         _open_app(preset=None)
+
+
+main.add_command(explain_cmd)
 
 
 def _terminate_on(signals: tuple[int, ...], handler: Any) -> None:
