@@ -113,7 +113,7 @@ def test_measured_collectives_come_from_the_summary():
     lines = out["values"]["comm"]
     assert "all-gather per step: 2 MiB predicted, 2.5 MiB measured in 6 call(s)" in lines
     assert "reduce-scatter per step: 1 MiB predicted, none measured" in lines
-    assert "not measured (the run wrote no memory record" in out["values"]["memory"]
+    assert "not measured (summary.json has no memory record of this run" in out["values"]["memory"]
 
 
 def test_cli_explain_prints_every_strategy_and_refuses_bad_input(reported_dir):

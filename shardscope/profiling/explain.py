@@ -152,7 +152,8 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         measured: Any = NOT_RUN
     else:
         measured = ((memory.get("measured") or {}).get("model_state_bytes")
-                    or "not measured (the run wrote no memory record: it failed or stopped before its first step)")
+                    or "not measured (summary.json has no memory record of this run: it failed or stopped before its first "
+                       "step, or the summary was written before memory records existed)")
     theory = (comm or {}).get("theory") or memory_model.expected_comm(
         config.run_spec_payload(c, run, out_dir=".", device="cpu"))
     collectives = (comm or {}).get("collectives") or None
