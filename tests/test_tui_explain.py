@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from tui_fakes import FIXTURE, run_async
+
 from shardscope.config import cpu_host
 from shardscope.tui.app import build_app
 from shardscope.tui.screens.dashboard import DashboardScreen
 from shardscope.tui.screens.explainer import ExplainScreen
-from tui_fakes import FIXTURE, run_async
 
 
 @run_async
