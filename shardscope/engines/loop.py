@@ -22,6 +22,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from shardscope import events
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
@@ -31,6 +32,7 @@ from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
 from shardscope.profiling.capture import ProfilerWindow
+from shardscope.profiling.phases import PHASE_MARKERS
 
 
 @dataclass
@@ -107,7 +109,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
         layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        with record_function(PHASE_MARKERS["step"]):
+            grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         clock.lap("optimizer")
         handle.wait()
         clock.lap("comm_wait")
@@ -164,12 +167,15 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
         with contextlib.nullcontext() if last else prep.no_sync():
             autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                         else contextlib.nullcontext())
-            with autocast:
-                logits = prep.model(inputs)
-            loss = loss_fn(logits, targets)
+            # The phase markers let the trace analysis tell forward, backward and step collectives apart.
+            with record_function(PHASE_MARKERS["forward"]):
+                with autocast:
+                    logits = prep.model(inputs)
+                loss = loss_fn(logits, targets)
             clock.lap("forward")
             scaled = loss / len(micro)
-            prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
+            with record_function(PHASE_MARKERS["backward"]):
+                prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
             clock.lap("backward")
         loss_sum += loss.detach()
     return loss_sum

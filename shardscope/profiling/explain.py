@@ -19,7 +19,7 @@ from typing import Any
 from shardscope import config
 from shardscope.config import Comparison, RunSpec
 from shardscope.engines import registry
-from shardscope.profiling import memory_model
+from shardscope.profiling import memory_model, phases
 from shardscope.profiling.estimate import fmt_bytes
 
 PLACEHOLDERS = {
@@ -136,11 +136,12 @@ def _comm_lines(theory: dict[str, Any] | None, measured: dict[str, Any] | None, 
 
 
 def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | None = None,
-            comm: dict[str, Any] | None = None) -> dict[str, Any]:
+            comm: dict[str, Any] | None = None, steps: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return the placeholder values (``PLACEHOLDERS``) and raw numbers for ``run`` of ``c``.
 
-    Without ``memory``/``comm`` (summary.json's sections for the run) the figures are predictions
-    only. The raw numbers are under ``numbers`` so tests and views can compare them with summary.json.
+    Without ``memory``/``comm``/``steps`` (summary.json's sections for the run: memory, communication,
+    ``phases``) the figures are predictions only. The raw numbers are under ``numbers`` so tests and
+    views can compare them with summary.json.
     """
     info = registry.get(run.strategy)
     layout = memory_model.layout_for(c, run)
@@ -173,7 +174,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         "root_bytes": fmt_bytes(units.get("root", 0) * p_bytes),
         "options": ", ".join(f"`{k} = {v}`" for k, v in options.items()) or "none",
         "memory": _memory_line(layout.shards, full, layout.dp, predicted["model_state_bytes"], measured),
-        "comm": _comm_lines(theory, collectives, why),
+        "comm": _comm_lines(theory, collectives, why) + _phase_text(c, run, theory, steps, why),
     }
     numbers = {"model_state_bytes_predicted": predicted["model_state_bytes"],
                "model_state_bytes_measured": measured if isinstance(measured, (int, float)) else None,
@@ -181,8 +182,32 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
                "comm_bytes_predicted": (theory or {}).get("bytes_per_step"),
                "comm_bytes_measured": ({k: v["bytes_per_step"] for k, v in collectives.items()}
                                        if collectives else None),
-               "models": info.models}
+               "models": info.models,
+               "phases_measured": ((steps or {}).get("measured") or {}).get("rows")}
     return {"values": values, "numbers": numbers}
+
+
+def _phase_text(c: Comparison, run: RunSpec, theory: dict[str, Any], steps: dict[str, Any] | None, why: str) -> str:
+    """The step phase by phase (theory beside the profiled step) and, with a trace, its picture."""
+    rows = (steps or {}).get("theory") or phases.theory_phases(c, run, theory)
+    measured = (steps or {}).get("measured")
+    text = "\n\nPhase by phase (one optimizer step):\n" + "\n".join(phases.sequence_lines(rows, measured, why))
+    if (steps or {}).get("timeline"):
+        text += "\n\nThe profiled step, as it ran:\n\n```text\n" + steps["timeline"] + "\n```"
+    return text
+
+
+def run_entry(c: Comparison, run: RunSpec, memory: dict[str, Any] | None, comm: dict[str, Any] | None,
+              steps: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's ``explain`` entry of one run: its strategy, the memory line and the step phase by
+    phase (predicted beside measured) and the timeline, as report.md prints them."""
+    f = figures(c, run, "", memory=memory or {}, comm=comm or {}, steps=steps)
+    theory = (comm or {}).get("theory") or {}
+    why = "not measured (no trace: profiling off, or the run ended before its profiled steps)"
+    return {"strategy": run.strategy, "memory": f["values"]["memory"],
+            "sequence": phases.sequence_lines(steps["theory"], steps.get("measured"), why),
+            "timeline": steps.get("timeline", ""), "theory": steps["theory"], "measured": steps.get("measured"),
+            "comm_bytes_predicted": theory.get("bytes_per_step")}
 
 
 def render(strategy: str, values: dict[str, str]) -> str:
@@ -210,6 +235,7 @@ def explain_summary(c: Comparison, summary: dict[str, Any], run_name: str) -> di
     comm = ((summary.get("communication") or {}).get("runs") or {}).get(run_name)
     if "error" in mem:
         mem = {}
+    steps = ((summary.get("explain") or {}).get(run_name) or {})
     f = figures(c, run, f"run directory {summary.get('out_dir', '')}, predicted beside measured",
-                memory=mem, comm=comm or {})
+                memory=mem, comm=comm or {}, steps=steps or None)
     return {"text": render(run.strategy, f["values"]), "numbers": f["numbers"], "notes": [], "run": run.name}
