@@ -160,6 +160,11 @@ def section(c: Any, states: dict[str, Any], summary: dict[str, Any],
     return recommend(summary, spreads, device, device_memory_bytes, fits_at)
 
 
+def plain_lines(rec: dict[str, Any]) -> list[str]:
+    """The recommendation's sentences, then its caveats ("caveat: ..."), for plain-text views."""
+    return list(rec.get("lines") or []) + [f"caveat: {c}" for c in rec.get("caveats") or []]
+
+
 def markdown(rec: dict[str, Any]) -> str:
     """report.md's recommendation section."""
     if not rec:

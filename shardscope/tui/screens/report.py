@@ -11,12 +11,14 @@ import json
 import os
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from shardscope.profiling import recommend
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
@@ -104,6 +106,7 @@ class ReportScreen(Screen):
         with VerticalScroll(id="report-body"):
             yield Static(id="report-note")
             yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
+            yield Static(id="report-recommendation")
             yield Static(id="report-paths")
         yield Footer()
 
@@ -124,6 +127,10 @@ class ReportScreen(Screen):
         table.add_columns(*COLUMNS)
         for row in summary_rows(summary):
             table.add_row(*row)
+        rec = summary.get("recommendation") or {}
+        if rec.get("lines"):
+            self.query_one("#report-recommendation", Static).update(
+                "\n[b]Recommendation[/b]\n" + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
         names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
         self.query_one("#report-paths", Static).update(
             "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))
