@@ -18,7 +18,7 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.explainview import explain_cmd
-from shardscope.recommendview import print_recommendation, recommend_cmd
+from shardscope.recommendview import parse_device_memory, print_recommendation, recommend_cmd, refit
 from shardscope.sizes import parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -200,12 +200,15 @@ def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir
 @click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
 @click.option("--against", default=None, type=click.Path(file_okay=False),
               help="With --headless: afterwards, gate this comparison against a stored one (as `shardscope diff`).")
+@click.option("--device-memory", default=None, help="With --headless: the recommendation says which runs would "
+              "not fit this device memory (e.g. 80GiB) and from which world size they would.")
 @tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, loss_tol: float,
-            speed_tol: float, mem_tol: float) -> None:
+            rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
+            loss_tol: float, speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
+    limit = parse_device_memory(device_memory)
     if slurm_task:
         node_rank = _slurm_node_rank(node_rank)
     all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id)
@@ -234,7 +237,7 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
     # stopped, marked stopped, and the summary is still written.
     _terminate_on((signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
-    code = _run_headless(session)
+    code = _run_headless(session, limit)
     summary = _load_summary(out)
     if check_parity and summary is not None and code == EXIT_OK:
         code = _check_parity(summary)
@@ -267,7 +270,7 @@ def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None
         click.echo(plan.shell_line())
 
 
-def _run_headless(session) -> int:
+def _run_headless(session, device_memory_bytes: int | None = None) -> int:
     from rich.console import Console
 
     from shardscope.headless import HeadlessView, comparison_table, loss_table, rank_timing_table
@@ -301,6 +304,8 @@ def _run_headless(session) -> int:
                 session.stop_all()
     code = session.exit_code if session.exit_code is not None else EXIT_FAILED
     summary = _load_summary(session.out_dir)
+    if summary is not None and device_memory_bytes and session.comparison.launch.node_rank == 0:
+        summary = refit(session.out_dir, device_memory_bytes) or summary
     if summary is not None:
         console.print(comparison_table(summary))
         console.print(loss_table(summary))

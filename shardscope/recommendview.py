@@ -32,6 +32,40 @@ def print_recommendation(summary: dict[str, Any], console: Any) -> None:
         console.print(f"  [yellow]caveat:[/] {caveat}", highlight=False)
 
 
+def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
+    """Recompute a finished run directory's recommendation against ``device_memory_bytes`` (which runs
+    would not fit, and from which world size the memory model says they would), write it into
+    summary.json and report.md, and return the summary (None when the directory has no summary)."""
+    from shardscope.config import dump_json
+    from shardscope.orchestrator import replay
+    from shardscope.profiling import recommend
+    from shardscope.profiling.report import render_markdown
+
+    try:
+        comparison = replay.load_comparison(out_dir)
+        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary,
+                                                  device_memory_bytes)
+    dump_json(os.path.join(out_dir, "summary.json"), summary)
+    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
+        fh.write(render_markdown(summary))
+    return summary
+
+
+def parse_device_memory(text: str | None) -> int | None:
+    """``--device-memory`` as bytes (None when not given); exits 2 with one line on a bad size."""
+    if not text:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        _fail(f"--device-memory {text!r}: {err}")
+        raise  # unreachable
+
+
 @click.command("recommend")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--device-memory", default=None, help="Device memory to check each run against, e.g. 80GiB.")
@@ -42,12 +76,7 @@ def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
     from shardscope.orchestrator import replay
     from shardscope.profiling import recommend
 
-    limit = None
-    if device_memory:
-        try:
-            limit = parse_size(device_memory)
-        except ValueError as err:
-            _fail(f"--device-memory {device_memory!r}: {err}")
+    limit = parse_device_memory(device_memory)
     try:
         comparison = replay.load_comparison(out_dir)
         with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:

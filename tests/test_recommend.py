@@ -88,3 +88,32 @@ def test_smallest_fitting_world_size_follows_the_memory_model():
     if at > 1:
         assert memory_model.predict_run(c, fsdp, at // 2)["total_bytes"] > limit
     assert recommend.smallest_fitting_world_size(c, ddp, limit) is None  # a replica does not shrink with ranks
+
+
+def test_device_memory_refits_the_summary_and_report_of_a_run_directory(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shardscope.profiling.report import write_reports
+    from shardscope.recommendview import refit
+
+    out = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "replay-smoke", out)
+    write_reports(str(out))
+    summary = refit(str(out), 1 * MiB)  # every run's measured peak is above 1 MiB
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["recommendation"] == summary["recommendation"]
+    assert summary["recommendation"]["device_memory_bytes"] == MiB
+    ok = [r["name"] for r in summary["runs"] if r.get("peak_mem_bytes")]
+    for name in ok:
+        assert summary["recommendation"]["runs"][name]["fits"] is False
+        assert any(line.startswith(f"{name} would not fit 1.0 MiB") for line in summary["recommendation"]["lines"])
+    assert "would not fit 1.0 MiB" in (out / "report.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--headless",
+                          "--device-memory", "80XB", "--out", str(tmp_path / "never")], capture_output=True, text=True,
+                         check=False)
+    assert bad.returncode == 2 and "--device-memory '80XB'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "never").exists()
