@@ -235,8 +235,9 @@ def timeline(measured: dict[str, Any], width: int = 60) -> str:
         phase_bar[col(e["start_s"])] = e["phase"][0].upper()
     kinds = sorted({e["type"] for e in events})
     label = max(len(k) for k in kinds + ["phase"]) + 1
-    out = [f"rank {measured['rank']}, profiled step {measured['step']} ({span * 1e3:.1f} ms; F/B/S = launched in "
-           f"forward/backward/step)", f"{'phase':<{label}}|{''.join(phase_bar)}|"]
+    head = (f"rank {measured['rank']}, profiled step {measured['step']} ({span * 1e3:.1f} ms; F/B/S = launched in "
+            f"forward/backward/step)")
+    out = [head, f"{'phase':<{label}}|{''.join(phase_bar)}|"]
     for kind in kinds:
         row = [" "] * width
         for e in (x for x in events if x["type"] == kind):
