@@ -18,7 +18,12 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.explainview import explain_cmd
-from shardscope.recommendview import parse_device_memory, print_recommendation, recommend_cmd, refit
+from shardscope.recommendview import (
+    parse_device_memory,
+    print_recommendation,
+    recommend_cmd,
+    refit,
+)
 from shardscope.sizes import parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -86,8 +86,8 @@ def test_measured_collectives_get_their_phase_and_layer(tmp_path, marked):
 def test_sequence_lines_say_not_measured_with_the_reason():
     theory = [{"phase": "forward", "type": "all_gather", "count": 3, "bytes": 300.0, "bytes_each": 100.0, "what": "w"}]
     lines = phases.sequence_lines(theory, {"why": "trace unreadable (x)"}, "unused")
-    assert lines == ["- **forward**: 3 all-gathers of 100 B = 300 B predicted (w); not measured (trace unreadable (x))"]
+    assert lines == ["- **forward**: 3 all-gathers = 300 B (mean 100 B) predicted (w); not measured (trace unreadable (x))"]
     measured = {"rows": [{"phase": "backward", "type": "reduce_scatter", "count": 1, "bytes": 64, "bytes_each": 64.0}]}
     lines = phases.sequence_lines(theory, measured, "unused")
     assert lines[0].endswith("; none measured")
-    assert lines[1] == "- **backward**: no reduce-scatter predicted; measured 1 reduce-scatter of 64 B = 64 B"
+    assert lines[1] == "- **backward**: no reduce-scatter predicted; measured 1 reduce-scatter = 64 B"

@@ -208,12 +208,13 @@ def sequence_lines(theory: list[dict[str, Any]], measured: dict[str, Any] | None
         if p is not None and p["bytes"] is None:
             pred = f"{_count(key[1], p['count'])}: {p['what']}"
         elif p is not None:
-            each = f" of {_bytes(p['bytes_each'])}" if p["bytes_each"] is not None else ""
-            pred = f"{_count(key[1], p['count'])}{each} = {_bytes(p['bytes'])} predicted ({p['what']})"
+            each = f" (mean {_bytes(p['bytes_each'])})" if p["bytes_each"] is not None and p["count"] != 1 else ""
+            pred = f"{_count(key[1], p['count'])} = {_bytes(p['bytes'])}{each} predicted ({p['what']})"
         else:
             pred = f"no {key[1].replace('_', '-')} predicted"
         if m is not None:
-            meas = f"measured {_count(key[1], m['count'])} of {_bytes(m['bytes_each'])} = {_bytes(m['bytes'])}"
+            each = f" (mean {_bytes(m['bytes_each'])})" if m["count"] != 1 else ""
+            meas = f"measured {_count(key[1], m['count'])} = {_bytes(m['bytes'])}{each}"
         elif measured and "rows" in measured:
             meas = "none measured"
         else:
