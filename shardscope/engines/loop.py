@@ -30,6 +30,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
+from shardscope.engines.comm_count import CountWindow
 from shardscope.profiling.capture import ProfilerWindow
 
 
@@ -44,6 +45,7 @@ class LoopConfig:
     log_every: int = 1
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
+    counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
 
 
@@ -92,6 +94,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
+        if cfg.counter is not None:
+            cfg.counter.begin_step(step)
         micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
         clock.lap("data")
@@ -117,6 +121,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
+        counted = cfg.counter.end_step(step) if cfg.counter is not None else None
+        if counted is not None:
+            writer.write(events.COMM, **counted)
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
