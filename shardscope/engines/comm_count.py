@@ -14,7 +14,8 @@ count the buffer, all-gather the gathered output, reduce-scatter the full input.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,12 +107,46 @@ def size_bytes(kind: str, in_bytes: int, out_bytes: int) -> int:
     return out_bytes if kind == "all_gather" else in_bytes
 
 
+INSTRUMENTATION = "shardscope::instrumentation"  # the profiler annotation around shardscope's own collectives
+_active: list[CollectiveCounter] = []
+
+
+@contextlib.contextmanager
+def instrumentation() -> Iterator[None]:
+    """Mark collectives shardscope itself runs (parity-mode layer norms) apart from the strategy's.
+
+    The trace gets a ``shardscope::instrumentation`` annotation (the trace analysis sets what runs
+    inside it apart) and an active counter books them under ``instrumentation`` instead.
+    """
+    from torch.profiler import record_function
+
+    for counter in _active:
+        counter.instrumenting += 1
+    try:
+        with record_function(INSTRUMENTATION):
+            yield
+    finally:
+        for counter in _active:
+            counter.instrumenting -= 1
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts, per collective type, calls and bytes handed in while active (``with`` or enter/exit)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_type: dict[str, dict[str, Any]] = {}
+        self.instrumentation: dict[str, dict[str, Any]] = {}
+        self.instrumenting = 0
+
+    def __enter__(self) -> CollectiveCounter:
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in _active:
+            _active.remove(self)
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
@@ -120,7 +155,8 @@ class CollectiveCounter(TorchDispatchMode):
         kind = collective_of(func)
         if kind is not None:
             m = measure(func, args, kwargs)
-            row = self.by_type.setdefault(kind, {"count": 0, "in_bytes": 0, "out_bytes": 0, "size_bytes": 0,
+            book = self.instrumentation if self.instrumenting else self.by_type
+            row = book.setdefault(kind, {"count": 0, "in_bytes": 0, "out_bytes": 0, "size_bytes": 0,
                                                  "group_size": m["group_size"], "dtypes": {}, "ops": {}})
             row["count"] += 1
             row["in_bytes"] += m["in_bytes"]
@@ -154,10 +190,16 @@ class CountWindow:
             return None
         counter = self.close()
         n = self.stop - self.start
-        by_type = {kind: {**row, "count_per_step": row["count"] / n, "bytes_per_step": row["size_bytes"] / n}
-                   for kind, row in sorted(counter.by_type.items())} if counter else {}
+        assert counter is not None
+
+        def per_step(book: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+            return {kind: {**row, "count_per_step": row["count"] / n, "bytes_per_step": row["size_bytes"] / n}
+                    for kind, row in sorted(book.items())}
+
+        by_type = per_step(counter.by_type)
         return {"source": "in-rank dispatcher count", "steps": [self.start, self.stop - 1], "window_steps": n,
-                "collectives": by_type, "bytes_per_step": sum(r["bytes_per_step"] for r in by_type.values())}
+                "collectives": by_type, "bytes_per_step": sum(r["bytes_per_step"] for r in by_type.values()),
+                "instrumentation": per_step(counter.instrumentation)}
 
     def close(self) -> CollectiveCounter | None:
         """Leave the counting mode if it is active (training ended inside the window); return the counter."""

@@ -30,7 +30,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
-from shardscope.engines.comm_count import CountWindow
+from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.profiling.capture import ProfilerWindow
 
 
@@ -110,7 +110,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
+        with instrumentation():  # shardscope's own collectives, set apart from the strategy's
+            layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         clock.lap("optimizer")
         handle.wait()
