@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardscope.engines import norms
+from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks

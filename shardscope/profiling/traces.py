@@ -522,9 +522,9 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
         return out
     if spec is not None:
         try:
-            from shardscope.profiling import memory_model
+            from shardscope.profiling import comm_theory
 
-            theory = memory_model.expected_comm(spec)
+            theory = comm_theory.expected_comm(spec)
         except (OSError, ValueError, KeyError) as err:
             theory = {"error": str(err)}
         if theory.get("bytes_per_step") and out["comm_bytes_per_step"] and not out.get("unknown_sizes"):
