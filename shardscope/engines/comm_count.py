@@ -15,7 +15,8 @@ count the buffer, all-gather the gathered output, reduce-scatter the full input.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,12 +144,12 @@ class CollectiveCounter(TorchDispatchMode):
         _active.append(self)
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self in _active:
             _active.remove(self)
         super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(getattr(t, "__torch_dispatch__", _PLAIN) is not _PLAIN for t in types):
             return NotImplemented  # a subclass (DTensor) desugars into plain-tensor collectives first

@@ -25,8 +25,15 @@ from typing import Any
 
 from shardscope.config import Comparison, RunSpec
 from shardscope.engines import registry
-from shardscope.profiling.memory_model import (ARCHS, PRECISION_BYTES, layout_for, model_params,
-                                               reshards_after_forward, tp_local, unit_numels)
+from shardscope.profiling.memory_model import (
+    ARCHS,
+    PRECISION_BYTES,
+    layout_for,
+    model_params,
+    reshards_after_forward,
+    tp_local,
+    unit_numels,
+)
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LOW_PARAM_POLICIES = ("bf16-params", "fp16")  # gathered parameters in the compute dtype

@@ -30,15 +30,21 @@ from __future__ import annotations
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from shardscope.profiling.collectives import INSTRUMENTATION, Collective, dtype_bytes, fill_dtypes, group_hint
+from shardscope.profiling.collectives import (
+    INSTRUMENTATION,
+    Collective,
+    dtype_bytes,
+    fill_dtypes,
+    group_hint,
+)
 from shardscope.profiling.collectives import launches as collective_launches
 
 # --- reading -----------------------------------------------------------------------------------
@@ -162,7 +168,7 @@ def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, s
 def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, str], dict[str, Any]]:
     raw_events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     events, comm, threads = [], [], {}
-    text = (lambda v: json.dumps(v).encode())  # noqa: E731 - the raw JSON text, as the fast path keeps it
+    text = (lambda v: json.dumps(v).encode())
     for e in raw_events:
         if e.get("ph") == "X" and "dur" in e:
             name = str(e.get("name", ""))
