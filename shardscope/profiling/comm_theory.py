@@ -89,6 +89,11 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             units = _units(params, layout)
             regather = reshards_after_forward(opts)
+            live = int(opts.get("bucket_mb", 25)) * 2**20 // 4  # deepspeed_zero: stage3_max_live_parameters
+            if "live-params-kept" in quirks and local <= live:
+                regather = False
+                reasons.append("ZeRO-3 keeps up to stage3_max_live_parameters (bucket_mb) gathered: a model "
+                               "under that limit is gathered once per step")
             backward = {k: v for k, v in units.items() if not ("root-kept" in quirks and k == "root")}
             fwd, bwd = sum(units.values()), sum(backward.values()) if regather else 0
             parts["all_gather"] = (fwd + bwd) * gather_bytes * (accum if regather else 1)
@@ -103,8 +108,14 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
         h = ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
         layers = m.hf_layers if m.kind == "hf" else m.n_layers
         seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2
-        parts["all_reduce"] = parts.get("all_reduce", 0) + 4 * layers * micro * seq * h * compute_bytes * accum
-        basis.append("tensor parallel: 2 all-reduces of activations per layer in forward and 2 in backward")
+        # Forward: after attention's and the MLP's row-parallel output. Backward: the input gradient of
+        # every column-parallel linear (q, k, v, gate, up... each a separate module) is a partial sum.
+        col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+        per_layer = 2 + col
+        parts["all_reduce"] = (parts.get("all_reduce", 0)
+                               + per_layer * layers * micro * seq * h * compute_bytes * accum)
+        basis.append(f"tensor parallel: 2 all-reduces of activations per layer in forward and {col} in backward "
+                     "(one per column-parallel linear)")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
             "reasons": reasons, "dp": dp, "tp": layout.tp, "shards": layout.shards}
 
