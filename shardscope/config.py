@@ -80,6 +80,7 @@ class ProfileSpec:
     steps: int = 2
     record_shapes: bool = True  # needed for collective sizes on gloo
     profile_memory: bool = False  # allocation events in the trace (bigger traces)
+    count_collectives: bool = False  # in-rank byte count of every collective in the window (a `comm` record)
 
 
 @dataclass

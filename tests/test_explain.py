@@ -14,7 +14,7 @@ import pytest
 
 from shardscope import config
 from shardscope.engines import registry
-from shardscope.profiling import explain, memory_model
+from shardscope.profiling import comm_theory, explain, memory_model
 
 HERE = Path(__file__).parent
 SNAPSHOT = HERE / "data" / "explain-fsdp1-ddp-vs-fsdp.md"
@@ -56,7 +56,7 @@ def test_preset_figures_are_the_memory_models(name):
     assert out["numbers"]["model_state_bytes_predicted"] == predicted
     assert f"{explain.in_unit([predicted])[0]} predicted" in out["text"]
     assert "$" not in out["text"]
-    theory = memory_model.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
+    theory = comm_theory.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
     assert out["numbers"]["comm_bytes_predicted"] == theory["bytes_per_step"]
     # The formula's terms, sharded as the layout says, add up to the memory model's figure (to the
     # per-tensor step counters and padding the model counts exactly).

@@ -8,7 +8,7 @@ from test_traces import GLOO, _x, write_trace
 
 from shardscope import config
 from shardscope.engines import registry
-from shardscope.profiling import explain, memory_model, phases
+from shardscope.profiling import comm_theory, explain, phases
 
 
 @pytest.mark.parametrize("preset", ["ddp-vs-fsdp", "tp-verification", "zero-stages"])
@@ -16,7 +16,7 @@ def test_theory_phases_add_up_to_the_theory(preset):
     c = config.load_preset(preset)
     for name in registry.names():
         run, _ = explain.pick_run(c, name)
-        theory = memory_model.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
+        theory = comm_theory.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
         rows = phases.theory_phases(c, run, theory)
         for kind, total in theory["by_type"].items():
             split = sum(r["bytes"] for r in rows if r["type"] == kind and r["bytes"] is not None)
@@ -28,13 +28,13 @@ def test_theory_phases_add_up_to_the_theory(preset):
 def test_fsdp_forward_gathers_one_unit_per_block_and_the_root():
     c = config.load_preset("ddp-vs-fsdp")
     run, _ = explain.pick_run(c, "fsdp2")
-    theory = memory_model.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
+    theory = comm_theory.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
     rows = {(r["phase"], r["type"]): r for r in phases.theory_phases(c, run, theory)}
     assert rows[("forward", "all_gather")]["count"] == c.model.n_layers + 1
     assert rows[("backward", "reduce_scatter")]["count"] == c.model.n_layers + 1
     no_reshard = config.load_preset("ddp-vs-fsdp", [f"runs.{run.name}.options.reshard_after_forward=false"])
     run2, _ = explain.pick_run(no_reshard, "fsdp2")
-    theory2 = memory_model.expected_comm(config.run_spec_payload(no_reshard, run2, out_dir=".", device="cpu"))
+    theory2 = comm_theory.expected_comm(config.run_spec_payload(no_reshard, run2, out_dir=".", device="cpu"))
     assert ("backward", "all_gather") not in {(r["phase"], r["type"]) for r in phases.theory_phases(no_reshard, run2, theory2)}
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardscope.engines import norms
+from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
@@ -307,7 +308,8 @@ def _layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[st
             out = reduce(*args, **kwargs)
             if armed[0]:
                 armed[0] = False
-                found = deepspeed_layer_norms(engine.module, tp_size)
+                with instrumentation():  # shardscope's own collectives, not the strategy's
+                    found = deepspeed_layer_norms(engine.module, tp_size)
                 if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
                     inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
                     found["grad"] = {k: v * inv for k, v in found["grad"].items()}

@@ -31,6 +31,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
+from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.profiling.capture import ProfilerWindow
 from shardscope.profiling.phases import PHASE_MARKERS
 
@@ -46,6 +47,7 @@ class LoopConfig:
     log_every: int = 1
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
+    counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
 
 
@@ -94,6 +96,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
+        if cfg.counter is not None:
+            cfg.counter.begin_step(step)
         micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
         clock.lap("data")
@@ -108,7 +112,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
+        with instrumentation():  # shardscope's own collectives, set apart from the strategy's
+            layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         with record_function(PHASE_MARKERS["step"]):
             grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         clock.lap("optimizer")
@@ -120,6 +125,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
+        counted = cfg.counter.end_step(step) if cfg.counter is not None else None
+        if counted is not None:
+            writer.write(events.COMM, **counted)
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)

@@ -19,7 +19,7 @@ from typing import Any
 from shardscope import config
 from shardscope.config import Comparison, RunSpec
 from shardscope.engines import registry
-from shardscope.profiling import memory_model, phases
+from shardscope.profiling import comm_theory, memory_model, phases
 from shardscope.profiling.estimate import fmt_bytes
 
 PLACEHOLDERS = {
@@ -155,7 +155,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         measured = ((memory.get("measured") or {}).get("model_state_bytes")
                     or "not measured (summary.json has no memory record of this run: it failed or stopped before its first "
                        "step, or the summary was written before memory records existed)")
-    theory = (comm or {}).get("theory") or memory_model.expected_comm(
+    theory = (comm or {}).get("theory") or comm_theory.expected_comm(
         config.run_spec_payload(c, run, out_dir=".", device="cpu"))
     collectives = (comm or {}).get("collectives") or None
     why = NOT_RUN if memory is None else "not measured (no trace: profiling off, or the run ended before its profiled steps)"

@@ -11,7 +11,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
-from shardscope.profiling import explain, memory_model, phases, traces
+from shardscope.profiling import comm_theory, explain, phases, traces
 
 
 def section(c: Comparison, data: dict[str, Any], out_dir: str) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def section(c: Comparison, data: dict[str, Any], out_dir: str) -> dict[str, Any]
     for run in c.runs:
         try:
             comm = comm_runs.get(run.name) or {}
-            theory = comm.get("theory") or memory_model.expected_comm(
+            theory = comm.get("theory") or comm_theory.expected_comm(
                 config.run_spec_payload(c, run, out_dir=out_dir, device="cpu"))
             paths = traces.rank_trace_paths(os.path.join(out_dir, run.name))
             steps = phases.run_phases(c, run, theory, paths[0] if paths else None)

@@ -4,7 +4,7 @@ Two sides, both pure Python (no torch), for the explainers and report.md:
 
 - ``theory_phases``: what the strategy sends in each phase, from the memory model's layout and units
   (one FSDP/ZeRO-3 unit per block plus the root) and the bytes of the communication theory
-  (``memory_model.expected_comm``'s per-collective totals, split over the phases, so the phases add up
+  (``comm_theory.expected_comm``'s per-collective totals, split over the phases, so the phases add up
   to the theory exactly).
 - ``measured_phases``: the collectives of the first profiled step of one rank's trace
   (``traces.load_rank_trace``), each put in the phase whose marker encloses its launch (the training
@@ -33,54 +33,69 @@ def _row(phase: str, kind: str, count: int | None, total: float, what: str) -> d
 def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows ``{phase, type, count, bytes, bytes_each, what}`` for one optimizer step of ``run`` in ``c``.
 
-    ``theory`` is ``memory_model.expected_comm``'s dict for the run; each collective type's bytes are
+    ``theory`` is ``comm_theory.expected_comm``'s dict for the run; each collective type's bytes are
     split over the phases, so the rows of a type add up to ``theory["by_type"][type]``. ``count`` is
     None where the runtime's bucketing decides it (DDP, ZeRO).
     """
     from shardscope import config
+    from shardscope.engines import registry
     from shardscope.profiling import memory_model
 
     by_type = dict(theory.get("by_type") or {})
     layout = memory_model.layout_for(c, run)
     options = config.resolved_options(run)
+    quirks = set(registry.get(run.strategy).comm_quirks)
     accum = max(1, c.grad_accum)
-    units = memory_model.unit_numels(memory_model.model_params(c.model), layout.tp)
+    params = memory_model.model_params(c.model)
+    units = memory_model.unit_numels(params, layout.tp)
     n_units, n_blocks = len(units), len(units) - ("root" in units)
     rows: list[dict[str, Any]] = []
     tp_bytes = 0.0
     if layout.tp > 1 and "all_reduce" in by_type:
+        # As the theory counts them: 2 per layer in forward (row-parallel outputs), one per column-parallel
+        # linear in backward (its input gradient is a partial sum).
         m = c.model
         h, layers = ((memory_model.ARCHS[m.hf_arch]["hidden_size"], m.hf_layers) if m.kind == "hf"
                      else (m.d_model, m.n_layers))
         seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2
         compute = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         micro = max(1, c.global_batch // (layout.dp * accum))
-        tp_bytes = min(by_type["all_reduce"], 4.0 * layers * micro * seq * h * compute * accum)
-        for phase in ("forward", "backward"):
-            rows.append(_row(phase, "all_reduce", 2 * layers * accum, tp_bytes / 2,
-                             f"tensor parallel: 2 per layer × {layers} layers (attention and MLP outputs, "
-                             f"{layout.tp} ways)"))
+        col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+        one = layers * micro * seq * h * compute * accum
+        tp_bytes = min(by_type["all_reduce"], (2 + col) * one)
+        rows.append(_row("forward", "all_reduce", 2 * layers * accum, tp_bytes * 2 / (2 + col),
+                         f"tensor parallel: 2 per layer × {layers} layers (attention and MLP outputs, {layout.tp} ways)"))
+        rows.append(_row("backward", "all_reduce", col * layers * accum, tp_bytes * col / (2 + col),
+                         f"tensor parallel: one per column-parallel linear ({col} per layer), input gradients"))
     dp_reduce = by_type.get("all_reduce", 0.0) - tp_bytes
     bucket = options.get("bucket_cap_mb", options.get("bucket_mb"))
     buckets = f"in buckets of up to {bucket} MiB" if bucket else "in buckets"
-    if layout.dp > 1 and layout.shards == "none" and dp_reduce > 0:
+    if layout.dp > 1 and layout.shards in ("none", "optim", "grads") and dp_reduce > 0:
         rows.append(_row("backward", "all_reduce", None, dp_reduce,
-                         f"every gradient, {buckets}, launched as each bucket's gradients are ready"))
-    elif layout.dp > 1 and layout.shards in ("optim", "grads"):
-        rows.append(_row("backward", "reduce_scatter", None, by_type.get("reduce_scatter", 0.0),
-                         f"gradients {buckets}: each rank keeps the average of its own partition"))
+                         f"every gradient, {buckets}" + (", launched as each bucket's gradients are ready"
+                                                         if layout.shards == "none" else
+                                                         ": each rank keeps the average of its own partition")))
+    if layout.dp > 1 and layout.shards in ("optim", "grads"):
+        if by_type.get("reduce_scatter"):
+            rows.append(_row("backward", "reduce_scatter", None, by_type["reduce_scatter"],
+                             f"gradients {buckets}: each rank keeps the average of its own partition"))
         rows.append(_row("step", "all_gather", None, by_type.get("all_gather", 0.0),
                          "each rank's updated parameter partition, to every rank"))
     elif layout.dp > 1 and layout.shards == "all":
-        regather = memory_model.reshards_after_forward(options)
+        # The theory says whether units are gathered again in backward, and whether the root is.
+        regather = "and backward" in str(theory.get("basis", ""))
+        back = {k: n for k, n in units.items() if not ("root-kept" in quirks and k == "root")} if regather else {}
         gathers = by_type.get("all_gather", 0.0)
-        per_pass = gathers / (2 * accum if regather else 1)
+        fwd = gathers * sum(units.values()) / (sum(units.values()) + sum(back.values()))
         unit_text = f"one per unit: the root and {n_blocks} block(s)"
-        rows.append(_row("forward", "all_gather", n_units * (accum if regather else 1), per_pass * (accum if regather else 1),
-                         unit_text + ", each freed after use" if regather else unit_text + ", kept until backward"))
-        if regather:
-            rows.append(_row("backward", "all_gather", n_units * accum, per_pass * accum,
-                             "the same units again, in reverse order: they were freed after forward"))
+        rep = accum if regather else 1
+        rows.append(_row("forward", "all_gather", n_units * rep, fwd,
+                         unit_text + (", kept until backward" if not regather else ", each freed after use"
+                                      + ("; the root kept" if len(back) < n_units else ""))))
+        if back:
+            rows.append(_row("backward", "all_gather", len(back) * accum, gathers - fwd,
+                             "the units freed after forward, again, in reverse order"
+                             + ("; the root stayed gathered" if len(back) < n_units else "")))
         rows.append(_row("backward", "reduce_scatter", n_units, by_type.get("reduce_scatter", 0.0),
                          "each unit's gradients as soon as they are computed; each rank keeps its shard"))
     if layout.dp > 1:
