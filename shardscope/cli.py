@@ -17,6 +17,7 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.numbers import read_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -222,8 +223,7 @@ def _run_headless(session) -> int:
 
 def _load_summary(out: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json(os.path.join(out, "summary.json"))
     except (OSError, ValueError):
         return None
 

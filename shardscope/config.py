@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
+from shardscope.numbers import json_ready
 
 PRESET_DIR = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
@@ -34,6 +35,7 @@ MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("raise", "exit", "hang")
+ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -131,6 +133,7 @@ class Comparison:
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "continue" trains on
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -427,6 +430,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)
     _one_of(src, "precision", c.precision, PRECISIONS)
+    _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
     m = c.model
     _one_of(src, "model.kind", m.kind, MODEL_KINDS)
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",
@@ -605,9 +609,9 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically (write then rename)."""
+    """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
     tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"  # unique: several nodes may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
+        json.dump(json_ready(data), fh, indent=2, default=str)
         fh.write("\n")
     os.replace(tmp, path)

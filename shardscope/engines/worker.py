@@ -154,6 +154,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", "")), window
+    cfg.stop_on_nonfinite = comparison.on_nonfinite == "stop"
     try:
         train(prep, ctx, settings, cfg, micro_batches, writer)
     finally:

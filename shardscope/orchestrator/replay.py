@@ -45,6 +45,9 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
                                    str(errors[0].get("traceback", "")))
     ranks = {r.get("rank") for r in records}
     ended = {e.get("rank") for e in ends}
+    if ends and ranks <= ended and any(e.get("status") == state.DIVERGED for e in ends):
+        step = min(e.get("first_nonfinite_step", 0) for e in ends if e.get("status") == state.DIVERGED)
+        return state.StatusChanged(name, state.DIVERGED, f"non-finite loss or grad norm at step {step}")
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
     if not records:

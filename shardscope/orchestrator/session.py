@@ -373,6 +373,8 @@ class Session(Completion):
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
                 f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
+        elif active.saw_end == state.DIVERGED:  # every rank ended at the same non-finite step
+            update = state.StatusChanged(active.name, state.DIVERGED, self.states[active.name].divergence)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
         else:
