@@ -28,8 +28,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 from shardscope.numbers import json_ready
+from shardscope.presets.files import PRESET_DIR, ConfigError, preset_path, read_preset  # noqa: F401
 
-PRESET_DIR = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
@@ -38,10 +38,6 @@ FAULT_KINDS = ("raise", "exit", "hang")
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class ConfigError(ValueError):
-    """Bad preset or override. ``str(err)`` is one line fit for stderr."""
 
 
 @dataclass
@@ -181,20 +177,6 @@ def list_presets() -> list[tuple[str, str]]:
     return out
 
 
-def preset_path(name_or_path: str) -> Path:
-    """Return the file for a built-in preset name or a path; raises ConfigError if neither exists."""
-    candidate = Path(name_or_path)
-    if candidate.suffix == ".toml" or os.sep in name_or_path or candidate.exists():
-        if not candidate.is_file():
-            raise ConfigError(f"{name_or_path}: no such preset file")
-        return candidate
-    builtin = PRESET_DIR / f"{name_or_path}.toml"
-    if not builtin.is_file():
-        allowed = ", ".join(n for n, _ in list_presets())
-        raise ConfigError(f"preset {name_or_path!r} not found; built-in presets: {allowed} (or a path to a .toml file)")
-    return builtin
-
-
 def load_preset(
     name_or_path: str,
     overrides: list[str] | tuple[str, ...] = (),
@@ -208,13 +190,7 @@ def load_preset(
     """
     path = preset_path(name_or_path)
     src = str(path)
-    try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{src}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"{src}: cannot read: {err.strerror}") from None
+    raw = read_preset(path)
     raw.setdefault("name", path.stem)
     cpu_sizes = raw.pop("cpu_overrides", None)
     if cpu_sizes is not None:
