@@ -144,11 +144,13 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
+    from shardscope.orchestrator.replay import used_out_dir_error
+
+    if comparison.launch.node_rank == 0 and used_out_dir_error(out):
+        fail_usage(f"--out {used_out_dir_error(out)}")
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
-    if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
-        fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
     session = Session(comparison, out, device=dev)
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
     # stopped, marked stopped, and the summary is still written.

@@ -135,7 +135,7 @@ class DashboardScreen(Screen):
             board.dirty_charts = False
             self._baseline_drawn = board.baseline
         if force or board.dirty_devices:
-            self.devices.show(board.devices)
+            self.devices.show(board.device_history)
             board.dirty_devices = False
         if force or board.dirty_comm or (board.finished is not None and not self._comm_final):
             self._comm_final = board.finished is not None
