@@ -65,8 +65,8 @@ async def test_device_panel_keeps_last_readings_and_peaks_after_runs_end():
         await pilot.pause(0.3)
         text = rich_text(app.screen.devices.content)
         assert "No device samples yet" not in text
-        assert "fsdp2 rank 0" in text and "200.0 MiB · 200.0 MiB" in text
-        assert "ddp rank 0 (ended)" in text and "400.0 MiB · 500.0 MiB" in text  # last reading, peak
+        assert "fsdp2 rank 0" in text and "200.0 MiB ↑200.0 MiB" in text
+        assert "ddp rank 0 ended" in text and "400.0 MiB ↑500.0 MiB" in text  # last reading, peak
 
 
 def test_chart_axis_labels_tiny_differences_in_scientific_notation():
@@ -75,3 +75,12 @@ def test_chart_axis_labels_tiny_differences_in_scientific_notation():
     assert labels[0] == "0" and labels[-1] == "1.19e-07" and len(labels) == 5
     assert all("0.0000" not in label for label in labels)
     assert y_ticks([]) == [] and y_ticks([2.0, 2.0]) == [2.0]
+
+
+def test_difference_chart_never_calls_nan_identical():
+    from shardscope.tui.widgets.charts import diff_note
+
+    nan = float("nan")
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0), (2, nan)]}) == " (non-finite from step 2)"
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0)]}) == " (identical)"
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 1e-7)]}) == ""

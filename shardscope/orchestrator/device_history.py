@@ -37,6 +37,8 @@ class DeviceHistory:
         for r in sample.readings:
             key = (r.run, r.label)
             old = self.kept.get(key)
+            if r.kind == "process" and r.used_bytes == 0 and old is not None:
+                continue  # a rank process that already exited reads 0 B: keep its last real reading
             peak = max(r.used_bytes, old.peak_used_bytes if old else 0)
             self.kept[key] = Kept(r, peak, True, sample.source)
 

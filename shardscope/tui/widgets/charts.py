@@ -63,6 +63,16 @@ def y_ticks(ys: list[float], count: int = 5) -> list[float]:
     return [lo + (hi - lo) * i / (count - 1) for i in range(count)]
 
 
+def diff_note(diffs: dict[str, list[tuple[int, float]]]) -> str:
+    """Return the difference chart's title note: " (non-finite from step N)" when a difference is
+    nan or inf (never "identical"), " (identical)" when every difference is exactly 0, else ""."""
+    bad = [step for pairs in diffs.values() for step, d in pairs if not math.isfinite(d)]
+    if bad:
+        return f" (non-finite from step {min(bad)})"
+    values = [d for pairs in diffs.values() for _, d in pairs]
+    return " (identical)" if values and not any(values) else ""
+
+
 class StepChart(PlotextPlot):
     """A titled chart of several runs over steps, with a legend."""
 

@@ -35,21 +35,21 @@ class DevicePanel(Static):
         if not rows:
             self.update(Text("No device samples yet: they arrive while runs are live.", "dim"))
             return
-        width = max(6, (self.size.width or 40) // 4)
+        width = max(3, (self.size.width or 40) // 8)
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1, min_width=12)
         table.add_column(width=width)
         table.add_column(no_wrap=True, justify="right")
         if all(k.source == "process-rss" for k in rows):
-            header = Text("process RSS per rank (CPU run): last · peak", "dim italic")
+            header = Text("process RSS per rank (CPU run): last ↑peak", "dim italic")
             top = max((k.peak_used_bytes for k in rows), default=0) or 1
             for k in rows:
                 r = k.last
                 who = Text(_who(r) if r.run else r.label, "" if k.live else "dim")
                 if not k.live:
-                    who.append(" (ended)", "dim italic")
+                    who.append(" ended", "dim italic")
                 table.add_row(who, _bar(r.used_bytes / top, width, "cyan" if k.live else "grey50"),
-                              Text(f"{human_bytes(r.used_bytes)} · {human_bytes(k.peak_used_bytes)}"))
+                              Text(f"{human_bytes(r.used_bytes)} ↑{human_bytes(k.peak_used_bytes)}"))
             return self.update(Group(header, table))
         header = Text("GPU memory used/total (peak) · utilisation (NVML)", "dim italic")
         for k in rows:
