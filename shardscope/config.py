@@ -25,6 +25,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from shardscope import batch_follow
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 from shardscope.numbers import json_ready
@@ -34,7 +35,7 @@ PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("raise", "exit", "hang")
+FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "nospace")
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -87,6 +88,8 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
+    node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     concurrent: bool = False
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
@@ -103,7 +106,7 @@ class RunSpec:
     activation_checkpointing: bool = False
     compile: bool = False
     options: dict[str, Any] = field(default_factory=dict)
-    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" (tests)
+    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
 
 
 @dataclass
@@ -114,7 +117,7 @@ class Comparison:
     description: str = ""
     source: str = ""  # the preset file this came from
     steps: int = 30
-    global_batch: int = 8  # sequences (or images) per optimizer step, over all data-parallel ranks
+    global_batch: int = batch_follow.DEFAULT_GLOBAL_BATCH  # sequences (or images) per optimizer step, over all data-parallel ranks
     grad_accum: int = 1  # micro-batches per optimizer step on each rank
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -123,19 +126,22 @@ class Comparison:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234
     precision: str = "fp32"
-    world_size: int = 2
+    world_size: int = batch_follow.DEFAULT_WORLD_SIZE
     baseline: str = ""  # a run name; "" = the first run
     stall_timeout_s: float = 120.0
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
     on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "continue" trains on
+    straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
+    straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     runs: list[RunSpec] = field(default_factory=list)
+    adjustments: list[str] = field(default_factory=list)  # what load_preset changed for the user, one line each
 
     def run(self, name: str) -> RunSpec:
         """Return the run called ``name``; raises KeyError."""
@@ -201,9 +207,12 @@ def load_preset(
             for key, value in cpu_sizes.items():
                 _set_dotted(raw, key, value, src)
             raw["size_profile"] = "cpu"
+    as_preset_set = dict(raw)
     for item in overrides:
         apply_override(raw, item, src)
+    notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
     comparison = build_comparison(raw, src)
+    comparison.adjustments = notes
     validate(comparison, host=host)
     return comparison
 
@@ -306,7 +315,7 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     runs = [_build(RunSpec, r, f"runs[{i}]", src) for i, r in enumerate(runs_raw)]
     top = {k: v for k, v in raw.items() if k not in nested and k != "runs"}
     top.pop("source", None)
-    comparison = _build(Comparison, top, "", src, skip=("model", "data", "profile", "launch", "runs", "source"))
+    comparison = _build(Comparison, top, "", src, skip=(*nested, "runs", "source", "adjustments"))
     for k, v in parts.items():
         setattr(comparison, k, v)
     comparison.runs = runs
@@ -371,7 +380,7 @@ def parse_fault(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": 0, "step": 0, "kind": "raise"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = part.partition("=")
-        if key in ("rank", "step"):
+        if key in ("rank", "step", "ms"):
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
@@ -380,7 +389,7 @@ def parse_fault(text: str) -> dict[str, Any]:
                 raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {val!r}")
             out[key] = val
         else:
-            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind")
+            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow)")
     return out
 
 
@@ -399,9 +408,9 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     src = c.source or "preset"
     if not NAME_RE.match(c.name):
         raise ConfigError(f"{src}: name = {c.name!r}: use letters, digits, '.', '_' or '-'")
-    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every"):
+    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
         _positive(src, key, getattr(c, key))
-    for key in ("lr", "stall_timeout_s"):
+    for key in ("lr", "stall_timeout_s", "straggler_threshold"):
         _positive(src, key, getattr(c, key))
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)
@@ -435,6 +444,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     _positive(src, "launch.nnodes", c.launch.nnodes)
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
+    _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]

@@ -139,7 +139,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     config = build_config(settings, ctx, stage=stage, bucket_mb=int(options.get("bucket_mb", 25)))
     notes: dict[str, Any] = {"zero_stage": stage}
     if stage == 3 and settings.precision.name in ("fp32", "bf16-autocast"):
-        reuse = bool(options.get("reuse_fp32_partitions", True))
+        reuse = bool(options.get("reuse_fp32_partitions", False))
         reuse_fp32_partitions_in_zero3(reuse)
         notes["fp32_master"] = ("the fp32 parameter partitions, stepped in place" if reuse
                                 else "a separate fp32 copy of the parameter partitions (DeepSpeed 0.19 default)")

@@ -29,6 +29,7 @@ from shardscope.engines.data import Batch
 from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
+from shardscope.engines.step_clock import StepClock
 from shardscope.profiling.capture import ProfilerWindow
 
 
@@ -87,26 +88,31 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     tokens = cfg.global_batch * cfg.tokens_per_sample
     rates: list[float] = []
     diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
+    clock = StepClock(ctx.device.type == "cpu")
     for step in range(settings.steps):
-        if cfg.fault is not None:
-            cfg.fault.maybe_fire(ctx.rank, step)
+        clock.begin()
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
         micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
+        clock.lap("data")
+        if cfg.fault is not None:  # inside the timed step: a "slow" rank's extra work is step time
+            cfg.fault.maybe_fire(ctx.rank, step)
         lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
                    min_lr_ratio=cfg.min_lr_ratio)
         assert prep.set_lr is not None and prep.zero_grad is not None
         prep.set_lr(lr)
         prep.zero_grad()
-        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler)
+        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler, clock)
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
         layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        clock.lap("optimizer")
         handle.wait()
+        clock.lap("comm_wait")
         loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
         _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
         dt = time.perf_counter() - t0
@@ -132,6 +138,7 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
                 record["profiled"] = True
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
+            record.update(clock.fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
         if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
             writer.write(events.LAYERS, step=step, grad_norms=layer_record["grad"], param_norms=layer_record["param"])
@@ -158,7 +165,7 @@ def compiled_graph_count() -> int:
 
 
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
-                      scaler: LossScaler | None) -> torch.Tensor:
+                      scaler: LossScaler | None, clock: StepClock) -> torch.Tensor:
     """Run every micro-batch forward and backward; return the detached sum of their losses."""
     loss_sum = torch.zeros(1, device=ctx.device)
     for i, (inputs, targets) in enumerate(micro):
@@ -171,8 +178,10 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
             with autocast:
                 logits = prep.model(inputs)
             loss = loss_fn(logits, targets)
+            clock.lap("forward")
             scaled = loss / len(micro)
             prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
+            clock.lap("backward")
         loss_sum += loss.detach()
     return loss_sum
 

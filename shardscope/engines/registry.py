@@ -21,6 +21,9 @@ class OptionSpec:
     help: str
     choices: tuple[Any, ...] | None = None
     minimum: int | None = None
+    # True for an option that changes the framework's own behaviour (a fix shardscope applies): it
+    # defaults off, so a run measures the framework as it ships, and reports show both figures when on.
+    framework_fix: bool = False
 
     def describe(self) -> str:
         """Return what values are allowed, for error messages."""
@@ -143,8 +146,9 @@ register(
 # DeepSpeed ZeRO: one name per stage, because each shards a different set of model states
 # (which the memory model reads from ``shards``). All three share one module and config builder.
 _DS_BUCKET = OptionSpec(int, 25, "reduce / all-gather bucket size in MiB", minimum=1)
-_DS_REUSE = OptionSpec(bool, True, "fp32 runs: the fp32 parameter partitions are the master weights, stepped in "
-                       "place (DeepSpeed's intended path; false keeps DeepSpeed 0.19's extra fp32 copy)")
+_DS_REUSE = OptionSpec(bool, False, "fp32 runs: true makes the fp32 parameter partitions the master weights, "
+                       "stepped in place (DeepSpeed's intended path, which 0.19 misses); false (default) keeps "
+                       "DeepSpeed's extra fp32 copy, as it ships", framework_fix=True)
 for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Adam moments) sharded"),
                                (2, "grads", "optimizer states and gradients sharded"),
                                (3, "all", "optimizer states, gradients and parameters sharded")):

@@ -15,9 +15,10 @@ import time
 from typing import Any, Callable
 
 from shardscope.config import Comparison
-from shardscope.events import read_records
-from shardscope.orchestrator import state
-from shardscope.orchestrator.session import Completion
+from shardscope.events import ORCHESTRATOR_LOST, read_records
+from shardscope.orchestrator import lifeline, state
+from shardscope.orchestrator.completion import Completion
+from shardscope.orchestrator.root_cause import root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import tail_text
 
@@ -48,11 +49,15 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
                                            entry.get("traceback_tail", ""))
     errors = [r for r in records if r.get("kind") == "error"]
     ends = [r for r in records if r.get("kind") == "end"]
-    if errors:
-        return state.StatusChanged(name, state.FAILED, str(errors[0].get("message", "error")),
-                                   str(errors[0].get("traceback", "")))
+    lost = any(e.get("reason") == ORCHESTRATOR_LOST for e in ends)
     ranks = {r.get("rank") for r in records}
     ended = {e.get("rank") for e in ends}
+    if lost or (not ranks <= ended or not records) and lifeline.orchestrator_state(os.path.dirname(run_dir)) == "lost":
+        # No verdict, no summary, no end (or an end saying so): whoever decided this run is gone.
+        return state.StatusChanged(name, state.STOPPED, ORCHESTRATOR_LOST if records else
+                                   f"{ORCHESTRATOR_LOST} before it started", tail_text(os.path.join(run_dir, "console.log"), 20))
+    if errors:
+        return state.StatusChanged(name, state.FAILED, *root_cause(errors))
     if ends and ranks <= ended and any(e.get("status") == state.DIVERGED for e in ends):
         step = min(e.get("first_nonfinite_step", 0) for e in ends if e.get("status") == state.DIVERGED)
         return state.StatusChanged(name, state.DIVERGED, f"non-finite loss or grad norm at step {step}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope import events
+from shardscope.profiling.stragglers import StragglerWatch
 
 # The one set of run statuses. A finished run is ok, failed (an error, a stall, a lost process),
 # stopped (by the user or before it started) or diverged (a non-finite loss or gradient norm).
@@ -154,6 +155,7 @@ class RunState:
     last_step_t: float | None = None
     first_nonfinite_step: int | None = None  # first step whose loss or grad norm was inf/nan (not an fp16 skip)
     nonfinite_what: str = ""  # "loss", "grad_norm" or "loss and grad_norm" at that step
+    stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
 
     # -- queries --
     @property
@@ -219,6 +221,7 @@ class RunState:
             peak = r.get("mem_peak_bytes")
             if isinstance(peak, (int, float)):
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
+            self.stragglers.add(rank, int(r.get("step", 0)), r, self.world_size)
             if rank != 0:
                 return
             step = int(r.get("step", self.step + 1))
@@ -256,6 +259,7 @@ class RunState:
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
         elif kind == events.START:
             self.start[rank] = r
+            self.stragglers.configure(r.get("straggler"))
             if self.status in (QUEUED, STARTING):
                 self.status = RUNNING
         elif kind == events.TRACE:

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from shardscope.outspace import filesystem_problem
+
 
 class ProfilerWindow:
     """Profiles a fixed window of steps on one rank.
@@ -74,6 +76,18 @@ class ProfilerWindow:
             prof.__exit__(None, None, None)
 
     def _export(self, prof: profile) -> None:
+        try:
+            self._write(prof)
+        except Exception as err:  # torch reports a full disk as a bare RuntimeError: name the true cause
+            partial = glob.glob(os.path.join(self.run_dir, "traces", "tb", f"rank{self.rank}.*.tmp"))
+            for path in partial:  # torch's half-written temporary traces
+                os.remove(path)
+            problem = filesystem_problem(partial[0][:-len(".tmp")] if partial else os.path.join(self.run_dir, "traces"))
+            if problem is not None:
+                raise problem from err
+            raise
+
+    def _write(self, prof: profile) -> None:
         steps = [self.start, self.stop - 1]
         traces = os.path.join(self.run_dir, "traces")
         tb_dir = os.path.join(traces, "tb")

@@ -9,14 +9,13 @@ writes everything. It never imports torch (the orchestrator is torch-free); trac
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import divergence, memory_model, plots, summary, traces
 from shardscope.numbers import not_measured
+from shardscope.profiling import divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 from shardscope.profiling.summary import throughput_unit
 
@@ -76,6 +75,7 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             "measured": measured,
             "per_rank": per_rank,
             "model_state_error": max(errors) if errors else None,
+            "as_shipped": framework_fixes.as_shipped(c, run, st.world_size or None),
         }
     return out
 
@@ -147,6 +147,7 @@ def write_reports(out_dir: str) -> dict[str, str]:
     layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
+    data["stragglers"] = straggler_report.section(states)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
              "plots": os.path.join(out_dir, "plots")}
     if data["traces"]:
@@ -155,7 +156,10 @@ def write_reports(out_dir: str) -> dict[str, str]:
         data["merged_trace"] = merged
         paths["merged_trace"] = merged
     losses = {name: st.losses for name, st in states.items()}
-    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots.write_plots(data, losses, paths["plots"]).items()}
+    made = plots.write_plots(data, losses, paths["plots"])
+    timing = straggler_report.plot(states, os.path.join(paths["plots"], "rank_timing.png"))
+    made.update({"rank_timing": timing} if timing else {})
+    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
     dump_json(paths["summary"], data)
     with open(paths["report"], "w", encoding="utf-8") as fh:
         fh.write(render_markdown(data))
@@ -205,6 +209,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
+    out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
     if s.get("plots"):
         out.append("## Plots\n")
@@ -239,12 +244,15 @@ def _memory_md(m: dict[str, Any]) -> str:
                      _num(r.get("model_state_error"), "{:.2%}"),
                      fmt_bytes(p["activation_bytes"] + p["gathered_unit_bytes"]), fmt_bytes(meas.get("peak_bytes"))])
     kind = m.get("measured_peak_kind") or "measured"
+    fixes = "".join(framework_fixes.note_md(name, r["predicted"], r.get("as_shipped"))
+                    for name, r in m["runs"].items() if "error" not in r)
     return ("## Memory per rank: predicted / measured\n\n"
             + _table(["run", "dp×tp (shards)", "params", "grads", "optimizer", "model states", "worst error",
                       "pred. activations+gathered", f"peak ({kind})"], rows)
             + "\nModel states are measured exactly from the tensors each rank holds (rank 0 shown; the error is the "
               "worst over ranks). Activations are predicted with Korthikanti et al.'s formula; on CPU the measured "
-              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n")
+              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n"
+            + (f"\n{fixes}" if fixes else ""))
 
 
 def _comm_md(comm: dict[str, Any]) -> str:
