@@ -249,3 +249,19 @@ def test_on_nonfinite_continue_trains_to_the_end(tmp_path):
     first, logged = _first_nonfinite(out, "ddp")
     assert run["status"] == "diverged" and run["first_nonfinite_step"] == first
     assert run["steps_completed"] == 5 and logged == [0, 1, 2, 3, 4]
+
+
+def test_divergence_locator_names_the_first_nonfinite_layer():
+    from shardscope.profiling import divergence
+
+    nan, inf = float("nan"), float("inf")
+    layers = {0: {"grad_norms": {"embed": 1.0, "blocks.0": 2.0, "blocks.1": 3.0}},
+              1: {"grad_norms": {"embed": 1.0, "blocks.0": inf, "blocks.1": nan}}}
+    assert divergence.first_nonfinite_layer(layers) == {"step": 1, "layer": "blocks.0", "norm": inf}
+    assert divergence.first_nonfinite_layer({0: layers[0]}) is None
+    base = [(0, 5.0), (1, nan)]
+    entry = divergence.compare_runs(base, [(0, 5.0), (1, nan)], layers, layers, {}, {}, tolerance=1e-5,
+                                    layer_rtol=1e-4)
+    assert entry["first_loss_step"] == 1  # NaN vs NaN is a difference
+    assert entry["first_grad_layer"]["step"] == 1 and entry["first_grad_layer"]["layer"] == "blocks.0"
+    assert "first non-finite gradient at step 1 in blocks.0 (inf)" in entry["finding"]

@@ -300,9 +300,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
 
 def _parity_md(p: dict[str, Any]) -> str:
     runs = p.get("runs") or {}
-    if not runs:
+    own = {n: b for n, b in (p.get("first_nonfinite_grad_layer") or {}).items() if n not in runs}
+    if not runs and not own:
         return ""
     lines = [f"## Parity against {p['baseline']} (loss tolerance {p['tolerance']:g})\n"]
+    lines += [f"- **{n}**: first non-finite gradient at step {b['step']} in {b['layer']} ({b['norm']})."
+              for n, b in own.items()]
     for name, e in runs.items():
         lines.append(f"- **{name}**: {e['finding']}")
         for cause in e["likely_causes"][1:4]:
