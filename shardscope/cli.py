@@ -17,7 +17,10 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.explainview import explain_cmd
 from shardscope.numbers import read_json
+from shardscope.recommendview import print_recommendation, recommend_cmd
+from shardscope.sizes import parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -84,6 +87,10 @@ def main(ctx: click.Context) -> None:
     """
     if ctx.invoked_subcommand is None:
         _open_app(preset=None)
+
+
+main.add_command(explain_cmd)
+main.add_command(recommend_cmd)
 
 
 def _terminate_on(signals: tuple[int, ...], handler: Any) -> None:
@@ -315,6 +322,7 @@ def _run_headless(session) -> int:
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
         console.print(f"  {label}: {path}", highlight=False)
+    print_recommendation(summary or {}, console)
     return code
 
 
@@ -391,21 +399,6 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
             fail_usage(f"--device-memory {device_memory!r}: {err}")
     say_adjustments(comparison)
     estimate.print_estimate(comparison, world_size, limit, traced=traced)
-
-
-def parse_size(text: str) -> int:
-    """Parse ``80GiB``, ``80GB``, ``512MiB`` or a byte count; raises ValueError."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError("expected a size like 80GiB, 40GB or 512MiB")
-    value, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
-    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "KI": 1, "MI": 2, "GI": 3, "TI": 4}
-    if unit not in powers:
-        raise ValueError("unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    base = 1024 if unit.endswith("I") or unit == "" else 1000
-    return int(value * base ** powers[unit])
 
 
 @main.command("slurm")

@@ -15,7 +15,7 @@ from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
 from shardscope.numbers import not_measured
-from shardscope.profiling import divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
+from shardscope.profiling import divergence, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 from shardscope.profiling.summary import throughput_unit
 
@@ -148,6 +148,7 @@ def write_reports(out_dir: str) -> dict[str, str]:
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
     data["stragglers"] = straggler_report.section(states)
+    data["recommendation"] = recommend.section(c, states, data)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
              "plots": os.path.join(out_dir, "plots")}
     if data["traces"]:
@@ -214,6 +215,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("plots"):
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
+    out.append(recommend.markdown(s.get("recommendation") or {}))
     return "\n".join(x for x in out if x)
 
 

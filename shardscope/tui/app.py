@@ -244,6 +244,17 @@ class ShardscopeApp(App):
         elif not isinstance(self.screen, ReportScreen):
             self.push_screen(ReportScreen(self.out_dir, self.board))
 
+    def action_explain(self) -> None:
+        """Open the selected run's strategy explainer, filled with that run's numbers."""
+        from shardscope.tui.screens.explainer import ExplainScreen, explanation_for
+
+        run = self._selected()
+        if not run or self.comparison is None:
+            self.notify("Select a run first.")
+            return
+        result = explanation_for(self.comparison, run, self.out_dir)
+        self.push_screen(ExplainScreen("\n\n".join([result["text"], *result["notes"]])))
+
     def action_export(self) -> None:
         """Save a picture of the screen next to the results and copy every artefact path."""
         if not self.out_dir:
@@ -297,6 +308,8 @@ class ShardscopeApp(App):
         yield SystemCommand("Set baseline", "Compare the other runs with the selected one", self.action_set_baseline)
         yield SystemCommand("Toggle log", "Show or hide the console pane", self._toggle_log)
         yield SystemCommand("Report", "Open the comparison table", self.action_report)
+        yield SystemCommand("Explain run", "How the selected run's strategy works, with its numbers",
+                            self.action_explain)
         yield SystemCommand("Export", "Save a screenshot and copy the result paths", self.action_export)
 
     def _toggle_log(self) -> None:

@@ -42,6 +42,7 @@ class DashboardScreen(Screen):
         Binding("b", "app.set_baseline", "Baseline"),
         Binding("l", "toggle_log", "Log"),
         Binding("o", "app.report", "Report"),
+        Binding("i", "app.explain", "Explain run", show=False),  # in the palette; the footer is full
         Binding("e", "app.export", "Export"),
         Binding("left,shift+tab", "select(-1)", "Prev run", show=False),
         Binding("right,tab", "select(1)", "Next run", show=False),
