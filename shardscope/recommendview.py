@@ -5,13 +5,13 @@ The figures come from ``profiling.recommend``; this module only prints. No torch
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 import click
 
+from shardscope.numbers import read_json
 from shardscope.sizes import parse_size
 
 
@@ -50,8 +50,7 @@ def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
             _fail(f"--device-memory {device_memory!r}: {err}")
     try:
         comparison = replay.load_comparison(out_dir)
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
+        summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
     summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary, limit)
