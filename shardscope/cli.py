@@ -18,6 +18,7 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.explainview import explain_cmd
+from shardscope.numbers import read_json
 from shardscope.recommendview import (
     parse_device_memory,
     print_recommendation,
@@ -229,15 +230,16 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
         fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
                                                "not a shardscope run directory (no comparison.json)"))
     from shardscope.orchestrator.preflight import check_space
+    from shardscope.orchestrator.replay import used_out_dir_error
 
+    if comparison.launch.node_rank == 0 and used_out_dir_error(out):  # before the app opens, too
+        fail_usage(f"--out {used_out_dir_error(out)}")
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
     if short:
         fail_usage(short)
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
-    if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
-        fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
     session = Session(comparison, out, device=dev)
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
     # stopped, marked stopped, and the summary is still written.
@@ -336,8 +338,7 @@ def _run_headless(session, device_memory_bytes: int | None = None) -> int:
 
 def _load_summary(out: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json(os.path.join(out, "summary.json"))
     except (OSError, ValueError):
         return None
 

@@ -7,7 +7,6 @@ summary.json. No torch is imported.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -17,6 +16,7 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.engines import registry
+from shardscope.numbers import read_json
 from shardscope.profiling import explain
 
 
@@ -34,8 +34,7 @@ def explain_dir(out_dir: str, strategy: str | None, run_name: str | None) -> dic
 
     try:
         comparison = replay.load_comparison(out_dir)
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
+        summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError) as err:
         raise explain.ExplainError(f"{out_dir}: not a finished shardscope run directory ({err}); "
                                    f"`shardscope report {out_dir}` writes summary.json") from None

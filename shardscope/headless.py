@@ -15,11 +15,9 @@ from rich.live import Live
 from rich.table import Table
 
 from shardscope.orchestrator import state
-from shardscope.orchestrator.state import RunState, Update
+from shardscope.orchestrator.state import STATUS_STYLE, RunState, Update
 from shardscope.profiling import straggler_report, stragglers
-
-STATUS_STYLE = {"queued": "dim", "starting": "yellow", "running": "cyan", "ok": "green",
-                "failed": "bold red", "stopped": "magenta"}
+from shardscope.profiling.summary import throughput_unit
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -116,8 +114,10 @@ class HeadlessView:
     def table(self) -> Table:
         """Return the live progress table."""
         table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
+        with self._lock:
+            units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
-                             ("step", "right"), ("loss", "right"), ("tokens/s", "right"),
+                             ("step", "right"), ("loss", "right"), (" or ".join(sorted(units)), "right"),
                              ("peak mem", "right"), ("eta", "right")):
             table.add_column(col, justify=justify)
         with self._lock:
@@ -125,7 +125,7 @@ class HeadlessView:
                 st = self.states.get(name)
                 if st is None:
                     continue
-                unit_rate = fmt_rate(st.rate) + ("" if st.unit == "tokens/s" else " smp/s")
+                unit_rate = fmt_rate(st.rate) + (f" {st.unit}" if len(units) > 1 else "")
                 table.add_row(
                     name, st.strategy, str(st.world_size),
                     f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
@@ -165,7 +165,8 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
-    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|", "throughput/s",
+    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
+                f"median {throughput_unit(runs)}",
                 "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
         table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
                          overflow="fold")

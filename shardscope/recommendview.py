@@ -5,13 +5,13 @@ The figures come from ``profiling.recommend``; this module only prints. No torch
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 import click
 
+from shardscope.numbers import read_json
 from shardscope.sizes import parse_size
 
 
@@ -43,8 +43,7 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
 
     try:
         comparison = replay.load_comparison(out_dir)
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
+        summary = read_json(os.path.join(out_dir, "summary.json"))
     except (OSError, ValueError):
         return None
     summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary,
@@ -79,8 +78,7 @@ def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
     limit = parse_device_memory(device_memory)
     try:
         comparison = replay.load_comparison(out_dir)
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            summary = json.load(fh)
+        summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
     summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary, limit)

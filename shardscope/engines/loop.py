@@ -48,6 +48,7 @@ class LoopConfig:
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
     counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
+    stop_on_nonfinite: bool = True  # preset on_nonfinite = "stop": end the run diverged at the first inf/nan
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
 
 
@@ -90,6 +91,7 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     scaler = LossScaler() if scaled else None
     tokens = cfg.global_batch * cfg.tokens_per_sample
     rates: list[float] = []
+    diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
     clock = StepClock(ctx.device.type == "cpu")
     for step in range(settings.steps):
         clock.begin()
@@ -131,7 +133,13 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
-        if step % cfg.log_every == 0 or step == settings.steps - 1:
+        # The loss is reduced over dp and the norm is global, so every rank sees the same verdict and
+        # all of them stop at the same step: none is left waiting in a collective.
+        nonfinite = events.nonfinite_fields({"loss": loss, "grad_norm": grad_norm, "skipped": skipped})
+        if nonfinite and not diverged:
+            diverged = {"first_nonfinite_step": step, "nonfinite": nonfinite}
+        stop_now = bool(nonfinite) and cfg.stop_on_nonfinite
+        if step % cfg.log_every == 0 or step == settings.steps - 1 or stop_now:
             record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
             if tokens:
                 record.update(tokens=tokens, tokens_per_s=rate)
@@ -148,12 +156,15 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
-    write_memory(prep, ctx, writer, settings.steps - 1, "end")
+        if stop_now:
+            break
+    write_memory(prep, ctx, writer, cfg.steps_completed - 1, "end")
     extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
-    writer.write(events.END, status="ok", steps_completed=settings.steps, **extra,
+    writer.write(events.END, status="diverged" if diverged else "ok", steps_completed=cfg.steps_completed,
+                 **diverged, **extra,
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
-    return settings.steps
+    return cfg.steps_completed
 
 
 def compiled_graph_count() -> int:

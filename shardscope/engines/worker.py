@@ -162,6 +162,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
     cfg.counter = CountWindow(enabled=window.enabled and prof.count_collectives, start_step=prof.start_step,
                               steps=prof.steps, total_steps=comparison.steps)
+    cfg.stop_on_nonfinite = comparison.on_nonfinite == "stop"
     try:
         train(prep, ctx, settings, cfg, micro_batches, writer)
     except BaseException:

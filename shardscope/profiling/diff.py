@@ -14,7 +14,6 @@ Run states come from the same fold every view uses (``replay.replay_states``); m
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
+from shardscope.numbers import read_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import OK, RunState
 from shardscope.profiling import summary, traces
@@ -71,8 +71,7 @@ def load_side(out_dir: str) -> Side:
         raise DiffInputError(f"{out_dir}/comparison.json: unreadable ({err})") from None
     data = None
     try:
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError):
         pass
     return Side(out_dir, comparison, replay.replay_states(out_dir), data if isinstance(data, dict) else None)

@@ -14,8 +14,10 @@ from typing import Any
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
+from shardscope.numbers import not_measured
 from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
+from shardscope.profiling.summary import throughput_unit
 
 
 # --- sections ----------------------------------------------------------------------------------
@@ -90,6 +92,8 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         run_dir = os.path.join(out_dir, run.name)
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
+        if not analysis:  # nothing was measured: say why instead of showing zeros
+            analysis = {"not_measured": comm_not_measured_reason(c, st, run_dir)}
         if st is not None:
             start = st.start.get(0) or {}
             device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
@@ -101,6 +105,16 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
             out["runs"][run.name] = analysis
     out["flops_per_token"] = fpt
     return out
+
+
+def comm_not_measured_reason(c: Comparison, st: RunState | None, run_dir: str) -> str:
+    """Return why a run has no communication figures: profiling off, the run ended before the
+    profiler window, or no trace files found."""
+    if not c.profile.enabled:
+        return "profiling off: profile.enabled = false"
+    if st is not None and st.steps_completed <= c.profile.start_step + c.profile.steps:
+        return f"the run ended before its profiler window (steps {c.profile.start_step}+{c.profile.steps}) closed"
+    return f"no traces found under {os.path.join(os.path.basename(run_dir), 'traces')}"
 
 
 def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
@@ -177,20 +191,21 @@ def render_markdown(s: dict[str, Any]) -> str:
            f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
     out.append("## Throughput and loss\n")
     rows = []
+    unit = throughput_unit(s["runs"])
     for r in s["runs"]:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
         rows.append([r["name"], r["strategy"], str(r["world_size"]), r["status"], str(r["steps_completed"]),
                      _num(r["final_loss"], "{:.4f}"), _num(rate), _num(r["speedup"], "×{:.2f}"),
                      fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
                      _num(r["loss_max_abs_diff"], "{:.2e}")])
-    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", "median tok/s", "speedup",
+    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", f"median {unit}", "speedup",
                        "peak mem", "mem ratio", "max |Δloss|"], rows))
     out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
     for r in s["runs"]:
         if r.get("fairness_flags"):
             out.append(f"\n- **{r['name']} is not like-for-like**: {'; '.join(r['fairness_flags'])}")
         if r.get("error"):
-            out.append(f"\n- **{r['name']} failed**: {r['error']}")
+            out.append(f"\n- **{r['name']} {r['status']}**: {r['error']}")
     out.append("\n")
     out.append(_loss_md(s))
     out.append(_memory_md(s.get("memory", {})))
@@ -247,8 +262,13 @@ def _memory_md(m: dict[str, Any]) -> str:
 def _comm_md(comm: dict[str, Any]) -> str:
     runs = comm.get("runs") or {}
     if not runs:
-        return "## Communication\n\nNo traces were recorded (profile.enabled = false, or the runs ended early).\n"
+        return "## Communication\n\nNot measured: no run was analysed.\n"
     rows, steps = [], []
+    missing = {name: c["not_measured"] for name, c in runs.items() if c.get("not_measured")}
+    runs = {name: c for name, c in runs.items() if name not in missing}
+    gaps = "".join(f"- {name}: {not_measured(reason)}\n" for name, reason in missing.items())
+    if not runs:
+        return "## Communication\n\n" + gaps
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
             rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
@@ -265,7 +285,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
                       f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
-    text = ["## Communication\n\n",
+    text = ["## Communication\n\n", gaps + "\n" if gaps else "",
             _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
                     "dtype", "timed by"], rows),
             "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
@@ -284,9 +304,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
 
 def _parity_md(p: dict[str, Any]) -> str:
     runs = p.get("runs") or {}
-    if not runs:
+    own = {n: b for n, b in (p.get("first_nonfinite_grad_layer") or {}).items() if n not in runs}
+    if not runs and not own:
         return ""
     lines = [f"## Parity against {p['baseline']} (loss tolerance {p['tolerance']:g})\n"]
+    lines += [f"- **{n}**: first non-finite gradient at step {b['step']} in {b['layer']} ({b['norm']})."
+              for n, b in own.items()]
     for name, e in runs.items():
         lines.append(f"- **{name}**: {e['finding']}")
         for cause in e["likely_causes"][1:4]:

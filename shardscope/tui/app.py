@@ -29,6 +29,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset
+from shardscope.orchestrator.replay import used_out_dir_error
 from shardscope.orchestrator.state import Update
 from shardscope.tui import source as sources
 from shardscope.tui.board import Board
@@ -107,6 +108,10 @@ class ShardscopeApp(App):
             return
         factory = self.source_factory or sources.session_source
         self.out_dir = self.out_dir or sources.default_out_dir(comparison.name)
+        used = used_out_dir_error(self.out_dir)
+        if used:  # as the headless command does: never reuse another comparison's weights and files
+            self.refuse_launch(f"Cannot start: {used}")
+            return
         try:
             source = factory(comparison, self.out_dir)
         except (OSError, RuntimeError, ValueError, ImportError) as err:  # ConfigError is a ValueError
@@ -115,6 +120,12 @@ class ShardscopeApp(App):
         extra = f" [dim]{escape(' '.join(overrides))}[/dim]" if overrides else ""
         self.attach(source, comparison, comparison.name + extra)
         self.action_start()
+
+    def refuse_launch(self, message: str) -> None:
+        """Say why a comparison cannot start, under the launch button when the presets screen is open."""
+        if isinstance(self.screen, PresetsScreen):
+            self.screen.show_launch_error(message)
+        self.notify(message, severity="error", timeout=10)
 
     def attach(self, source: sources.Source, comparison: Comparison | None, title: str) -> None:
         """Subscribe to ``source`` and switch to the dashboard."""

@@ -53,7 +53,7 @@ class RunCard(Static):
         if key == self._drawn:
             return
         self._drawn = key
-        self.set_class(state.status == "failed", "-failed")
+        self.set_class(state.status in ("failed", "diverged"), "-failed")
         title = Text.assemble(("■ ", self.colour), (state.name, "bold"))
         if baseline:
             title.append("  (baseline)", "italic dim")
