@@ -28,5 +28,5 @@ def results(tmp_path_factory):
 def test_two_micro_batches_equal_one_batch(results, name):
     base, accum = results["one-batch"], results[name]
     assert accum.of_kind("start")[0]["grad_accum"] == 2 and accum.of_kind("start")[0]["micro_batch_size"] == 2
-    print(name, assert_matches(base, accum, TOL))
+    print(name, assert_matches(base, accum, TOL, exact_first=False)  # a mean of micro-batch means: rounding differs)
     assert all(s["tokens"] == 8 * 16 for s in accum.steps())
