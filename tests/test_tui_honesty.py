@@ -84,3 +84,34 @@ def test_difference_chart_never_calls_nan_identical():
     assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0), (2, nan)]}) == " (non-finite from step 2)"
     assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0)]}) == " (identical)"
     assert diff_note({"fsdp2": [(0, 0.0), (1, 1e-7)]}) == ""
+
+
+@run_async
+async def test_app_refuses_a_directory_short_of_space(tmp_path):
+    """Started from the app, a comparison whose traces cannot fit is refused as the headless command does."""
+    import subprocess
+
+    import pytest
+
+    point = tmp_path / "small"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        started = []
+
+        def factory(comparison, out_dir):
+            started.append(out_dir)
+            raise AssertionError("no source may start without room for its files")
+
+        app = build_app(host=cpu_host(), source_factory=factory, out_dir=str(point / "out"))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            await pilot.click("#launch")
+            await pilot.pause(0.3)
+            assert isinstance(app.screen, PresetsScreen) and started == []
+            message = str(app.screen.query_one("#preset-error").render())
+            assert "MiB free, the comparison needs about" in message, message
+    finally:
+        subprocess.run(["umount", str(point)], check=False)

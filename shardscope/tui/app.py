@@ -29,6 +29,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset
+from shardscope.orchestrator.preflight import check_space
 from shardscope.orchestrator.replay import used_out_dir_error
 from shardscope.orchestrator.state import Update
 from shardscope.tui import source as sources
@@ -111,6 +112,10 @@ class ShardscopeApp(App):
         used = used_out_dir_error(self.out_dir)
         if used:  # as the headless command does: never reuse another comparison's weights and files
             self.refuse_launch(f"Cannot start: {used}")
+            return
+        short = check_space(comparison, self.out_dir)  # as the headless command does: traces need room
+        if short:
+            self.refuse_launch(f"Cannot start: {short}")
             return
         try:
             source = factory(comparison, self.out_dir)
