@@ -332,7 +332,9 @@ def _check_parity(summary: dict[str, Any]) -> int:
             click.echo(f"parity: {r['name']} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
             continue
         diff = r.get("loss_max_abs_diff")
-        if diff is not None and diff > tol:
+        if r.get("loss_nonfinite_steps"):  # a NaN is a difference, never a pass
+            bad.append(f"{r['name']} loss non-finite at step {r['loss_nonfinite_steps'][0]} (NaN or inf on one side)")
+        elif diff is not None and diff > tol:
             bad.append(f"{r['name']} max |Δloss| {diff:.3e} > {tol:g}")
     for line in bad:
         click.echo(f"parity check failed: {line}", err=True)

@@ -134,6 +134,7 @@ class Comparison:
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "stop" there or "continue"
     straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
     straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
@@ -436,6 +437,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)
     _one_of(src, "precision", c.precision, PRECISIONS)
+    _one_of(src, "on_nonfinite", c.on_nonfinite, ("stop", "continue"))
     m = c.model
     _one_of(src, "model.kind", m.kind, MODEL_KINDS)
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",

@@ -27,7 +27,8 @@ TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "ten
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
 COMM = "comm"  # collective summary computed in-rank, optional
 ERROR = "error"  # message, traceback
-END = "end"  # status ("ok" | "failed" | "stopped"), steps_completed; reason (stopped: "orchestrator lost");
+END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator lost");
+#              diverged_step (the first step whose loss or grad norm was non-finite; steps then carry nonfinite: true);
 #              compiled_graphs when compile is on
 
 ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared

@@ -16,10 +16,9 @@ from rich.table import Table
 
 from shardscope.orchestrator import state
 from shardscope.orchestrator.state import RunState, Update
-from shardscope.profiling import straggler_report, stragglers
+from shardscope.profiling import display, straggler_report, stragglers
 
-STATUS_STYLE = {"queued": "dim", "starting": "yellow", "running": "cyan", "ok": "green",
-                "failed": "bold red", "stopped": "magenta"}
+STATUS_STYLE = state.STATUS_STYLE
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -154,8 +153,8 @@ def loss_table(summary: dict[str, Any]) -> Table:
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in summary.get("runs", []):
         table.add_row(r["name"], *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
-                      *(fmt_num(r.get(k), ".2e") for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
-                                                           "loss_final_abs_diff")))
+                      *(display.loss_diff_text(r, k) for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
+                                                               "loss_final_abs_diff")))
     return table
 
 
@@ -165,7 +164,8 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
-    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|", "throughput/s",
+    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
+                f"median {display.rate_unit(runs)}",
                 "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
         table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
                          overflow="fold")
@@ -176,9 +176,9 @@ def comparison_table(summary: dict[str, Any]) -> Table:
             flags = (flags + "; " if flags else "") + str(r["error"])[:80]
         table.add_row(
             r["name"] + (" (baseline)" if r["name"] == base else ""), r.get("strategy", ""),
-            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
+            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{display.status_text(r)}[/]",
             str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
-            fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
+            display.loss_diff_text(r), fmt_rate(rate),
             fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
             fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
             *((flags,) if with_notes else ()),

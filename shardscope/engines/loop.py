@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import resource
 import statistics
 import time
@@ -45,6 +46,8 @@ class LoopConfig:
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
+    on_nonfinite: str = "stop"  # "stop" | "continue": what a non-finite loss or gradient norm does
+    diverged_step: int | None = None  # the first step whose loss or gradient norm was non-finite
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,7 +110,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
         layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        grad_norm, skipped = (_norm(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        skipped = skipped or (prep.step_applied is not None and not prep.step_applied())  # DeepSpeed's own scaler
         clock.lap("optimizer")
         handle.wait()
         clock.lap("comm_wait")
@@ -120,7 +124,12 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
-        if step % cfg.log_every == 0 or step == settings.steps - 1:
+        # The loss is reduced over dp and the norm is global, so every rank decides alike: no extra collective.
+        diverged_now = cfg.diverged_step is None and is_divergent(loss, grad_norm, skipped)
+        if diverged_now:
+            cfg.diverged_step = step
+        stop = diverged_now and cfg.on_nonfinite == "stop"
+        if step % cfg.log_every == 0 or step == settings.steps - 1 or diverged_now or stop:
             record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
             if tokens:
                 record.update(tokens=tokens, tokens_per_s=rate)
@@ -130,6 +139,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
                 record["profiled"] = True
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
+            if diverged_now:
+                record["nonfinite"] = True  # the first step whose loss or gradient norm is not finite
             record.update(clock.fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
         if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
@@ -137,12 +148,30 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
-    write_memory(prep, ctx, writer, settings.steps - 1, "end")
-    extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
-    writer.write(events.END, status="ok", steps_completed=settings.steps, **extra,
+        if stop:
+            break
+    write_memory(prep, ctx, writer, cfg.steps_completed - 1, "end")
+    extra: dict[str, Any] = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
+    if cfg.diverged_step is not None:
+        extra.update(diverged_step=cfg.diverged_step)
+    writer.write(events.END, status="ok" if cfg.diverged_step is None else "diverged",
+                 steps_completed=cfg.steps_completed, **extra,
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
-    return settings.steps
+    return cfg.steps_completed
+
+
+def is_divergent(loss: float, grad_norm: float | None, skipped: bool) -> bool:
+    """Return True when a step diverged: its (globally reduced) loss is not finite, or its global
+    gradient norm is not finite on a step that an fp16 loss scaler did not skip (a skipped step's
+    overflow is the scaler doing its job). A norm the strategy could not measure (None) is not a sign."""
+    if not math.isfinite(loss):
+        return True
+    return not skipped and grad_norm is not None and not math.isfinite(grad_norm)
+
+
+def _norm(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def compiled_graph_count() -> int:

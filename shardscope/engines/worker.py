@@ -158,6 +158,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window})
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
+    cfg.on_nonfinite = comparison.on_nonfinite
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
     try:
         train(prep, ctx, settings, cfg, micro_batches, writer)

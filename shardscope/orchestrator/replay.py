@@ -52,6 +52,9 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
         return state.StatusChanged(name, state.FAILED, *root_cause(errors))
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
+    if ends and ranks <= ended and all(e.get("status") in (state.OK, state.DIVERGED) for e in ends):
+        step = next((e.get("diverged_step") for e in ends if e.get("diverged_step") is not None), None)
+        return state.StatusChanged(name, state.DIVERGED, state.diverged_message(step))
     if not records:
         return state.StatusChanged(name, state.STOPPED, "no records: the run never started")
     return state.StatusChanged(name, state.STOPPED, "interrupted: no end record",

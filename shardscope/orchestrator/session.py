@@ -415,6 +415,9 @@ class Session(Completion):
             update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
+        elif code == 0 and active.saw_end == state.DIVERGED:
+            update = state.StatusChanged(active.name, state.DIVERGED,
+                                         state.diverged_message(self.states[active.name].diverged_step))
         else:
             found = self._failure(active, code)
             if found.cause == verdict.DISK:

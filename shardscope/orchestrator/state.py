@@ -16,9 +16,20 @@ from shardscope import events
 from shardscope.profiling.stragglers import StragglerWatch
 
 QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED = "queued", "starting", "running", "ok", "failed", "stopped"
+DIVERGED = "diverged"  # the loss or the gradient norm became non-finite (NaN or inf) at some step
 ACTIVE = (STARTING, RUNNING)
-FINISHED = (OK, FAILED, STOPPED)
-STATUSES = (QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED)
+FINISHED = (OK, FAILED, STOPPED, DIVERGED)
+STATUSES = (QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED, DIVERGED)
+NOT_OK = (FAILED, STOPPED, DIVERGED)  # finished, and not as asked: the command exits 1
+# How every view colours a status (rich style names: plain strings, no rich import here).
+STATUS_STYLE = {QUEUED: "dim", STARTING: "yellow", RUNNING: "bold cyan", OK: "bold green", FAILED: "bold red",
+                STOPPED: "magenta", DIVERGED: "bold #ff8800"}
+
+
+def diverged_message(step: int | None) -> str:
+    """The one-line reason a diverged run shows, naming its first non-finite step when known."""
+    where = f" at step {step}" if step is not None else ""
+    return f"non-finite loss or gradient norm{where}"
 
 
 # --- updates -----------------------------------------------------------------------------------
@@ -148,6 +159,7 @@ class RunState:
     first_step_t: float | None = None
     last_step_t: float | None = None
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
+    diverged_step: int | None = None  # first step whose loss or gradient norm was non-finite (rank 0's record)
 
     # -- queries --
     @property
@@ -223,6 +235,8 @@ class RunState:
                 self.losses.append((step, float(self.loss)))
             if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
+            if r.get("nonfinite") and self.diverged_step is None:
+                self.diverged_step = step
             if "tokens" in r:
                 self.tokens_per_step = r["tokens"]
             if "step_time_s" in r:
@@ -247,6 +261,8 @@ class RunState:
             self.traces.append(r)
         elif kind == events.COMM:
             self.comm[rank] = r
+        elif kind == events.END and r.get("diverged_step") is not None and self.diverged_step is None:
+            self.diverged_step = int(r["diverged_step"])
         elif kind == events.ERROR and not self.error:
             self.error = str(r.get("message", "error"))
             self.traceback = str(r.get("traceback", ""))

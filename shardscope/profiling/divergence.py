@@ -17,10 +17,12 @@ Pure Python; the orchestrator and ``shardscope report`` call it.
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any
 
 from shardscope.events import read_records
+from shardscope.profiling.lossdiff import step_difference
 
 DEFAULT_LAYER_RTOL = 1e-4  # fp32: different reduction orders stay well below this
 LOW_PRECISION_LAYER_RTOL = 1e-2  # bf16/fp16 compute
@@ -90,8 +92,9 @@ def first_loss_divergence(base: list[tuple[int, float]], run: list[tuple[int, fl
     """First common step where |loss - baseline loss| > tolerance: ``{step, loss, baseline_loss, abs_diff}``."""
     base_at = dict(base)
     for step, loss in sorted(run):
-        if step in base_at and abs(loss - base_at[step]) > tolerance:
-            return {"step": step, "loss": loss, "baseline_loss": base_at[step], "abs_diff": abs(loss - base_at[step])}
+        if step in base_at and step_difference(loss, base_at[step]) > tolerance:  # NaN: a difference
+            return {"step": step, "loss": loss, "baseline_loss": base_at[step],
+                    "abs_diff": step_difference(loss, base_at[step])}
     return None
 
 
@@ -122,6 +125,36 @@ def first_layer_divergence(base: dict[int, dict[str, Any]], run: dict[int, dict[
                     "baseline_norm": first[3], "worst_layer": worst[0], "worst_rel_diff": worst[1],
                     "layers": [x[0] for x in beyond]}
     return None
+
+
+def first_nonfinite_layer(layers: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """First step (and the first layer in model order at it) whose gradient norm is NaN or infinite:
+    ``{step, layer, norm, layers}`` (every non-finite layer at that step), or None. A run's own record,
+    no baseline needed: it names where a diverged run's gradients blew up."""
+    for step in sorted(layers):
+        norms = layers[step].get("grad_norms") or {}
+        bad = [(name, v) for name, v in norms.items() if isinstance(v, (int, float)) and not math.isfinite(v)]
+        if bad:
+            return {"step": step, "layer": bad[0][0], "norm": bad[0][1], "layers": [n for n, _ in bad]}
+    return None
+
+
+def nonfinite_section(states: dict[str, Any], layers: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The summary's ``divergence`` section: for every diverged run its first non-finite step and, when
+    per-layer norms were recorded, the first layer whose gradient went non-finite (``first_layer``:
+    None with ``layers_recorded`` False when parity mode was off)."""
+    out: dict[str, Any] = {}
+    for name, st in states.items():
+        if getattr(st, "diverged_step", None) is None:
+            continue
+        recorded = layers.get(name) or {}
+        first = first_nonfinite_layer(recorded)
+        where = (f"first non-finite gradient in {first['layer']} at step {first['step']}" if first else
+                 "no per-layer norm was non-finite" if recorded else
+                 "no per-layer norms recorded (set parity = true to name the layer)")
+        out[name] = {"step": st.diverged_step, "layers_recorded": bool(recorded), "first_layer": first,
+                     "finding": f"loss or gradient norm non-finite at step {st.diverged_step}; {where}."}
+    return out
 
 
 def read_layers(run_dir: str) -> dict[int, dict[str, Any]]:

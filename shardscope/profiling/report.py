@@ -14,7 +14,7 @@ from typing import Any
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
+from shardscope.profiling import display, divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 
 
@@ -132,6 +132,7 @@ def write_reports(out_dir: str) -> dict[str, str]:
     data["communication"] = communication_section(c, states, out_dir)
     layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
+    data["divergence"] = divergence.nonfinite_section(states, layers)
     data["traces"] = traces_section(c, out_dir)
     data["stragglers"] = straggler_report.section(states)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
@@ -177,23 +178,27 @@ def render_markdown(s: dict[str, Any]) -> str:
     rows = []
     for r in s["runs"]:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
-        rows.append([r["name"], r["strategy"], str(r["world_size"]), r["status"], str(r["steps_completed"]),
+        rows.append([r["name"], r["strategy"], str(r["world_size"]), display.status_text(r), str(r["steps_completed"]),
                      _num(r["final_loss"], "{:.4f}"), _num(rate), _num(r["speedup"], "×{:.2f}"),
                      fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
-                     _num(r["loss_max_abs_diff"], "{:.2e}")])
-    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", "median tok/s", "speedup",
+                     display.loss_diff_text(r)])
+    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss",
+                       f"median {display.rate_unit(s['runs'])}", "speedup",
                        "peak mem", "mem ratio", "max |Δloss|"], rows))
     out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
     for r in s["runs"]:
         if r.get("fairness_flags"):
             out.append(f"\n- **{r['name']} is not like-for-like**: {'; '.join(r['fairness_flags'])}")
         if r.get("error"):
-            out.append(f"\n- **{r['name']} failed**: {r['error']}")
+            out.append(f"\n- **{r['name']} {r['status']}**: {r['error']}")
     out.append("\n")
     out.append(_loss_md(s))
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
+    if s.get("divergence"):
+        out.append("## Non-finite loss\n\n" + "\n".join(f"- **{n}** diverged: {e['finding']}"
+                                                          for n, e in s["divergence"].items()) + "\n")
     out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
     if s.get("plots"):
@@ -205,11 +210,12 @@ def render_markdown(s: dict[str, Any]) -> str:
 def _loss_md(s: dict[str, Any]) -> str:
     """Loss statistics per run and |difference| from the baseline at common steps."""
     rows = [[r["name"], *(_num(r.get(k), "{:.4f}") for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
-             *(_num(r.get(k), "{:.2e}") for k in ("loss_max_abs_diff", "loss_mean_abs_diff", "loss_final_abs_diff"))]
+             *(display.loss_diff_text(r, k) for k in ("loss_max_abs_diff", "loss_mean_abs_diff", "loss_final_abs_diff"))]
             for r in s["runs"]]
     return ("## Loss statistics\n\n" + _table(["run", "initial", "final", "min", "mean", f"max |Δ| vs {s['baseline']}",
                                                "mean |Δ|", "final |Δ|"], rows)
-            + "Differences are taken at the steps both runs completed.\n")
+            + "Differences are taken at the steps both runs completed; a step where either loss is NaN or infinite "
+              "counts as a difference (never as equal) and is named instead of a figure.\n")
 
 
 def _memory_md(m: dict[str, Any]) -> str:

@@ -6,13 +6,15 @@ Keys named in DESIGN.md keep their names and meaning; other modules add sections
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
-from shardscope.orchestrator.state import RunState
+from shardscope.orchestrator.state import FINISHED, STOPPED, RunState
+from shardscope.profiling.lossdiff import loss_diff, step_difference
 
 SUMMARY_VERSION = 1
 
@@ -23,26 +25,26 @@ def median_rate(state: RunState) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | None, int | None]:
-    """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps."""
-    base_losses = dict(base.losses)
-    diffs = [abs(loss - base_losses[step]) for step, loss in run.losses if step in base_losses]
-    if not diffs:
-        return None, None, None
-    return max(diffs), sum(diffs) / len(diffs), len(diffs)
-
-
-def loss_stats(run: RunState, base: RunState) -> dict[str, float | None]:
-    """Return initial/final/min/mean loss of ``run`` and its final |difference| from the baseline."""
+def loss_stats(run: RunState, base: RunState) -> dict[str, Any]:
+    """Return ``run``'s initial/final/min/mean loss and its differences from the baseline at common steps
+    (``lossdiff.loss_diff``: a NaN on either side is a difference, listed in ``loss_nonfinite_steps``;
+    max/mean |Δ| over the steps where both are finite; ``loss_final_abs_diff`` None when the last
+    common step is non-finite)."""
     values = [loss for _, loss in run.losses]
+    compared = loss_diff(base.losses, run.losses, math.inf)
     base_losses = dict(base.losses)
     last_common = [step for step, _ in run.losses if step in base_losses]
-    final_diff = abs(dict(run.losses)[last_common[-1]] - base_losses[last_common[-1]]) if last_common else None
+    final = step_difference(dict(run.losses)[last_common[-1]], base_losses[last_common[-1]]) if last_common else None
+    finite = [v for v in values if math.isfinite(v)]
     return {
         "initial_loss": values[0] if values else None,
-        "min_loss": min(values) if values else None,
+        "min_loss": min(finite) if finite else None,
         "mean_loss": sum(values) / len(values) if values else None,
-        "loss_final_abs_diff": final_diff,
+        "loss_max_abs_diff": compared["max_abs_diff"],
+        "loss_mean_abs_diff": compared["mean_abs_diff"],
+        "loss_steps_compared": compared["steps_compared"] or None,
+        "loss_nonfinite_steps": compared["nonfinite_steps"],
+        "loss_final_abs_diff": final if final is None or math.isfinite(final) else None,
     }
 
 
@@ -76,22 +78,20 @@ def _start_value(state: RunState, key: str) -> Any:
 def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
     """Return the summary entry of one run (core keys plus error and fairness details)."""
     rate, base_rate = median_rate(state), median_rate(base)
-    max_diff, mean_diff, common = loss_diffs(state, base)
+    losses = loss_stats(state, base)
     spec = next((r for r in c.runs if r.name == state.name), None)
     entry: dict[str, Any] = {
         "name": state.name,
         "strategy": state.strategy,
         "world_size": state.world_size,
-        "status": state.status if state.status in ("ok", "failed", "stopped") else "stopped",
+        "status": state.status if state.status in FINISHED else STOPPED,
         "steps_completed": state.steps_completed,
+        "diverged_step": state.diverged_step,
         "final_loss": state.losses[-1][1] if state.losses else None,
         "median_tokens_per_s": rate if state.unit == "tokens/s" else None,
         "median_samples_per_s": rate if state.unit == "samples/s" else None,
         "peak_mem_bytes": state.peak_mem_bytes,
-        "loss_max_abs_diff": max_diff,
-        "loss_mean_abs_diff": mean_diff,
-        "loss_steps_compared": common,
-        **loss_stats(state, base),
+        **losses,
         "speedup": (rate / base_rate) if rate and base_rate else None,
         "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)
         if state.peak_mem_bytes and base.peak_mem_bytes else None,
@@ -99,7 +99,8 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "options": state.options,
         "tp": (spec and config.registry.get(spec.strategy).tp_degree(state.options)) or 1,
         "fairness_flags": fairness_flags(c, state, base) if state is not base else [],
-        "within_tolerance": (max_diff <= c.loss_tolerance) if max_diff is not None else None,
+        "within_tolerance": (False if losses["loss_nonfinite_steps"] else losses["loss_max_abs_diff"] <= c.loss_tolerance
+                             if losses["loss_max_abs_diff"] is not None else None),
         "invalid_lines": state.invalid_lines,
         "wall_time_s": (state.ended_at - state.started_at) if state.started_at and state.ended_at else None,
     }

@@ -17,11 +17,15 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from shardscope.profiling import display
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
-COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "tokens/s (median)", "peak memory",
-           "Δloss max", "Δloss mean", "speedup", "memory ratio")
+def columns(summary: dict[str, Any]) -> tuple[str, ...]:
+    """The table's header; the rate column names its unit (tokens/s, samples/s or both)."""
+    return ("run", "strategy", "ranks", "status", "steps", "final loss",
+            f"median {display.rate_unit(summary.get('runs', []))}", "peak memory", "Δloss max", "Δloss mean",
+            "speedup", "memory ratio")
 
 
 def read_summary(out_dir: str) -> dict[str, Any] | None:
@@ -39,9 +43,11 @@ def live_summary(board: Board) -> dict[str, Any]:
     runs = []
     for name, s in board.states.items():
         rates = sorted(v for _, v in s.throughput)
+        median = rates[len(rates) // 2] if rates else None
         runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
-                     "steps_completed": s.steps_completed, "final_loss": s.loss,
-                     "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
+                     "diverged_step": s.diverged_step, "steps_completed": s.steps_completed, "final_loss": s.loss,
+                     "median_tokens_per_s": median if s.unit == "tokens/s" else None,
+                     "median_samples_per_s": median if s.unit == "samples/s" else None,
                      "peak_mem_bytes": s.peak_mem_bytes})
     return {"baseline": board.baseline, "runs": runs}
 
@@ -56,14 +62,19 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
         ratio = r.get("mem_ratio")
         rows.append((
             str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else ""),
-            str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
+            str(r.get("strategy", "")), str(r.get("world_size", "")), display.status_text(r),
             str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
-            human_rate(r.get("median_tokens_per_s")), human_bytes(r.get("peak_mem_bytes")),
-            fmt_float(r.get("loss_max_abs_diff"), ".2e"), fmt_float(r.get("loss_mean_abs_diff"), ".2e"),
+            human_rate(_median_rate(r)), human_bytes(r.get("peak_mem_bytes")),
+            display.loss_diff_text(r), display.loss_diff_text(r, "loss_mean_abs_diff"),
             "–" if speed is None else f"{fmt_float(speed, '.2f')}×",
             "–" if ratio is None else f"{fmt_float(ratio, '.2f')}×",
         ))
     return rows
+
+
+def _median_rate(run: dict[str, Any]) -> float | None:
+    rate = run.get("median_tokens_per_s")
+    return rate if rate is not None else run.get("median_samples_per_s")
 
 
 def artefacts(out_dir: str, run_names: list[str]) -> list[str]:
@@ -121,7 +132,7 @@ class ReportScreen(Screen):
             f"[b]shardscope[/b] · report · {summary.get('preset', '')} · baseline [b]{baseline}[/b]")
         self.query_one("#report-note", Static).update(note)
         table = self.query_one("#report-table", DataTable)
-        table.add_columns(*COLUMNS)
+        table.add_columns(*columns(summary))
         for row in summary_rows(summary):
             table.add_row(*row)
         names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
