@@ -25,7 +25,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from shardscope import batch_follow
+from shardscope import batch_follow, preset_files
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 
@@ -186,17 +186,11 @@ def list_presets() -> list[tuple[str, str]]:
 
 
 def preset_path(name_or_path: str) -> Path:
-    """Return the file for a built-in preset name or a path; raises ConfigError if neither exists."""
-    candidate = Path(name_or_path)
-    if candidate.suffix == ".toml" or os.sep in name_or_path or candidate.exists():
-        if not candidate.is_file():
-            raise ConfigError(f"{name_or_path}: no such preset file")
-        return candidate
-    builtin = PRESET_DIR / f"{name_or_path}.toml"
-    if not builtin.is_file():
-        allowed = ", ".join(n for n, _ in list_presets())
-        raise ConfigError(f"preset {name_or_path!r} not found; built-in presets: {allowed} (or a path to a .toml file)")
-    return builtin
+    """Return the file for a built-in preset name or a path (``preset_files.resolve``); raises ConfigError."""
+    try:
+        return preset_files.resolve(name_or_path, PRESET_DIR, [n for n, _ in list_presets()])
+    except preset_files.PresetFileError as err:
+        raise ConfigError(str(err)) from None
 
 
 def load_preset(
@@ -213,12 +207,9 @@ def load_preset(
     path = preset_path(name_or_path)
     src = str(path)
     try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{src}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"{src}: cannot read: {err.strerror}") from None
+        raw = preset_files.read_toml(path)
+    except preset_files.PresetFileError as err:
+        raise ConfigError(str(err)) from None
     raw.setdefault("name", path.stem)
     cpu_sizes = raw.pop("cpu_overrides", None)
     if cpu_sizes is not None:
