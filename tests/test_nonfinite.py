@@ -59,6 +59,12 @@ def test_nan_loss_marks_runs_diverged_and_stops_them(blown_up):
     assert "diverged at step" in report and "## Non-finite loss" in report
     # NaN on both sides is a difference, never 0.00e+00
     assert "0.00e+00" not in report and "non-finite at step" in report
+    # profiling was off: communication is "not measured" with the reason, null in summary.json, never 0
+    for name, comm in summary["communication"]["runs"].items():
+        assert comm["not_measured"] == "profiling off (profile.enabled = false)"
+        assert comm["comm_bytes_per_step"] is None and comm["collectives"] is None
+        assert f"- {name}: not measured: profiling off (profile.enabled = false)" in report
+    assert "0.000" not in report.split("## Communication")[1].split("##")[0]
 
 
 @pytest.mark.slow

@@ -46,3 +46,13 @@ def rate_unit(runs: list[dict[str, Any]]) -> str:
     if any(r.get("median_samples_per_s") is not None for r in runs):
         units.append("samples/s")
     return " | ".join(units) or "tokens/s"
+
+
+def comm_not_measured(profile_enabled: bool, start_step: int, steps_completed: int) -> str:
+    """Why a run has no communication figures: profiling off, the run ended before the profiler's
+    window, or no traces were written. Shown as "not measured: <reason>", null in summary.json."""
+    if not profile_enabled:
+        return "profiling off (profile.enabled = false)"
+    if steps_completed <= start_step:
+        return f"no traces: the run ended (step {steps_completed}) before the profiler window (step {start_step})"
+    return "no traces were written"

@@ -206,7 +206,10 @@ def _finding(e: dict[str, Any], tolerance: float) -> str:
     parts = []
     if e["loss"]:
         lo = e["loss"]
-        parts.append(f"loss first differs at step {lo['step']} (|Δ| {lo['abs_diff']:.3g} > {tolerance:g})")
+        if math.isfinite(lo["abs_diff"]):
+            parts.append(f"loss first differs at step {lo['step']} (|Δ| {lo['abs_diff']:.3g} > {tolerance:g})")
+        else:  # a NaN on either side is a difference, never equal
+            parts.append(f"loss first differs at step {lo['step']}: {lo['loss']} vs baseline {lo['baseline_loss']}")
     elif not e.get("common_steps"):
         parts.append("no common steps with the baseline to compare")
     else:

@@ -151,6 +151,8 @@ def memory_plot(memory: dict[str, Any], path: str) -> str | None:
 def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     """Communication time per step by collective type for each run, with the exposed part marked."""
     runs = [(name, c) for name, c in communication.get("runs", {}).items() if c.get("collectives")]
+    missing = [f"{name}: not measured ({c['not_measured']})" for name, c in communication.get("runs", {}).items()
+               if c.get("not_measured")]
     if not runs:
         return None
     plt = _pyplot()
@@ -177,6 +179,8 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.18)
+    if missing:  # a run left out of the bars says why, rather than looking like zero
+        fig.text(0.01, 0.01, "; ".join(missing), fontsize=8, style="italic")
     return _save(fig, path)
 
 

@@ -90,6 +90,10 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         run_dir = os.path.join(out_dir, run.name)
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
+        if not analysis.get("collectives") and st is not None:  # null figures and the reason, never zeros
+            analysis = {"collectives": None, "comm_bytes_per_step": None, "per_step": None,
+                        "not_measured": display.comm_not_measured(c.profile.enabled, c.profile.start_step,
+                                                                  st.steps_completed)}
         if st is not None:
             start = st.start.get(0) or {}
             device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
@@ -156,8 +160,12 @@ def write_reports(out_dir: str) -> dict[str, str]:
 # --- report.md -----------------------------------------------------------------------------------
 
 
-def _num(v: Any, fmt: str = "{:,.0f}") -> str:
-    return "-" if v is None else fmt.format(v)
+def _num(v: Any, fmt: str = "{:,.0f}", per: float = 1.0) -> str:
+    return "-" if v is None else fmt.format(v / per)
+
+
+def _ms(seconds: Any) -> str:
+    return "not measured" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -247,9 +255,11 @@ def _memory_md(m: dict[str, Any]) -> str:
 
 
 def _comm_md(comm: dict[str, Any]) -> str:
-    runs = comm.get("runs") or {}
+    every = comm.get("runs") or {}
+    missing = "".join(f"- {name}: not measured: {c['not_measured']}\n" for name, c in every.items() if c.get("not_measured"))
+    runs = {name: c for name, c in every.items() if not c.get("not_measured")}
     if not runs:
-        return "## Communication\n\nNo traces were recorded (profile.enabled = false, or the runs ended early).\n"
+        return "## Communication\n\n" + (missing or "Not measured: no traces were recorded.\n")
     rows, steps = [], []
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
@@ -260,14 +270,11 @@ def _comm_md(comm: dict[str, Any]) -> str:
         ps = c.get("per_step") or {}
         theory = c.get("theory") or {}
         ratio = theory.get("ratio")
-        steps.append([name, _num((ps.get("step_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
-                      f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
+        steps.append([name, *(_ms(ps.get(k)) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")),
+                      _num(c.get("comm_bytes_per_step"), "{:,.3f}", 2**20),
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
-    text = ["## Communication\n\n",
+    text = ["## Communication\n\n", missing + ("\n" if missing else ""),
             _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
                     "dtype", "timed by"], rows),
             "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
