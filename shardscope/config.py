@@ -25,22 +25,20 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from shardscope import batch_follow, preset_files
+from shardscope import batch_follow
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
+from shardscope.numbers import json_ready
+from shardscope.presets.files import PRESET_DIR, ConfigError, preset_path, read_preset  # noqa: F401
 
-PRESET_DIR = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "nospace")
+ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class ConfigError(ValueError):
-    """Bad preset or override. ``str(err)`` is one line fit for stderr."""
 
 
 @dataclass
@@ -80,6 +78,7 @@ class ProfileSpec:
     steps: int = 2
     record_shapes: bool = True  # needed for collective sizes on gloo
     profile_memory: bool = False  # allocation events in the trace (bigger traces)
+    count_collectives: bool = False  # in-rank byte count of every collective in the window (a `comm` record)
 
 
 @dataclass
@@ -134,7 +133,7 @@ class Comparison:
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
-    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "stop" there or "continue"
+    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "continue" trains on
     straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
     straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
@@ -185,14 +184,6 @@ def list_presets() -> list[tuple[str, str]]:
     return out
 
 
-def preset_path(name_or_path: str) -> Path:
-    """Return the file for a built-in preset name or a path (``preset_files.resolve``); raises ConfigError."""
-    try:
-        return preset_files.resolve(name_or_path, PRESET_DIR, [n for n, _ in list_presets()])
-    except preset_files.PresetFileError as err:
-        raise ConfigError(str(err)) from None
-
-
 def load_preset(
     name_or_path: str,
     overrides: list[str] | tuple[str, ...] = (),
@@ -206,10 +197,7 @@ def load_preset(
     """
     path = preset_path(name_or_path)
     src = str(path)
-    try:
-        raw = preset_files.read_toml(path)
-    except preset_files.PresetFileError as err:
-        raise ConfigError(str(err)) from None
+    raw = read_preset(path)
     raw.setdefault("name", path.stem)
     cpu_sizes = raw.pop("cpu_overrides", None)
     if cpu_sizes is not None:
@@ -428,7 +416,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)
     _one_of(src, "precision", c.precision, PRECISIONS)
-    _one_of(src, "on_nonfinite", c.on_nonfinite, ("stop", "continue"))
+    _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
     m = c.model
     _one_of(src, "model.kind", m.kind, MODEL_KINDS)
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",
@@ -608,9 +596,9 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically (write then rename)."""
+    """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
     tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"  # unique: several nodes may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
+        json.dump(json_ready(data), fh, indent=2, default=str)
         fh.write("\n")
     os.replace(tmp, path)

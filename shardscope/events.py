@@ -12,6 +12,7 @@ This module never imports torch: the orchestrator and the app use it too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "ten
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
 COMM = "comm"  # collective summary computed in-rank, optional
 ERROR = "error"  # message, traceback
-END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator lost");
-#              diverged_step (the first step whose loss or grad norm was non-finite; steps then carry nonfinite: true);
-#              compiled_graphs when compile is on
+END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
+#              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
+#              "grad_norm") when diverged
 
 ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared
 # Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>" (engines/watchdog.py).
@@ -37,6 +38,17 @@ ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
 
 KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")
+
+
+def nonfinite_fields(step_record: dict[str, Any]) -> str:
+    """Return which of a ``step`` record's loss and grad norm are inf or nan ("loss", "grad_norm" or
+    "loss and grad_norm"; "" when both are finite, and for a step an fp16 loss scaler skipped: an
+    overflow the scaler handled is not divergence)."""
+    if step_record.get("skipped"):
+        return ""
+    bad = [k for k in ("loss", "grad_norm")
+           if isinstance(step_record.get(k), (int, float)) and not math.isfinite(step_record[k])]
+    return " and ".join(bad)
 
 
 def make_record(kind: str, run: str, rank: int, **fields: Any) -> dict[str, Any]:

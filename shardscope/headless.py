@@ -15,10 +15,9 @@ from rich.live import Live
 from rich.table import Table
 
 from shardscope.orchestrator import state
-from shardscope.orchestrator.state import RunState, Update
-from shardscope.profiling import display, straggler_report, stragglers
-
-STATUS_STYLE = state.STATUS_STYLE
+from shardscope.orchestrator.state import STATUS_STYLE, RunState, Update
+from shardscope.profiling import straggler_report, stragglers
+from shardscope.profiling.summary import throughput_unit
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -115,8 +114,10 @@ class HeadlessView:
     def table(self) -> Table:
         """Return the live progress table."""
         table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
+        with self._lock:
+            units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
-                             ("step", "right"), ("loss", "right"), ("tokens/s", "right"),
+                             ("step", "right"), ("loss", "right"), (" or ".join(sorted(units)), "right"),
                              ("peak mem", "right"), ("eta", "right")):
             table.add_column(col, justify=justify)
         with self._lock:
@@ -124,7 +125,7 @@ class HeadlessView:
                 st = self.states.get(name)
                 if st is None:
                     continue
-                unit_rate = fmt_rate(st.rate) + ("" if st.unit == "tokens/s" else " smp/s")
+                unit_rate = fmt_rate(st.rate) + (f" {st.unit}" if len(units) > 1 else "")
                 table.add_row(
                     name, st.strategy, str(st.world_size),
                     f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
@@ -153,8 +154,8 @@ def loss_table(summary: dict[str, Any]) -> Table:
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in summary.get("runs", []):
         table.add_row(r["name"], *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
-                      *(display.loss_diff_text(r, k) for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
-                                                               "loss_final_abs_diff")))
+                      *(fmt_num(r.get(k), ".2e") for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
+                                                           "loss_final_abs_diff")))
     return table
 
 
@@ -165,7 +166,7 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
     for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
-                f"median {display.rate_unit(runs)}",
+                f"median {throughput_unit(runs)}",
                 "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
         table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
                          overflow="fold")
@@ -176,9 +177,9 @@ def comparison_table(summary: dict[str, Any]) -> Table:
             flags = (flags + "; " if flags else "") + str(r["error"])[:80]
         table.add_row(
             r["name"] + (" (baseline)" if r["name"] == base else ""), r.get("strategy", ""),
-            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{display.status_text(r)}[/]",
+            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
             str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
-            display.loss_diff_text(r), fmt_rate(rate),
+            fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
             fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
             fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
             *((flags,) if with_notes else ()),

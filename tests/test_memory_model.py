@@ -9,7 +9,7 @@ import pytest
 
 from shardscope import config
 from shardscope.config import ModelSpec, RunSpec
-from shardscope.profiling import estimate, memory_model
+from shardscope.profiling import comm_theory, estimate, memory_model
 
 torch = pytest.importorskip("torch")
 
@@ -131,7 +131,7 @@ def test_expected_comm_from_a_spec_payload(tmp_path):
     c = _comparison(UNEVEN, RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2"),
                     RunSpec("keep", "fsdp2", options={"reshard_after_forward": False}))
     psi = memory_model.param_count(UNEVEN)
-    got = {r.name: memory_model.expected_comm(config.run_spec_payload(c, r, out_dir=str(tmp_path), device="cpu"))
+    got = {r.name: comm_theory.expected_comm(config.run_spec_payload(c, r, out_dir=str(tmp_path), device="cpu"))
            for r in c.runs}
     assert got["ddp"]["bytes_per_step"] == 4 * psi
     assert got["fsdp2"]["bytes_per_step"] == 3 * 4 * psi

@@ -47,6 +47,13 @@ COMMANDS = readme_commands()
 def test_the_readme_has_examples_and_every_exception_is_one_of_them():
     assert len(COMMANDS) >= 10, COMMANDS
     assert set(EXCEPTIONS) <= set(COMMANDS), set(EXCEPTIONS) - set(COMMANDS)
+    assert set(EXPECTED_EXIT) <= set(COMMANDS), set(EXPECTED_EXIT) - set(COMMANDS)
+
+# Lines documented to exit non-zero on the recorded run directory, with the reason.
+EXPECTED_EXIT = {
+    "shardscope diff runs/mine runs/mine": (1, "runs/mine holds a run failed on purpose (a fault): diff fails a "
+                                               "new run that did not end ok, even against itself"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +66,14 @@ def scratch(tmp_path_factory):
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c not in EXCEPTIONS])
-def test_readme_line_exits_0(line, scratch):
+def test_readme_line_exits_as_documented(line, scratch):
     args = shlex.split(line)[1:]
     if args[0] == "run" and "--dry-run" not in args:
         args.append("--dry-run")
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", *args], cwd=scratch, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, f"{line}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    expected = EXPECTED_EXIT.get(line, (0, ""))[0]
+    assert proc.returncode == expected, f"{line}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr
     if args[0] == "run":
         assert "torch.distributed.run" in proc.stdout

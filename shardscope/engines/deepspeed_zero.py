@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardscope.engines import norms
+from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
@@ -237,7 +238,7 @@ def prepare_engine(
     def backward(loss: torch.Tensor) -> None:
         engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(max_norm: float) -> float | None:
+    def clip_and_step(max_norm: float) -> float:
         configured = clip if grad_norm is not None else float(config["gradient_clipping"])
         if abs(max_norm - configured) > 1e-12:
             raise ValueError(f"clip_and_step({max_norm}) but DeepSpeed was configured with "
@@ -246,7 +247,7 @@ def prepare_engine(
         if grad_norm is None:
             engine.step()
             norm = engine.get_global_grad_norm()
-            return None if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
+            return float("nan") if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
         seen: list[float] = []
 
         def clip_before_step(*_: Any) -> None:
@@ -282,7 +283,6 @@ def prepare_engine(
         # no_sync stays a no-op: with unmanaged accumulation stages 0/1 reduce only in step(),
         # and stages 2/3 must reduce-scatter every micro-batch into their gradient partitions.
         handles_precision=True,
-        step_applied=engine.was_step_applied,
         layer_norms=_layer_norms_at_reduction(engine, tp_size),
         notes=facts,
     )
@@ -308,7 +308,8 @@ def _layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[st
             out = reduce(*args, **kwargs)
             if armed[0]:
                 armed[0] = False
-                found = deepspeed_layer_norms(engine.module, tp_size)
+                with instrumentation():  # shardscope's own collectives, not the strategy's
+                    found = deepspeed_layer_norms(engine.module, tp_size)
                 if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
                     inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
                     found["grad"] = {k: v * inv for k, v in found["grad"].items()}

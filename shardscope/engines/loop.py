@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import resource
 import statistics
 import time
@@ -31,6 +30,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
+from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.profiling.capture import ProfilerWindow
 
 
@@ -45,9 +45,9 @@ class LoopConfig:
     log_every: int = 1
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
+    counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
+    stop_on_nonfinite: bool = True  # preset on_nonfinite = "stop": end the run diverged at the first inf/nan
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
-    on_nonfinite: str = "stop"  # "stop" | "continue": what a non-finite loss or gradient norm does
-    diverged_step: int | None = None  # the first step whose loss or gradient norm was non-finite
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -89,12 +89,15 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     scaler = LossScaler() if scaled else None
     tokens = cfg.global_batch * cfg.tokens_per_sample
     rates: list[float] = []
+    diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
     clock = StepClock(ctx.device.type == "cpu")
     for step in range(settings.steps):
         clock.begin()
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
+        if cfg.counter is not None:
+            cfg.counter.begin_step(step)
         micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
         clock.lap("data")
@@ -109,9 +112,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        grad_norm, skipped = (_norm(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
-        skipped = skipped or (prep.step_applied is not None and not prep.step_applied())  # DeepSpeed's own scaler
+        with instrumentation():  # shardscope's own collectives, set apart from the strategy's
+            layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
+        grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         clock.lap("optimizer")
         handle.wait()
         clock.lap("comm_wait")
@@ -121,15 +124,19 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
+        counted = cfg.counter.end_step(step) if cfg.counter is not None else None
+        if counted is not None:
+            writer.write(events.COMM, **counted)
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
-        # The loss is reduced over dp and the norm is global, so every rank decides alike: no extra collective.
-        diverged_now = cfg.diverged_step is None and is_divergent(loss, grad_norm, skipped)
-        if diverged_now:
-            cfg.diverged_step = step
-        stop = diverged_now and cfg.on_nonfinite == "stop"
-        if step % cfg.log_every == 0 or step == settings.steps - 1 or diverged_now or stop:
+        # The loss is reduced over dp and the norm is global, so every rank sees the same verdict and
+        # all of them stop at the same step: none is left waiting in a collective.
+        nonfinite = events.nonfinite_fields({"loss": loss, "grad_norm": grad_norm, "skipped": skipped})
+        if nonfinite and not diverged:
+            diverged = {"first_nonfinite_step": step, "nonfinite": nonfinite}
+        stop_now = bool(nonfinite) and cfg.stop_on_nonfinite
+        if step % cfg.log_every == 0 or step == settings.steps - 1 or stop_now:
             record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
             if tokens:
                 record.update(tokens=tokens, tokens_per_s=rate)
@@ -139,8 +146,6 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
                 record["profiled"] = True
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
-            if diverged_now:
-                record["nonfinite"] = True  # the first step whose loss or gradient norm is not finite
             record.update(clock.fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
         if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
@@ -148,30 +153,15 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
-        if stop:
+        if stop_now:
             break
     write_memory(prep, ctx, writer, cfg.steps_completed - 1, "end")
-    extra: dict[str, Any] = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
-    if cfg.diverged_step is not None:
-        extra.update(diverged_step=cfg.diverged_step)
-    writer.write(events.END, status="ok" if cfg.diverged_step is None else "diverged",
-                 steps_completed=cfg.steps_completed, **extra,
+    extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
+    writer.write(events.END, status="diverged" if diverged else "ok", steps_completed=cfg.steps_completed,
+                 **diverged, **extra,
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
     return cfg.steps_completed
-
-
-def is_divergent(loss: float, grad_norm: float | None, skipped: bool) -> bool:
-    """Return True when a step diverged: its (globally reduced) loss is not finite, or its global
-    gradient norm is not finite on a step that an fp16 loss scaler did not skip (a skipped step's
-    overflow is the scaler doing its job). A norm the strategy could not measure (None) is not a sign."""
-    if not math.isfinite(loss):
-        return True
-    return not skipped and grad_norm is not None and not math.isfinite(grad_norm)
-
-
-def _norm(value: float | None) -> float | None:
-    return None if value is None else float(value)
 
 
 def compiled_graph_count() -> int:

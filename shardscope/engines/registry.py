@@ -52,6 +52,10 @@ class StrategyInfo:
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
     shard_layout: str = "flat"  # "flat": each unit's elements split evenly; "per-parameter": each tensor's dim 0
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
+    # Where it moves other bytes than the textbook formula (profiling/comm_theory.py QUIRKS): "root-kept"
+    # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
+    # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward).
+    comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
     # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
@@ -125,6 +129,7 @@ register(
                                             "(0 = the ranks of one node)", minimum=0),
         },
         shards="all",
+        comm_quirks=("root-kept",),
     )
 )
 
@@ -139,6 +144,7 @@ register(
         },
         models=("transformer", "hf", "vit"),
         shards="all",
+        comm_quirks=("root-kept",),
     )
 )
 
@@ -160,6 +166,7 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
+            comm_quirks=("live-params-kept",) if _stage == 3 else ("grads-all-reduced",),
         )
     )
 
@@ -180,6 +187,7 @@ register(
         models=("hf",),
         shards="optim",  # at the default stage 1
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
+        comm_quirks=("grads-all-reduced",),
     )
 )
 

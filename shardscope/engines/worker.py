@@ -40,6 +40,7 @@ from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch
+from shardscope.engines.comm_count import CountWindow
 from shardscope.profiling.capture import ProfilerWindow
 
 EXIT_FAILED, EXIT_STOPPED = 1, 143
@@ -158,13 +159,16 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window})
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
-    cfg.on_nonfinite = comparison.on_nonfinite
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
+    cfg.counter = CountWindow(enabled=window.enabled and prof.count_collectives, start_step=prof.start_step,
+                              steps=prof.steps, total_steps=comparison.steps)
+    cfg.stop_on_nonfinite = comparison.on_nonfinite == "stop"
     try:
         train(prep, ctx, settings, cfg, micro_batches, writer)
     except BaseException:
         try:  # a profiler that cannot stop cleanly must not hide why training ended
             window.close()
+            cfg.counter.close()
         except Exception:  # noqa: BLE001
             pass
         raise

@@ -30,6 +30,14 @@ def load_comparison(out_dir: str) -> Comparison:
         return Comparison.from_dict(json.load(fh))
 
 
+def used_out_dir_error(out_dir: str) -> str:
+    """Return one line refusing ``out_dir`` when it already holds a comparison ("" when it is free):
+    a new comparison there would reuse its shared initial weights and mix its files."""
+    if os.path.exists(os.path.join(out_dir, "comparison.json")):
+        return f"{out_dir}: already holds a comparison; choose a new directory (or open it with `shardscope open`)"
+    return ""
+
+
 def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dict[str, Any] | None, name: str) -> state.StatusChanged:
     verdict = _read_json(os.path.join(run_dir, "status.json"))  # what the orchestrator decided
     if isinstance(verdict, dict) and verdict.get("status") in state.FINISHED:
@@ -50,11 +58,11 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
                                    f"{ORCHESTRATOR_LOST} before it started", tail_text(os.path.join(run_dir, "console.log"), 20))
     if errors:
         return state.StatusChanged(name, state.FAILED, *root_cause(errors))
+    if ends and ranks <= ended and any(e.get("status") == state.DIVERGED for e in ends):
+        step = min(e.get("first_nonfinite_step", 0) for e in ends if e.get("status") == state.DIVERGED)
+        return state.StatusChanged(name, state.DIVERGED, f"non-finite loss or grad norm at step {step}")
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
-    if ends and ranks <= ended and all(e.get("status") in (state.OK, state.DIVERGED) for e in ends):
-        step = next((e.get("diverged_step") for e in ends if e.get("diverged_step") is not None), None)
-        return state.StatusChanged(name, state.DIVERGED, state.diverged_message(step))
     if not records:
         return state.StatusChanged(name, state.STOPPED, "no records: the run never started")
     return state.StatusChanged(name, state.STOPPED, "interrupted: no end record",
@@ -95,9 +103,7 @@ def replay_updates(out_dir: str) -> list[Update]:
         final = _status_from_files(run_dir, records, summary, run.name)
         end_t = records[-1].get("t", time.time()) if records else time.time()
         updates.append(state.StatusChanged(final.run, final.status, final.error, final.traceback, t=end_t))
-    sample = last_device_sample(out_dir)
-    if sample is not None:
-        updates.append(sample)
+    updates.extend(device_samples(out_dir))
     if summary is not None:
         code = 0 if summary.get("all_ok") else 1
         report = os.path.join(out_dir, "report.md")
@@ -105,18 +111,22 @@ def replay_updates(out_dir: str) -> list[Update]:
     return updates
 
 
-def last_device_sample(out_dir: str) -> state.DeviceSample | None:
-    """Return the last device sample recorded in ``<out_dir>/devices.jsonl``, or None."""
-    path = os.path.join(out_dir, "devices.jsonl")
-    text = tail_text(path, 1)
-    if not text:
-        return None
+def device_samples(out_dir: str) -> list[state.DeviceSample]:
+    """Return every device sample recorded in ``<out_dir>/devices.jsonl`` (unreadable lines skipped)."""
     try:
-        data = json.loads(text)
-        readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
-        return state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0)))
-    except (ValueError, KeyError, TypeError):
-        return None
+        with open(os.path.join(out_dir, "devices.jsonl"), encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            data = json.loads(line)
+            readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
+            out.append(state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def replay_states(out_dir: str) -> dict[str, RunState]:

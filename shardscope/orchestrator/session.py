@@ -413,11 +413,10 @@ class Session(Completion):
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
         elif active.stop_reason:  # a lost node
             update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
+        elif active.saw_end == state.DIVERGED:  # every rank ended at the same non-finite step
+            update = state.StatusChanged(active.name, state.DIVERGED, self.states[active.name].divergence)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
-        elif code == 0 and active.saw_end == state.DIVERGED:
-            update = state.StatusChanged(active.name, state.DIVERGED,
-                                         state.diverged_message(self.states[active.name].diverged_step))
         else:
             found = self._failure(active, code)
             if found.cause == verdict.DISK:

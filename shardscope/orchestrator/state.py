@@ -15,21 +15,16 @@ from typing import Any, Union
 from shardscope import events
 from shardscope.profiling.stragglers import StragglerWatch
 
-QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED = "queued", "starting", "running", "ok", "failed", "stopped"
-DIVERGED = "diverged"  # the loss or the gradient norm became non-finite (NaN or inf) at some step
+# The one set of run statuses. A finished run is ok, failed (an error, a stall, a lost process),
+# stopped (by the user or before it started) or diverged (a non-finite loss or gradient norm).
+QUEUED, STARTING, RUNNING = "queued", "starting", "running"
+OK, FAILED, STOPPED, DIVERGED = "ok", "failed", "stopped", "diverged"
 ACTIVE = (STARTING, RUNNING)
 FINISHED = (OK, FAILED, STOPPED, DIVERGED)
-STATUSES = (QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED, DIVERGED)
-NOT_OK = (FAILED, STOPPED, DIVERGED)  # finished, and not as asked: the command exits 1
-# How every view colours a status (rich style names: plain strings, no rich import here).
+STATUSES = (QUEUED, STARTING, RUNNING, *FINISHED)
+# How each status is drawn (rich/textual style strings), the same in the app and the headless table.
 STATUS_STYLE = {QUEUED: "dim", STARTING: "yellow", RUNNING: "bold cyan", OK: "bold green", FAILED: "bold red",
-                STOPPED: "magenta", DIVERGED: "bold #ff8800"}
-
-
-def diverged_message(step: int | None) -> str:
-    """The one-line reason a diverged run shows, naming its first non-finite step when known."""
-    where = f" at step {step}" if step is not None else ""
-    return f"non-finite loss or gradient norm{where}"
+                STOPPED: "magenta", DIVERGED: "bold #ff8700"}
 
 
 # --- updates -----------------------------------------------------------------------------------
@@ -158,14 +153,22 @@ class RunState:
     ended_at: float | None = None
     first_step_t: float | None = None
     last_step_t: float | None = None
+    first_nonfinite_step: int | None = None  # first step whose loss or grad norm was inf/nan (not an fp16 skip)
+    nonfinite_what: str = ""  # "loss", "grad_norm" or "loss and grad_norm" at that step
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
-    diverged_step: int | None = None  # first step whose loss or gradient norm was non-finite (rank 0's record)
 
     # -- queries --
     @property
     def unit(self) -> str:
         """'samples/s' for image models, else 'tokens/s'."""
         return "samples/s" if self.samples_per_s is not None and self.tokens_per_s is None else "tokens/s"
+
+    @property
+    def divergence(self) -> str:
+        """One line saying where the run went non-finite ("" when it did not)."""
+        if self.first_nonfinite_step is None:
+            return ""
+        return f"non-finite {self.nonfinite_what} at step {self.first_nonfinite_step}"
 
     @property
     def rate(self) -> float | None:
@@ -233,10 +236,12 @@ class RunState:
                 self.samples_per_s = r["samples_per_s"]
             if isinstance(self.loss, (int, float)):
                 self.losses.append((step, float(self.loss)))
+            if self.first_nonfinite_step is None:
+                what = events.nonfinite_fields(r)
+                if what:
+                    self.first_nonfinite_step, self.nonfinite_what = step, what
             if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
-            if r.get("nonfinite") and self.diverged_step is None:
-                self.diverged_step = step
             if "tokens" in r:
                 self.tokens_per_step = r["tokens"]
             if "step_time_s" in r:
@@ -261,8 +266,6 @@ class RunState:
             self.traces.append(r)
         elif kind == events.COMM:
             self.comm[rank] = r
-        elif kind == events.END and r.get("diverged_step") is not None and self.diverged_step is None:
-            self.diverged_step = int(r["diverged_step"])
         elif kind == events.ERROR and not self.error:
             self.error = str(r.get("message", "error"))
             self.traceback = str(r.get("traceback", ""))

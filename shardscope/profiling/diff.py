@@ -14,17 +14,17 @@ Run states come from the same fold every view uses (``replay.replay_states``); m
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
+from shardscope.numbers import read_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import OK, RunState
 from shardscope.profiling import summary, traces
-from shardscope.profiling.lossdiff import loss_diff
 
 DEFAULT_LOSS_TOL = 1e-4  # |Δloss| at any common step
 DEFAULT_SPEED_TOL = 0.10  # new median throughput more than 10% below old (and outside the noise band)
@@ -71,8 +71,7 @@ def load_side(out_dir: str) -> Side:
         raise DiffInputError(f"{out_dir}/comparison.json: unreadable ({err})") from None
     data = None
     try:
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError):
         pass
     return Side(out_dir, comparison, replay.replay_states(out_dir), data if isinstance(data, dict) else None)
@@ -107,6 +106,40 @@ def match_runs(old: Side, new: Side, pairs: list[tuple[str, str]]) -> tuple[list
 
 
 # --- per-figure comparisons ---------------------------------------------------------------------
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def loss_diff(old: list[tuple[int, float]], new: list[tuple[int, float]], tol: float) -> dict[str, Any]:
+    """Compare losses at common steps. A step where either side is non-finite (and they are not the
+    same infinity) counts as beyond tolerance and is listed in ``nonfinite_steps``; max/mean |Δ| are
+    over the finite steps (None when there are none)."""
+    a = dict(old)
+    diffs: list[float] = []
+    nonfinite: list[int] = []
+    first: dict[str, Any] | None = None
+    common = 0
+    for step, value in sorted(new):
+        if step not in a:
+            continue
+        common += 1
+        base = a[step]
+        if _finite(value) and _finite(base):
+            d = abs(value - base)
+            diffs.append(d)
+            beyond = d > tol
+        else:
+            beyond = not (value == base and not math.isnan(value))  # NaN never equals; +inf == +inf
+            if beyond:
+                nonfinite.append(step)
+            d = math.inf
+        if beyond and first is None:
+            first = {"step": step, "old": base, "new": value, "abs_diff": d}
+    return {"steps_compared": common, "max_abs_diff": max(diffs) if diffs else None,
+            "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None, "nonfinite_steps": nonfinite,
+            "first_beyond": first, "tolerance": tol}
 
 
 def _rates(st: RunState) -> list[float]:

@@ -7,6 +7,7 @@ importing this module stays cheap.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -41,6 +42,7 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     base = dict(losses.get(baseline, []))
+    nonfinite: dict[int, list[str]] = {}  # first non-finite step -> runs
     for i, (name, points) in enumerate(losses.items()):
         if not points:
             continue
@@ -48,11 +50,20 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
         style = {"linewidth": 2.2 if name == baseline else 1.4, "color": COLORS[i % len(COLORS)],
                  "linestyle": "-" if name == baseline else "--"}
         top.plot(steps, values, label=f"{name} (baseline)" if name == baseline else name, **style)
+        bad = [s for s, v in points if not math.isfinite(v)]
+        if bad:  # a line cannot show nan/inf: mark where it stops meaning anything
+            nonfinite.setdefault(bad[0], []).append(name)
         if name != baseline and base:
             common = [(s, v - base[s]) for s, v in points if s in base]
             if common:
                 xs, ds = zip(*common)
                 bottom.plot(xs, ds, label=name, **style)
+    for step, names in nonfinite.items():
+        for ax in (top, bottom):
+            ax.axvline(step, color="#c44e52", linestyle=":", linewidth=1.4)
+        top.annotate(f"non-finite loss from step {step}: {', '.join(names)}", (step, 0.5),
+                     xycoords=("data", "axes fraction"), rotation=90, va="center", ha="right", fontsize=8,
+                     color="#c44e52")
     top.set_ylabel("loss")
     top.set_title("Training loss")
     top.grid(alpha=0.3)
@@ -151,8 +162,6 @@ def memory_plot(memory: dict[str, Any], path: str) -> str | None:
 def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     """Communication time per step by collective type for each run, with the exposed part marked."""
     runs = [(name, c) for name, c in communication.get("runs", {}).items() if c.get("collectives")]
-    missing = [f"{name}: not measured ({c['not_measured']})" for name, c in communication.get("runs", {}).items()
-               if c.get("not_measured")]
     if not runs:
         return None
     plt = _pyplot()
@@ -179,8 +188,6 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.18)
-    if missing:  # a run left out of the bars says why, rather than looking like zero
-        fig.text(0.01, 0.01, "; ".join(missing), fontsize=8, style="italic")
     return _save(fig, path)
 
 

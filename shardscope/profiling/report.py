@@ -14,8 +14,10 @@ from typing import Any
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import display, divergence, framework_fixes, memory_model, plots, straggler_report, summary, traces
+from shardscope.numbers import not_measured
+from shardscope.profiling import divergence, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
+from shardscope.profiling.summary import throughput_unit
 
 
 # --- sections ----------------------------------------------------------------------------------
@@ -90,10 +92,8 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         run_dir = os.path.join(out_dir, run.name)
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
-        if not analysis.get("collectives") and st is not None:  # null figures and the reason, never zeros
-            analysis = {"collectives": None, "comm_bytes_per_step": None, "per_step": None,
-                        "not_measured": display.comm_not_measured(c.profile.enabled, c.profile.start_step,
-                                                                  st.steps_completed)}
+        if not analysis:  # nothing was measured: say why instead of showing zeros
+            analysis = {"not_measured": comm_not_measured_reason(c, st, run_dir)}
         if st is not None:
             start = st.start.get(0) or {}
             device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
@@ -105,6 +105,16 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
             out["runs"][run.name] = analysis
     out["flops_per_token"] = fpt
     return out
+
+
+def comm_not_measured_reason(c: Comparison, st: RunState | None, run_dir: str) -> str:
+    """Return why a run has no communication figures: profiling off, the run ended before the
+    profiler window, or no trace files found."""
+    if not c.profile.enabled:
+        return "profiling off: profile.enabled = false"
+    if st is not None and st.steps_completed <= c.profile.start_step + c.profile.steps:
+        return f"the run ended before its profiler window (steps {c.profile.start_step}+{c.profile.steps}) closed"
+    return f"no traces found under {os.path.join(os.path.basename(run_dir), 'traces')}"
 
 
 def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
@@ -136,9 +146,9 @@ def write_reports(out_dir: str) -> dict[str, str]:
     data["communication"] = communication_section(c, states, out_dir)
     layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
-    data["divergence"] = divergence.nonfinite_section(states, layers)
     data["traces"] = traces_section(c, out_dir)
     data["stragglers"] = straggler_report.section(states)
+    data["recommendation"] = recommend.section(c, states, data)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
              "plots": os.path.join(out_dir, "plots")}
     if data["traces"]:
@@ -160,12 +170,8 @@ def write_reports(out_dir: str) -> dict[str, str]:
 # --- report.md -----------------------------------------------------------------------------------
 
 
-def _num(v: Any, fmt: str = "{:,.0f}", per: float = 1.0) -> str:
-    return "-" if v is None else fmt.format(v / per)
-
-
-def _ms(seconds: Any) -> str:
-    return "not measured" if seconds is None else f"{seconds * 1e3:.2f}"
+def _num(v: Any, fmt: str = "{:,.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -184,14 +190,14 @@ def render_markdown(s: dict[str, Any]) -> str:
            f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
     out.append("## Throughput and loss\n")
     rows = []
+    unit = throughput_unit(s["runs"])
     for r in s["runs"]:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
-        rows.append([r["name"], r["strategy"], str(r["world_size"]), display.status_text(r), str(r["steps_completed"]),
+        rows.append([r["name"], r["strategy"], str(r["world_size"]), r["status"], str(r["steps_completed"]),
                      _num(r["final_loss"], "{:.4f}"), _num(rate), _num(r["speedup"], "×{:.2f}"),
                      fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
-                     display.loss_diff_text(r)])
-    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss",
-                       f"median {display.rate_unit(s['runs'])}", "speedup",
+                     _num(r["loss_max_abs_diff"], "{:.2e}")])
+    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", f"median {unit}", "speedup",
                        "peak mem", "mem ratio", "max |Δloss|"], rows))
     out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
     for r in s["runs"]:
@@ -204,26 +210,23 @@ def render_markdown(s: dict[str, Any]) -> str:
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
-    if s.get("divergence"):
-        out.append("## Non-finite loss\n\n" + "\n".join(f"- **{n}** diverged: {e['finding']}"
-                                                          for n, e in s["divergence"].items()) + "\n")
     out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
     if s.get("plots"):
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
+    out.append(recommend.markdown(s.get("recommendation") or {}))
     return "\n".join(x for x in out if x)
 
 
 def _loss_md(s: dict[str, Any]) -> str:
     """Loss statistics per run and |difference| from the baseline at common steps."""
     rows = [[r["name"], *(_num(r.get(k), "{:.4f}") for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
-             *(display.loss_diff_text(r, k) for k in ("loss_max_abs_diff", "loss_mean_abs_diff", "loss_final_abs_diff"))]
+             *(_num(r.get(k), "{:.2e}") for k in ("loss_max_abs_diff", "loss_mean_abs_diff", "loss_final_abs_diff"))]
             for r in s["runs"]]
     return ("## Loss statistics\n\n" + _table(["run", "initial", "final", "min", "mean", f"max |Δ| vs {s['baseline']}",
                                                "mean |Δ|", "final |Δ|"], rows)
-            + "Differences are taken at the steps both runs completed; a step where either loss is NaN or infinite "
-              "counts as a difference (never as equal) and is named instead of a figure.\n")
+            + "Differences are taken at the steps both runs completed.\n")
 
 
 def _memory_md(m: dict[str, Any]) -> str:
@@ -255,12 +258,15 @@ def _memory_md(m: dict[str, Any]) -> str:
 
 
 def _comm_md(comm: dict[str, Any]) -> str:
-    every = comm.get("runs") or {}
-    missing = "".join(f"- {name}: not measured: {c['not_measured']}\n" for name, c in every.items() if c.get("not_measured"))
-    runs = {name: c for name, c in every.items() if not c.get("not_measured")}
+    runs = comm.get("runs") or {}
     if not runs:
-        return "## Communication\n\n" + (missing or "Not measured: no traces were recorded.\n")
+        return "## Communication\n\nNot measured: no run was analysed.\n"
     rows, steps = [], []
+    missing = {name: c["not_measured"] for name, c in runs.items() if c.get("not_measured")}
+    runs = {name: c for name, c in runs.items() if name not in missing}
+    gaps = "".join(f"- {name}: {not_measured(reason)}\n" for name, reason in missing.items())
+    if not runs:
+        return "## Communication\n\n" + gaps
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
             rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
@@ -270,11 +276,14 @@ def _comm_md(comm: dict[str, Any]) -> str:
         ps = c.get("per_step") or {}
         theory = c.get("theory") or {}
         ratio = theory.get("ratio")
-        steps.append([name, *(_ms(ps.get(k)) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")),
-                      _num(c.get("comm_bytes_per_step"), "{:,.3f}", 2**20),
+        steps.append([name, _num((ps.get("step_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
+                      _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
+                      f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
-    text = ["## Communication\n\n", missing + ("\n" if missing else ""),
+    text = ["## Communication\n\n", gaps + "\n" if gaps else "",
             _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
                     "dtype", "timed by"], rows),
             "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
@@ -293,9 +302,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
 
 def _parity_md(p: dict[str, Any]) -> str:
     runs = p.get("runs") or {}
-    if not runs:
+    own = {n: b for n, b in (p.get("first_nonfinite_grad_layer") or {}).items() if n not in runs}
+    if not runs and not own:
         return ""
     lines = [f"## Parity against {p['baseline']} (loss tolerance {p['tolerance']:g})\n"]
+    lines += [f"- **{n}**: first non-finite gradient at step {b['step']} in {b['layer']} ({b['norm']})."
+              for n, b in own.items()]
     for name, e in runs.items():
         lines.append(f"- **{name}**: {e['finding']}")
         for cause in e["likely_causes"][1:4]:

@@ -14,7 +14,6 @@ from typing import Any
 from shardscope import config
 from shardscope.config import Comparison
 from shardscope.orchestrator.state import FINISHED, STOPPED, RunState
-from shardscope.profiling.lossdiff import loss_diff, step_difference
 
 SUMMARY_VERSION = 1
 
@@ -25,26 +24,44 @@ def median_rate(state: RunState) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def throughput_unit(runs: list[dict[str, Any]]) -> str:
+    """Return the unit of the summary runs' median throughput: "tokens/s", "samples/s", or both
+    names when runs differ (image models count samples, language models tokens)."""
+    units = {"samples/s" if r.get("median_samples_per_s") is not None else "tokens/s" for r in runs
+             if r.get("median_samples_per_s") is not None or r.get("median_tokens_per_s") is not None}
+    return " or ".join(sorted(units)) if len(units) > 1 else (units.pop() if units else "tokens/s")
+
+
+def loss_difference(a: float, b: float) -> float:
+    """Return |a - b|, or inf when either side is non-finite: a NaN or an inf is never "equal"."""
+    return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
+def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | None, int | None]:
+    """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps
+    (None without common steps); a step where either loss is non-finite counts as an infinite difference."""
+    base_losses = dict(base.losses)
+    diffs = [loss_difference(loss, base_losses[step]) for step, loss in run.losses if step in base_losses]
+    if not diffs:
+        return None, None, None
+    return max(diffs), sum(diffs) / len(diffs), len(diffs)
+
+
 def loss_stats(run: RunState, base: RunState) -> dict[str, Any]:
-    """Return ``run``'s initial/final/min/mean loss and its differences from the baseline at common steps
-    (``lossdiff.loss_diff``: a NaN on either side is a difference, listed in ``loss_nonfinite_steps``;
-    max/mean |Δ| over the steps where both are finite; ``loss_final_abs_diff`` None when the last
-    common step is non-finite)."""
+    """Return initial/final/min/mean loss of ``run`` (min and mean over its finite losses), how many of
+    its losses were non-finite, and its final |difference| from the baseline."""
     values = [loss for _, loss in run.losses]
-    compared = loss_diff(base.losses, run.losses, math.inf)
+    finite = [v for v in values if math.isfinite(v)]
     base_losses = dict(base.losses)
     last_common = [step for step, _ in run.losses if step in base_losses]
-    final = step_difference(dict(run.losses)[last_common[-1]], base_losses[last_common[-1]]) if last_common else None
-    finite = [v for v in values if math.isfinite(v)]
+    final_diff = (loss_difference(dict(run.losses)[last_common[-1]], base_losses[last_common[-1]])
+                  if last_common else None)
     return {
         "initial_loss": values[0] if values else None,
         "min_loss": min(finite) if finite else None,
-        "mean_loss": sum(values) / len(values) if values else None,
-        "loss_max_abs_diff": compared["max_abs_diff"],
-        "loss_mean_abs_diff": compared["mean_abs_diff"],
-        "loss_steps_compared": compared["steps_compared"] or None,
-        "loss_nonfinite_steps": compared["nonfinite_steps"],
-        "loss_final_abs_diff": final if final is None or math.isfinite(final) else None,
+        "mean_loss": sum(finite) / len(finite) if finite else None,
+        "nonfinite_losses": len(values) - len(finite),
+        "loss_final_abs_diff": final_diff,
     }
 
 
@@ -56,7 +73,7 @@ def fairness_flags(c: Comparison, run: RunState, base: RunState) -> list[str]:
     if run.tokens_per_step is not None and base.tokens_per_step is not None and run.tokens_per_step != base.tokens_per_step:
         flags.append(f"tokens per step {run.tokens_per_step} vs baseline {base.tokens_per_step}")
     if run.losses and base.losses and run.losses[0][0] == base.losses[0][0] == 0:
-        gap = abs(run.losses[0][1] - base.losses[0][1])
+        gap = loss_difference(run.losses[0][1], base.losses[0][1])
         if gap > max(c.loss_tolerance, 1e-3 if run.precision != "fp32" or base.precision != "fp32" else 0):
             flags.append(f"step-0 loss differs by {gap:.2e}: initial weights or data order differ")
     hashes = {_start_value(s, "init_sha256") for s in (run, base)}
@@ -78,7 +95,7 @@ def _start_value(state: RunState, key: str) -> Any:
 def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
     """Return the summary entry of one run (core keys plus error and fairness details)."""
     rate, base_rate = median_rate(state), median_rate(base)
-    losses = loss_stats(state, base)
+    max_diff, mean_diff, common = loss_diffs(state, base)
     spec = next((r for r in c.runs if r.name == state.name), None)
     entry: dict[str, Any] = {
         "name": state.name,
@@ -86,12 +103,16 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "world_size": state.world_size,
         "status": state.status if state.status in FINISHED else STOPPED,
         "steps_completed": state.steps_completed,
-        "diverged_step": state.diverged_step,
         "final_loss": state.losses[-1][1] if state.losses else None,
         "median_tokens_per_s": rate if state.unit == "tokens/s" else None,
         "median_samples_per_s": rate if state.unit == "samples/s" else None,
         "peak_mem_bytes": state.peak_mem_bytes,
-        **losses,
+        "loss_max_abs_diff": max_diff,
+        "loss_mean_abs_diff": mean_diff,
+        "loss_steps_compared": common,
+        "first_nonfinite_step": state.first_nonfinite_step,
+        "nonfinite": state.nonfinite_what or None,
+        **loss_stats(state, base),
         "speedup": (rate / base_rate) if rate and base_rate else None,
         "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)
         if state.peak_mem_bytes and base.peak_mem_bytes else None,
@@ -99,8 +120,7 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "options": state.options,
         "tp": (spec and config.registry.get(spec.strategy).tp_degree(state.options)) or 1,
         "fairness_flags": fairness_flags(c, state, base) if state is not base else [],
-        "within_tolerance": (False if losses["loss_nonfinite_steps"] else losses["loss_max_abs_diff"] <= c.loss_tolerance
-                             if losses["loss_max_abs_diff"] is not None else None),
+        "within_tolerance": (max_diff <= c.loss_tolerance) if max_diff is not None else None,
         "invalid_lines": state.invalid_lines,
         "wall_time_s": (state.ended_at - state.started_at) if state.started_at and state.ended_at else None,
     }

@@ -30,13 +30,22 @@ from __future__ import annotations
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+
+from shardscope.profiling.collectives import (
+    INSTRUMENTATION,
+    Collective,
+    dtype_bytes,
+    fill_dtypes,
+    group_hint,
+)
+from shardscope.profiling.collectives import launches as collective_launches
 
 # --- reading -----------------------------------------------------------------------------------
 
@@ -44,21 +53,10 @@ _X_EVENT = re.compile(
     rb'"ph":\s*"X",\s*"cat":\s*"([^"]*)",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*("?[^,"]*"?),'
     rb'\s*"tid":\s*("?[^,"]*"?),\s*"ts":\s*([-0-9.eE]+),\s*"dur":\s*([-0-9.eE]+)'
 )
-_COMM_NAME = re.compile(rb'"name":\s*"(c10d::[^"]*|record_param_comms|gloo:[^"]*|nccl[^"]*)"')
+_COMM_NAME = re.compile(
+    rb'"name":\s*"((?:_?c10d(?:_functional)?)::[^"]*|record_param_comms|gloo:[^"]*|nccl[^"]*|shardscope::[^"]*)"')
 _STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 
-# Collective type from the launch op name (c10d ops, record_param_comms "Collective name").
-_LAUNCH_TYPES = {
-    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allreduce_sparse": "all_reduce",
-    "all_reduce": "all_reduce",
-    "allgather": "all_gather", "_allgather_base": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
-    "allgather_coalesced": "all_gather", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "broadcast": "broadcast", "reduce": "reduce", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "all_to_all": "all_to_all", "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv",
-    "recv_any_source": "recv", "barrier": "barrier",
-}
 # Execution events: gloo annotation suffix or NCCL kernel name fragment -> type.
 _EXEC_TYPES = (
     ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("allgather", "all_gather"),
@@ -67,12 +65,6 @@ _EXEC_TYPES = (
     ("sendrecv", "send"), ("send", "send"), ("recv", "recv"), ("reduce", "reduce"), ("gather", "gather"),
     ("scatter", "scatter"), ("barrier", "barrier"),
 )
-_DTYPE_BYTES = {
-    "float": 4, "float32": 4, "double": 8, "float64": 8, "c10::bfloat16": 2, "bfloat16": 2, "c10::half": 2,
-    "half": 2, "float16": 2, "long int": 8, "long": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
-    "short": 2, "int16": 2, "signed char": 1, "unsigned char": 1, "char": 1, "byte": 1, "uint8": 1, "int8": 1,
-    "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
 BUS_FACTORS = {  # busbw = algbw * factor(n), nccl-tests doc/PERFORMANCE.md
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -81,21 +73,6 @@ BUS_FACTORS = {  # busbw = algbw * factor(n), nccl-tests doc/PERFORMANCE.md
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }
-
-
-@dataclass
-class Collective:
-    """One collective as seen on one rank: what was launched, and when it ran."""
-
-    type: str
-    size_bytes: int
-    group_size: int
-    dtype: str
-    launch_ts: float  # microseconds, trace clock
-    start_us: float  # execution start (the launch itself when no execution event was paired)
-    dur_us: float
-    timed_by: str  # "gloo-thread" | "gpu-kernel" | "launch"
-    step: int | None = None  # index of the profiled step it falls in (0-based), None outside
 
 
 @dataclass
@@ -191,7 +168,7 @@ def _scan(data: bytes) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, s
 def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes, str], dict[str, Any]]:
     raw_events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     events, comm, threads = [], [], {}
-    text = (lambda v: json.dumps(v).encode())  # noqa: E731 - the raw JSON text, as the fast path keeps it
+    text = (lambda v: json.dumps(v).encode())
     for e in raw_events:
         if e.get("ph") == "X" and "dur" in e:
             name = str(e.get("name", ""))
@@ -208,33 +185,6 @@ def _scan_json(doc: Any) -> tuple[list[tuple], list[dict[str, Any]], dict[bytes,
 # --- one rank ------------------------------------------------------------------------------------
 
 
-def _numel(dims: Any) -> int:
-    """Elements in a (possibly nested, for tensor lists) ``Input Dims`` entry."""
-    if not isinstance(dims, list):
-        return 0
-    if not dims:  # a 0-dim tensor (a scalar all-reduced for a norm, a loss)
-        return 1
-    if all(isinstance(d, int) for d in dims):
-        return math.prod(dims)
-    return sum(_numel(d) for d in dims)
-
-
-def dtype_bytes(name: str) -> int | None:
-    """Bytes per element for a dtype as torch's profiler spells it ("float", "c10::BFloat16", "BFloat16")."""
-    return _DTYPE_BYTES.get(str(name).strip().lower())
-
-
-def _launch_type(name: str, args: dict[str, Any]) -> str | None:
-    if name == "record_param_comms":
-        base = str(args.get("Collective name", "")).strip("_")
-    elif name.startswith("c10d::"):
-        base = name[len("c10d::"):].rstrip("_").lstrip("_")
-    else:
-        return None
-    base = base.lower()
-    return _LAUNCH_TYPES.get(base) or _LAUNCH_TYPES.get("_" + base)
-
-
 def _exec_type(name: str) -> str | None:
     low = name.lower()
     if low.startswith("gloo:"):
@@ -245,33 +195,6 @@ def _exec_type(name: str) -> str | None:
         if key in low:
             return kind
     return None
-
-
-def _launch(e: dict[str, Any], world_size: int) -> Collective | None:
-    args = e.get("args", {}) or {}
-    kind = _launch_type(str(e.get("name", "")), args)
-    if kind is None:
-        return None
-    if e.get("name") == "record_param_comms":
-        dtype = str(args.get("dtype", ""))
-        elem = dtype_bytes(dtype) or 0
-        n_in, n_out = int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0)
-        group = int(args.get("Group size", 0) or 0) or world_size
-    else:
-        dims, types = args.get("Input Dims", []), args.get("Input type", [])
-        n_in = _numel(dims[0]) if dims else 0
-        n_out = _numel(dims[1]) if len(dims) > 1 and types[1:2] and types[1] not in ("", "Scalar") else 0
-        dtype = next((t for t in types if dtype_bytes(t)), "")
-        elem = dtype_bytes(dtype) or 0
-        group = world_size
-        if kind in ("all_gather", "reduce_scatter") and n_in and n_out:
-            group = max(n_in, n_out) // max(1, min(n_in, n_out))
-    if kind in ("all_gather", "reduce_scatter"):
-        numel = max(n_in, n_out)
-    else:
-        numel = n_in or n_out
-    ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
-    return Collective(kind, numel * elem, max(1, group), dtype, ts, ts, dur, "launch")
 
 
 def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, str]]) -> None:
@@ -317,18 +240,12 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
         steps = [(-1, min(float(e[4]) for e in span), max(float(e[4]) + float(e[5]) for e in span))]
     steps.sort(key=lambda s: s[1])
 
-    use_rpc = any(e.get("name") == "record_param_comms" for e in comm_events)
-    launches, execs = [], []
-    launch_names = set()
+    notes = [(e.get("tid"), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+             for e in comm_events if e.get("name") == INSTRUMENTATION]
+    launches = collective_launches(comm_events, group_hint(info, rank), notes)
+    execs = []
     for e in comm_events:
         name = str(e.get("name", ""))
-        if use_rpc and name.startswith("c10d::"):
-            continue  # the nested record_param_comms describes the same collective
-        c = _launch(e, world)
-        if c is not None:
-            launches.append(c)
-            launch_names.add(name)
-            continue
         kind = _exec_type(name)
         if kind is not None:
             types = (e.get("args") or {}).get("Input type", [])
@@ -337,7 +254,7 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
             execs.append((kind, float(e["ts"]), float(e.get("dur", 0.0)), timed_by, dtype))
     execs.sort(key=lambda x: x[1])
     _pair(launches, execs)
-    _fill_sizes_from_dtype(launches, comm_events, world)
+    fill_dtypes(launches)
     for c in launches:
         c.step = _step_index(steps, c.launch_ts)
 
@@ -364,20 +281,6 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
         compute = _subtract(_union(ops), _union(waits))
     return RankTrace(path, rank, world, str(info.get("backend", "")), device_name, steps, launches,
                      compute, events, threads, marked, len(steps) if marked else max(1, window_steps or 1))
-
-
-def _fill_sizes_from_dtype(launches: list[Collective], comm_events: list[dict[str, Any]], world: int) -> None:
-    """Tensor-list launches (``c10d::allreduce_``) carry dims but no dtype: size them once the pair gave one."""
-    by_ts = {float(e["ts"]): e for e in comm_events if str(e.get("name", "")).startswith("c10d::")}
-    for c in launches:
-        if c.size_bytes or not c.dtype:
-            continue
-        e = by_ts.get(c.launch_ts)
-        if e is None:
-            continue
-        dims = (e.get("args") or {}).get("Input Dims", [])
-        numel = _numel(dims[0]) if dims else 0
-        c.size_bytes = numel * (dtype_bytes(c.dtype) or 0)
 
 
 def _rank_from_path(path: str) -> int:
@@ -468,11 +371,20 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
     n_steps = trace.window_steps
     inside = [c for c in trace.collectives if c.step is not None or not trace.steps]
     per_type: dict[str, dict[str, Any]] = {}
+    unknown: Counter[str] = Counter()
+    own_bytes = 0
     for c in inside:
+        if c.instrumentation:  # shardscope's own (parity-mode norms): reported apart, not the strategy's
+            own_bytes += c.size_bytes or 0
+            continue
         t = per_type.setdefault(c.type, {"count": 0, "bytes": 0, "time_us": 0.0, "group_size": c.group_size,
-                                         "dtype": c.dtype, "timed_by": c.timed_by})
+                                         "dtype": c.dtype, "timed_by": c.timed_by, "unknown": Counter()})
         t["count"] += 1
-        t["bytes"] += c.size_bytes
+        if c.size_bytes is None:
+            t["unknown"][c.op] += 1
+            unknown[c.op] += 1
+        else:
+            t["bytes"] += c.size_bytes
         t["time_us"] += c.dur_us
         t["group_size"] = max(t["group_size"], c.group_size)
         t["dtype"] = t["dtype"] or c.dtype
@@ -493,6 +405,7 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
             "group_size": t["group_size"],
             "dtype": t["dtype"],
             "timed_by": t["timed_by"],
+            "unknown_sizes": dict(t["unknown"]),  # op name -> launches whose size the trace does not give
         }
     steps = []
     comm_all = _union((c.start_us, c.start_us + c.dur_us) for c in trace.collectives)
@@ -521,6 +434,8 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
         "steps": steps,
         "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
         "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+        "unknown_sizes": dict(unknown),
+        "instrumentation_bytes_per_step": own_bytes / n_steps,
     }
 
 
@@ -551,6 +466,7 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row["group_size"] = max(x["group_size"] for x in rows)
         row["dtype"] = rows[0]["dtype"]
         row["timed_by"] = rows[0]["timed_by"]
+        row["unknown_sizes"] = dict(sum((Counter(x.get("unknown_sizes", {})) for x in rows), Counter()))
         collectives[kind] = row
     per_step = {}
     for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s"):
@@ -566,6 +482,9 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "collectives": collectives,
         "per_step": per_step,
         "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+        "unknown_sizes": dict(sum((Counter(r.get("unknown_sizes", {})) for r in per_rank), Counter())),
+        "instrumentation_bytes_per_step": statistics.fmean(r.get("instrumentation_bytes_per_step", 0.0)
+                                                           for r in per_rank),
     }
 
 
@@ -609,15 +528,18 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
         return out
     if spec is not None:
         try:
-            from shardscope.profiling import memory_model
+            from shardscope.profiling import comm_theory
 
-            theory = memory_model.expected_comm(spec)
+            theory = comm_theory.expected_comm(spec)
         except (OSError, ValueError, KeyError) as err:
             theory = {"error": str(err)}
-        if theory.get("bytes_per_step") and out["comm_bytes_per_step"]:
+        if theory.get("bytes_per_step") and out["comm_bytes_per_step"] and not out.get("unknown_sizes"):
             theory["ratio"] = out["comm_bytes_per_step"] / theory["bytes_per_step"]
         out["theory"] = theory
-    if out.get("collectives") and not out["comm_bytes_per_step"]:
+    if out.get("unknown_sizes"):  # a ratio over a partial sum would look measured: leave it out
+        out["note"] = "collective sizes unknown for: " + ", ".join(
+            f"{op} ({n}x)" for op, n in sorted(out["unknown_sizes"].items()))
+    elif out.get("collectives") and not out["comm_bytes_per_step"]:
         # gloo's launch events carry sizes only in their recorded input shapes
         out["note"] = "collective sizes unknown: traces recorded without shapes (set profile.record_shapes = true)"
     return out

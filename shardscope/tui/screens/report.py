@@ -7,7 +7,6 @@ the live run states instead and says so.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any
 
@@ -17,22 +16,25 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from shardscope.profiling import display
+from shardscope.numbers import fmt_sig, read_json
+from shardscope.profiling.summary import throughput_unit
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
+COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "peak memory",
+           "Δloss max", "Δloss mean", "speedup", "memory ratio")
+
+
 def columns(summary: dict[str, Any]) -> tuple[str, ...]:
-    """The table's header; the rate column names its unit (tokens/s, samples/s or both)."""
-    return ("run", "strategy", "ranks", "status", "steps", "final loss",
-            f"median {display.rate_unit(summary.get('runs', []))}", "peak memory", "Δloss max", "Δloss mean",
-            "speedup", "memory ratio")
+    """Return the table's headers, the throughput one in the runs' unit (tokens/s or samples/s)."""
+    unit = throughput_unit([r for r in summary.get("runs", []) if isinstance(r, dict)])
+    return tuple(c.format(unit=unit) for c in COLUMNS)
 
 
 def read_summary(out_dir: str) -> dict[str, Any] | None:
     """Return ``<out>/summary.json`` as a dict, or None if missing or unreadable."""
     try:
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_json(os.path.join(out_dir, "summary.json"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("runs"), list) else None
@@ -43,11 +45,9 @@ def live_summary(board: Board) -> dict[str, Any]:
     runs = []
     for name, s in board.states.items():
         rates = sorted(v for _, v in s.throughput)
-        median = rates[len(rates) // 2] if rates else None
         runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
-                     "diverged_step": s.diverged_step, "steps_completed": s.steps_completed, "final_loss": s.loss,
-                     "median_tokens_per_s": median if s.unit == "tokens/s" else None,
-                     "median_samples_per_s": median if s.unit == "samples/s" else None,
+                     "steps_completed": s.steps_completed, "final_loss": s.loss,
+                     f"median_{s.unit.replace('/', '_per_')}": rates[len(rates) // 2] if rates else None,
                      "peak_mem_bytes": s.peak_mem_bytes})
     return {"baseline": board.baseline, "runs": runs}
 
@@ -62,19 +62,14 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
         ratio = r.get("mem_ratio")
         rows.append((
             str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else ""),
-            str(r.get("strategy", "")), str(r.get("world_size", "")), display.status_text(r),
+            str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
             str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
-            human_rate(_median_rate(r)), human_bytes(r.get("peak_mem_bytes")),
-            display.loss_diff_text(r), display.loss_diff_text(r, "loss_mean_abs_diff"),
+            human_rate(r.get("median_tokens_per_s") or r.get("median_samples_per_s")), human_bytes(r.get("peak_mem_bytes")),
+            fmt_sig(r.get("loss_max_abs_diff")), fmt_sig(r.get("loss_mean_abs_diff")),
             "–" if speed is None else f"{fmt_float(speed, '.2f')}×",
             "–" if ratio is None else f"{fmt_float(ratio, '.2f')}×",
         ))
     return rows
-
-
-def _median_rate(run: dict[str, Any]) -> float | None:
-    rate = run.get("median_tokens_per_s")
-    return rate if rate is not None else run.get("median_samples_per_s")
 
 
 def artefacts(out_dir: str, run_names: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import RichLog
 
-from shardscope.orchestrator.state import DIVERGED, FAILED, RunState
+from shardscope.orchestrator.state import RunState
 from shardscope.tui.board import Console
 
 TRACEBACK_LINES = 25
@@ -33,10 +33,10 @@ class LogPane(RichLog):
         self._seen = console.total
         for line in lines:
             self.write(Text(line))
-        if state is not None and state.status in (FAILED, DIVERGED) and (state.error or state.traceback) \
+        if state is not None and state.status == "failed" and (state.error or state.traceback) \
                 and self._error_shown != state.error + state.traceback:
             self._error_shown = state.error + state.traceback
-            self.write(Text(f"── {state.name} {state.status}: {state.error or 'see traceback'}", "bold red"))
+            self.write(Text(f"── {state.name} failed: {state.error or 'see traceback'}", "bold red"))
             tail = state.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
             for line in tail:
                 self.write(Text(line, "red"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from shardscope.orchestrator.state import DIVERGED, FAILED, RunState
+from shardscope.orchestrator.state import RunState
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
 from shardscope.tui.messages import RunSelected
 
@@ -53,14 +53,12 @@ class RunCard(Static):
         if key == self._drawn:
             return
         self._drawn = key
-        self.set_class(state.status in (FAILED, DIVERGED), "-failed")
+        self.set_class(state.status in ("failed", "diverged"), "-failed")
         title = Text.assemble(("■ ", self.colour), (state.name, "bold"))
         if baseline:
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
         subtitle = Text(state.status, STATUS_STYLE.get(state.status, ""))
-        if state.diverged_step is not None:
-            subtitle.append(f" at step {state.diverged_step} (non-finite)", STATUS_STYLE[DIVERGED])
         for rank in state.stragglers.flagged:  # named live: run (this card), rank, host, device
             start = state.start.get(rank) or {}
             subtitle.append(f" ⚠ straggler rank {rank} {start.get('host', '')} {start.get('device', '')}".rstrip(),
