@@ -42,11 +42,11 @@ COMMON_KEYS = ("v", "kind", "run", "rank", "t")
 
 def nonfinite_fields(step_record: dict[str, Any]) -> str:
     """Return which of a ``step`` record's loss and grad norm are inf or nan ("loss", "grad_norm" or
-    "loss and grad_norm"; "" when both are finite, and for a step an fp16 loss scaler skipped: an
-    overflow the scaler handled is not divergence)."""
-    if step_record.get("skipped"):
-        return ""
-    bad = [k for k in ("loss", "grad_norm")
+    "loss and grad_norm"; "" when both are finite). On a step a loss scaler skipped, the gradients'
+    overflow is the scaler doing its job, so only the loss counts: a non-finite loss is divergence
+    that no scale fixes (DeepSpeed skips such steps even in fp32, and would otherwise end ``ok``)."""
+    keys = ("loss",) if step_record.get("skipped") else ("loss", "grad_norm")
+    bad = [k for k in keys
            if isinstance(step_record.get(k), (int, float)) and not math.isfinite(step_record[k])]
     return " and ".join(bad)
 

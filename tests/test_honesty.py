@@ -84,6 +84,13 @@ def test_fold_records_first_nonfinite_step_but_not_fp16_skips():
     assert st.divergence == "non-finite grad_norm at step 2"
 
 
+def test_skipped_step_with_a_nan_loss_is_divergence():
+    # a loss scaler's skip excuses the gradients' overflow, not a NaN loss (DeepSpeed skips those in fp32 too)
+    assert events.nonfinite_fields({"loss": 4.0, "grad_norm": float("inf"), "skipped": True}) == ""
+    assert events.nonfinite_fields({"loss": float("nan"), "grad_norm": float("inf"), "skipped": True}) == "loss"
+    assert events.nonfinite_fields({"loss": 4.0, "grad_norm": None}) == ""  # a norm not measured is no sign
+
+
 def test_replay_reads_diverged_from_end_records(tmp_path):
     c = config.load_preset("smoke", ["steps=4"], host=HOST)
     out = tmp_path / "cmp"

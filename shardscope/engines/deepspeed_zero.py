@@ -238,7 +238,7 @@ def prepare_engine(
     def backward(loss: torch.Tensor) -> None:
         engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(max_norm: float) -> float:
+    def clip_and_step(max_norm: float) -> float | None:
         configured = clip if grad_norm is not None else float(config["gradient_clipping"])
         if abs(max_norm - configured) > 1e-12:
             raise ValueError(f"clip_and_step({max_norm}) but DeepSpeed was configured with "
@@ -247,7 +247,8 @@ def prepare_engine(
         if grad_norm is None:
             engine.step()
             norm = engine.get_global_grad_norm()
-            return float("nan") if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
+            # None: ZeRO-1/2 with gradient-norm computation off. Not measured, not NaN (NaN = diverged).
+            return None if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
         seen: list[float] = []
 
         def clip_before_step(*_: Any) -> None:
@@ -283,6 +284,7 @@ def prepare_engine(
         # no_sync stays a no-op: with unmanaged accumulation stages 0/1 reduce only in step(),
         # and stages 2/3 must reduce-scatter every micro-batch into their gradient partitions.
         handles_precision=True,
+        step_applied=engine.was_step_applied,  # False after DeepSpeed's fp16 scaler skipped an overflow
         layer_norms=_layer_norms_at_reduction(engine, tp_size),
         notes=facts,
     )

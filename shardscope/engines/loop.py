@@ -117,7 +117,9 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         with instrumentation():  # shardscope's own collectives, set apart from the strategy's
             layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
         with record_function(PHASE_MARKERS["step"]):
-            grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+            grad_norm, skipped = (_norm(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        # A strategy with its own fp16 loss scaler (DeepSpeed) says whether it skipped the step: not divergence.
+        skipped = skipped or (prep.step_applied is not None and not prep.step_applied())
         clock.lap("optimizer")
         handle.wait()
         clock.lap("comm_wait")
@@ -165,6 +167,12 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
     return cfg.steps_completed
+
+
+def _norm(value: float | None) -> float | None:
+    """The global gradient norm as a float; None when the strategy could not measure it (never a NaN,
+    which would read as divergence)."""
+    return None if value is None else float(value)
 
 
 def compiled_graph_count() -> int:
