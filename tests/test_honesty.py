@@ -272,3 +272,16 @@ def test_divergence_locator_names_the_first_nonfinite_layer():
     assert entry["first_loss_step"] == 1  # NaN vs NaN is a difference
     assert entry["first_grad_layer"]["step"] == 1 and entry["first_grad_layer"]["layer"] == "blocks.0"
     assert "first non-finite gradient at step 1 in blocks.0 (inf)" in entry["finding"]
+
+
+def test_comm_report_says_why_theory_departs_and_never_prints_unmeasured_zeros():
+    from shardscope.profiling.report import _comm_md
+
+    run = {"collectives": {}, "per_step": {"step_time_s": 0.01, "compute_time_s": None},
+           "comm_bytes_per_step": None,
+           "theory": {"bytes_per_step": 2**20, "ratio": None, "basis": "b",
+                      "reasons": ["the root unit stays gathered from forward to backward"]}}
+    text = _comm_md({"runs": {"fsdp1": run}})
+    assert "- fsdp1: the root unit stays gathered from forward to backward" in text
+    row = next(line for line in text.splitlines() if line.startswith("| fsdp1 | 10.00"))
+    assert "0.00 |" not in row and "| - |" in row  # compute time and observed bytes were not measured

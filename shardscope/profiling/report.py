@@ -278,11 +278,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
         ps = c.get("per_step") or {}
         theory = c.get("theory") or {}
         ratio = theory.get("ratio")
-        steps.append([name, _num((ps.get("step_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
-                      f"{c.get('comm_bytes_per_step', 0) / 2**20:,.3f}",
+        ms = {k: None if ps.get(k) is None else ps[k] * 1e3  # not measured stays "-", never 0
+              for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")}
+        observed = c.get("comm_bytes_per_step")
+        steps.append([name, _num(ms["step_time_s"], "{:.2f}"), _num(ms["compute_time_s"], "{:.2f}"),
+                      _num(ms["comm_time_s"], "{:.2f}"), _num(ms["exposed_comm_s"], "{:.2f}"),
+                      _num(None if observed is None else observed / 2**20, "{:,.3f}"),
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
     text = ["## Communication\n\n", gaps + "\n" if gaps else "",
@@ -299,7 +300,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
     notes = {c.get(key) for c in runs.values() for key in ("mfu_note", "note") if c.get(key)}
     if notes:
         text.append(". " + "; ".join(sorted(notes)))
-    return "".join(text) + ".\n"
+    text.append(".\n")
+    reasons = [(name, r) for name, c in runs.items() for r in (c.get("theory") or {}).get("reasons") or []]
+    if reasons:  # where a strategy legitimately moves more or less than the textbook formula, say why
+        text.append("\nWhere the theory departs from the textbook formula:\n\n")
+        text.extend(f"- {name}: {reason}\n" for name, reason in reasons)
+    return "".join(text)
 
 
 def _parity_md(p: dict[str, Any]) -> str:
