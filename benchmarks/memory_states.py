@@ -10,11 +10,12 @@ against its own DDP run on that model.
 
     python benchmarks/memory_states.py [--d-model 256] [--layers 4] [--hf-layers 4]
 
-Expected bytes per parameter, N ranks, fp32 (ZeRO-1/2 keep a separate fp32 master partition even
-when parameters are fp32; ZeRO-3 steps its fp32 parameter partitions in place, see the
-``reuse_fp32_partitions`` option): DDP 16; ZeRO-1 4 + 4 + 12/N; ZeRO-2 4 + 16/N (plus the whole
-gradients of tensors straddling a partition edge); ZeRO-3 16/N. In bf16-params: ZeRO-1
-2 + 2 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N (the ZeRO paper's figures).
+Expected bytes per parameter, N ranks, fp32 (DeepSpeed 0.19 as it ships keeps a separate fp32 master
+partition even when parameters are fp32, at every stage): DDP 16; ZeRO-1 4 + 4 + 12/N; ZeRO-2 4 + 16/N
+(plus the whole gradients of tensors straddling a partition edge); ZeRO-3 20/N; ZeRO-3 with
+shardscope's ``reuse_fp32_partitions`` fix (row ``deepspeed-zero3-reuse``), which steps the fp32
+parameter partitions in place, 16/N. In bf16-params: ZeRO-1 2 + 2 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3
+16/N (the ZeRO paper's figures).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from shardscope.config import ModelSpec, RunSpec  # noqa: E402
 from shardscope.engines import registry  # noqa: E402
 
 
-def measure(out: Path, model: ModelSpec, names: list[str], precision: str = "fp32") -> dict[str, dict[str, int]]:
-    """Launch ``ddp`` and ``names`` on ``model`` in ``precision``; return {name: last memory record of rank 0}."""
-    runs = [RunSpec(n, n, world_size=2, precision=precision) for n in ["ddp", *names]]
+def measure(out: Path, model: ModelSpec, names: list[str], precision: str = "fp32",
+            extra: tuple[RunSpec, ...] = ()) -> dict[str, dict[str, int]]:
+    """Launch ``ddp``, ``names`` and ``extra`` runs on ``model`` in ``precision``; return {name: last memory
+    record of rank 0}."""
+    runs = [RunSpec(n, n, world_size=2, precision=precision) for n in ["ddp", *names]] + list(extra)
     comparison = tiny_comparison(runs, model=model, steps=3, global_batch=4)
     prepare(out, comparison)
     records = {}
@@ -72,8 +75,10 @@ def main() -> int:
     hf = ModelSpec(kind="hf", hf_arch="qwen2-tiny", hf_layers=args.hf_layers, vocab_size=512, seq_len=32)
     with tempfile.TemporaryDirectory() as tmp:
         on_transformer = [n for n in cpu if "transformer" in registry.get(n).models]
+        fix = RunSpec("deepspeed-zero3-reuse", "deepspeed-zero3", world_size=2,
+                      options={"reuse_fp32_partitions": True})
         report(f"model-state bytes per rank, world size 2, fp32, transformer d={args.d_model} L={args.layers}",
-               measure(Path(tmp) / "transformer", transformer, on_transformer))
+               measure(Path(tmp) / "transformer", transformer, on_transformer, extra=(fix,)))
         zero = [n for n in on_transformer if registry.get(n).needs_deepspeed]
         report("the same in bf16-params (bf16 params/grads, fp32 master + moments; DDP keeps fp32 params)",
                measure(Path(tmp) / "bf16", transformer, zero, "bf16-params"))

@@ -17,6 +17,15 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.explainview import explain_cmd
+from shardscope.numbers import read_json
+from shardscope.recommendview import (
+    parse_device_memory,
+    print_recommendation,
+    recommend_cmd,
+    refit,
+)
+from shardscope.sizes import parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -27,13 +36,20 @@ def fail_usage(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+def say_adjustments(comparison: config.Comparison, err: bool = False) -> None:
+    """Print, one line each, what loading the preset changed for the user (e.g. the global batch)."""
+    for line in comparison.adjustments:
+        click.echo(f"shardscope: note: {line}", err=err)
+
+
 def default_preset(device: str) -> str:
     """The preset used when none is named: ``smoke`` without a GPU, ``ddp-vs-fsdp`` with one."""
     return "ddp-vs-fsdp" if device == "cuda" else "smoke"
 
 
-def _launch_overrides(device: str | None, nnodes: int | None, node_rank: int | None, rdzv: str | None) -> list[str]:
-    out = []
+def _launch_overrides(device: str | None, nnodes: int | None, node_rank: int | None, rdzv: str | None,
+                      **strings: str | None) -> list[str]:
+    out = [f"launch.{key}={json.dumps(value)}" for key, value in strings.items() if value]
     if device:
         out.append(f"launch.device={json.dumps(device)}")
     if nnodes is not None:
@@ -78,6 +94,10 @@ def main(ctx: click.Context) -> None:
         _open_app(preset=None)
 
 
+main.add_command(explain_cmd)
+main.add_command(recommend_cmd)
+
+
 def _terminate_on(signals: tuple[int, ...], handler: Any) -> None:
     for sig in signals:
         try:
@@ -119,6 +139,55 @@ def presets_cmd() -> None:
     Console().print(table)
 
 
+def tolerance_options(fn: Any) -> Any:
+    """Add the diff gate's --loss-tol/--speed-tol/--mem-tol options (defaults from profiling.diff)."""
+    from shardscope.profiling.diff import DEFAULT_LOSS_TOL, DEFAULT_MEM_TOL, DEFAULT_SPEED_TOL
+
+    fn = click.option("--mem-tol", type=float, default=DEFAULT_MEM_TOL, show_default=True,
+                      help="Fail when a run's peak memory grows by more than this fraction.")(fn)
+    fn = click.option("--speed-tol", type=float, default=DEFAULT_SPEED_TOL, show_default=True,
+                      help="Fail when a run's median throughput falls by more than this fraction and by more "
+                      "than the noise band of the two runs' step-to-step spread.")(fn)
+    return click.option("--loss-tol", type=float, default=DEFAULT_LOSS_TOL, show_default=True,
+                        help="Fail when |Δloss| at a common step exceeds this (a non-finite loss on either "
+                        "side always fails).")(fn)
+
+
+def _gate(old: str, new: str, maps: tuple[str, ...], loss_tol: float, speed_tol: float, mem_tol: float,
+          as_json: bool = False, plots_dir: str | None = None) -> int:
+    from shardscope import diffview
+    from shardscope.profiling.diff import DiffInputError, Tolerances
+
+    for name, value in (("--loss-tol", loss_tol), ("--speed-tol", speed_tol), ("--mem-tol", mem_tol)):
+        if not value >= 0:
+            fail_usage(f"{name} {value}: must be a number >= 0")
+    try:
+        return diffview.report(old, new, maps, Tolerances(loss_tol, speed_tol, mem_tol), as_json=as_json,
+                               plots_dir=plots_dir)
+    except DiffInputError as err:
+        fail_usage(str(err))
+        raise
+
+
+@main.command("diff")
+@click.argument("old", type=click.Path(file_okay=False))
+@click.argument("new", type=click.Path(file_okay=False))
+@click.option("--map", "maps", multiple=True, metavar="OLD_RUN=NEW_RUN",
+              help="Compare runs whose names differ (repeatable); other runs are matched by name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON instead of tables.")
+@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False),
+              help="Where to write one loss PNG per run (default NEW/diff).")
+@tolerance_options
+def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir: str | None, loss_tol: float,
+             speed_tol: float, mem_tol: float) -> None:
+    """Compare two comparison directories run by run: loss, throughput, memory, bytes, settings.
+
+    Exit 0 when every matched run is the same within tolerance, 1 when a difference passes a
+    tolerance or a new run did not end ok, 2 on bad input. Runs on one side only are listed.
+    """
+    sys.exit(_gate(old, new, maps, loss_tol, speed_tol, mem_tol, as_json, plots_dir))
+
+
 @main.command("run")
 @click.option("--preset", "-p", default=None, help="Built-in preset name or path to a .toml file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -129,34 +198,72 @@ def presets_cmd() -> None:
 @click.option("--device", type=click.Choice(config.DEVICES), default=None, help="Force cpu or cuda (default auto).")
 @click.option("--nnodes", type=int, default=None, help="Number of nodes (torchrun rendezvous).")
 @click.option("--node-rank", type=int, default=None, help="This node's rank when --nnodes > 1.")
-@click.option("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous for several nodes.")
+@click.option("--rdzv-endpoint", default=None, help="host:port of node 0's rendezvous for several nodes "
+              "(run i of the comparison uses port + i).")
+@click.option("--rdzv-id", default=None, help="Prefix of each run's rendezvous id; unique per job (several nodes).")
+@click.option("--slurm-task", is_flag=True, help="One task of an sbatch job (`shardscope slurm`): node rank from "
+              "SLURM_NODEID; exit 0 once this orchestrator finished, whatever the runs' verdicts.")
 @click.option("--check-parity", is_flag=True, help="Exit 1 if a like-for-like run's loss differs from the baseline by more than loss_tolerance.")
+@click.option("--against", default=None, type=click.Path(file_okay=False),
+              help="With --headless: afterwards, gate this comparison against a stored one (as `shardscope diff`).")
+@click.option("--device-memory", default=None, help="With --headless: the recommendation says which runs would "
+              "not fit this device memory (e.g. 80GiB) and from which world size they would.")
+@tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            check_parity: bool) -> None:
+            rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
+            loss_tol: float, speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
-    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint)
+    limit = parse_device_memory(device_memory)
+    if slurm_task:
+        node_rank = _slurm_node_rank(node_rank)
+    all_overrides = list(overrides) + _launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id)
     comparison, dev = resolve(preset, all_overrides)
     from shardscope.orchestrator.session import Session, default_out_dir
 
     out = out_dir or default_out_dir(comparison.name)
+    say_adjustments(comparison, err=not dry_run)
     if dry_run:
         _print_dry_run(comparison, dev, out)
         return
+    if against and not (headless and os.path.isfile(os.path.join(against, "comparison.json"))):
+        fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
+                                               "not a shardscope run directory (no comparison.json)"))
+    from shardscope.orchestrator.preflight import check_space
+    from shardscope.orchestrator.replay import used_out_dir_error
+
+    if comparison.launch.node_rank == 0 and used_out_dir_error(out):  # before the app opens, too
+        fail_usage(f"--out {used_out_dir_error(out)}")
+    short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
+    if short:
+        fail_usage(short)
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return
-    if comparison.launch.node_rank == 0 and os.path.exists(os.path.join(out, "comparison.json")):
-        fail_usage(f"--out {out}: already holds a comparison; choose a new directory")
     session = Session(comparison, out, device=dev)
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
     # stopped, marked stopped, and the summary is still written.
     _terminate_on((signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
-    code = _run_headless(session)
+    code = _run_headless(session, limit)
     summary = _load_summary(out)
     if check_parity and summary is not None and code == EXIT_OK:
         code = _check_parity(summary)
+    if against and summary is not None:
+        code = max(code, _gate(against, out, (), loss_tol, speed_tol, mem_tol))
+    if slurm_task:  # finished: the verdict is in the summary; a non-zero exit would make srun kill other nodes
+        click.echo(f"shardscope: node {comparison.launch.node_rank} finished (exit {code} without --slurm-task)")
+        code = EXIT_OK
     sys.exit(code)
+
+
+def _slurm_node_rank(given: int | None) -> int:
+    """This task's node rank: ``SLURM_NODEID`` (exits 2 when it is missing or disagrees with --node-rank)."""
+    raw = os.environ.get("SLURM_NODEID", "")
+    if not raw.isdigit():
+        fail_usage(f"--slurm-task: SLURM_NODEID = {raw!r}: expected a node index (run this under srun)")
+    if given is not None and given != int(raw):
+        fail_usage(f"--node-rank {given}: differs from SLURM_NODEID = {raw}; give one")
+    return int(raw)
 
 
 def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
@@ -170,10 +277,10 @@ def _print_dry_run(comparison: config.Comparison, device: str, out: str) -> None
         click.echo(plan.shell_line())
 
 
-def _run_headless(session) -> int:
+def _run_headless(session, device_memory_bytes: int | None = None) -> int:
     from rich.console import Console
 
-    from shardscope.headless import HeadlessView, comparison_table, loss_table
+    from shardscope.headless import HeadlessView, comparison_table, loss_table, rank_timing_table
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -204,9 +311,17 @@ def _run_headless(session) -> int:
                 session.stop_all()
     code = session.exit_code if session.exit_code is not None else EXIT_FAILED
     summary = _load_summary(session.out_dir)
+    if summary is not None and device_memory_bytes and session.comparison.launch.node_rank == 0:
+        summary = refit(session.out_dir, device_memory_bytes) or summary
     if summary is not None:
         console.print(comparison_table(summary))
         console.print(loss_table(summary))
+        timing = rank_timing_table(summary)
+        if timing is not None:
+            console.print(timing)
+        for entry in (summary.get("stragglers") or {}).values():
+            for flag in entry.get("flagged", []):
+                console.print(f"[bold yellow]{flag['line']}[/]", highlight=False)
     for notice in view.notices:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
@@ -217,13 +332,13 @@ def _run_headless(session) -> int:
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
         console.print(f"  {label}: {path}", highlight=False)
+    print_recommendation(summary or {}, console)
     return code
 
 
 def _load_summary(out: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json(os.path.join(out, "summary.json"))
     except (OSError, ValueError):
         return None
 
@@ -292,40 +407,38 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
             limit = parse_size(device_memory)
         except ValueError as err:
             fail_usage(f"--device-memory {device_memory!r}: {err}")
+    say_adjustments(comparison)
     estimate.print_estimate(comparison, world_size, limit, traced=traced)
-
-
-def parse_size(text: str) -> int:
-    """Parse ``80GiB``, ``80GB``, ``512MiB`` or a byte count; raises ValueError."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError("expected a size like 80GiB, 40GB or 512MiB")
-    value, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
-    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "KI": 1, "MI": 2, "GI": 3, "TI": 4}
-    if unit not in powers:
-        raise ValueError("unknown unit; use KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    base = 1024 if unit.endswith("I") or unit == "" else 1000
-    return int(value * base ** powers[unit])
 
 
 @main.command("slurm")
 @click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
 @click.option("--nodes", type=int, default=1, show_default=True)
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpus-per-node", type=int, default=None, help="GPU nodes: ranks (GPUs) per node.")
+@click.option("--cpus-per-node", type=int, default=None, help="CPU nodes: ranks per node (gloo on CPU).")
+@click.option("--cpus-per-rank", type=int, default=None, help="CPUs asked per rank [default: 1 on CPU, 4 on GPU].")
 @click.option("--time", "time_limit", default="01:00:00", show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def slurm_cmd(preset: str, nodes: int, gpus_per_node: int, time_limit: str, overrides: tuple[str, ...]) -> None:
-    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch)."""
-    from shardscope.orchestrator.slurm import sbatch_script
+def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node: int | None,
+              cpus_per_rank: int | None, time_limit: str, overrides: tuple[str, ...]) -> None:
+    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch).
+
+    Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
+    unless the preset (or --set launch.device) says "cpu".
+    """
+    from shardscope.orchestrator.slurm import node_shape, sbatch_script
 
     try:
-        config.load_preset(preset, [*overrides, f"world_size={nodes * gpus_per_node}", f"launch.nnodes={nodes}"])
-    except ConfigError as err:
+        comparison = config.load_preset(preset, list(overrides))
+        shape = node_shape(comparison.launch.device, comparison.world_size, nodes, gpus_per_node=gpus_per_node,
+                           cpus_per_node=cpus_per_node, cpus_per_rank=cpus_per_rank)
+        at_size = config.load_preset(preset, [*overrides, f"world_size={nodes * shape.ranks_per_node}",
+                                              f"launch.nnodes={nodes}"])
+    except (ConfigError, ValueError) as err:
         fail_usage(str(err))
-    click.echo(sbatch_script(preset, nodes=nodes, gpus_per_node=gpus_per_node, time_limit=time_limit,
-                             overrides=list(overrides)))
+    say_adjustments(at_size, err=True)  # stdout is the script
+    click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
+               nl=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,21 +25,20 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from shardscope import batch_follow
 from shardscope.engines import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
+from shardscope.numbers import json_ready
+from shardscope.presets.files import PRESET_DIR, ConfigError, preset_path, read_preset  # noqa: F401
 
-PRESET_DIR = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("raise", "exit", "hang")
+FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "nospace")
+ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class ConfigError(ValueError):
-    """Bad preset or override. ``str(err)`` is one line fit for stderr."""
 
 
 @dataclass
@@ -79,7 +78,7 @@ class ProfileSpec:
     steps: int = 2
     record_shapes: bool = True  # needed for collective sizes on gloo
     profile_memory: bool = False  # allocation events in the trace (bigger traces)
-    count_collectives: bool = False  # in-rank byte count per collective type (ground truth; slows the window)
+    count_collectives: bool = False  # in-rank byte count of every collective in the window (a `comm` record)
 
 
 @dataclass
@@ -90,6 +89,8 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
+    node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     concurrent: bool = False
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
@@ -106,7 +107,7 @@ class RunSpec:
     activation_checkpointing: bool = False
     compile: bool = False
     options: dict[str, Any] = field(default_factory=dict)
-    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" (tests)
+    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Comparison:
     description: str = ""
     source: str = ""  # the preset file this came from
     steps: int = 30
-    global_batch: int = 8  # sequences (or images) per optimizer step, over all data-parallel ranks
+    global_batch: int = batch_follow.DEFAULT_GLOBAL_BATCH  # sequences (or images) per optimizer step, over all data-parallel ranks
     grad_accum: int = 1  # micro-batches per optimizer step on each rank
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -126,18 +127,22 @@ class Comparison:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234
     precision: str = "fp32"
-    world_size: int = 2
+    world_size: int = batch_follow.DEFAULT_WORLD_SIZE
     baseline: str = ""  # a run name; "" = the first run
     stall_timeout_s: float = 120.0
     parity: bool = False  # record per-layer norms for the divergence locator
     log_every: int = 1
     loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "continue" trains on
+    straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
+    straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     profile: ProfileSpec = field(default_factory=ProfileSpec)
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     runs: list[RunSpec] = field(default_factory=list)
+    adjustments: list[str] = field(default_factory=list)  # what load_preset changed for the user, one line each
 
     def run(self, name: str) -> RunSpec:
         """Return the run called ``name``; raises KeyError."""
@@ -179,20 +184,6 @@ def list_presets() -> list[tuple[str, str]]:
     return out
 
 
-def preset_path(name_or_path: str) -> Path:
-    """Return the file for a built-in preset name or a path; raises ConfigError if neither exists."""
-    candidate = Path(name_or_path)
-    if candidate.suffix == ".toml" or os.sep in name_or_path or candidate.exists():
-        if not candidate.is_file():
-            raise ConfigError(f"{name_or_path}: no such preset file")
-        return candidate
-    builtin = PRESET_DIR / f"{name_or_path}.toml"
-    if not builtin.is_file():
-        allowed = ", ".join(n for n, _ in list_presets())
-        raise ConfigError(f"preset {name_or_path!r} not found; built-in presets: {allowed} (or a path to a .toml file)")
-    return builtin
-
-
 def load_preset(
     name_or_path: str,
     overrides: list[str] | tuple[str, ...] = (),
@@ -206,13 +197,7 @@ def load_preset(
     """
     path = preset_path(name_or_path)
     src = str(path)
-    try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{src}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"{src}: cannot read: {err.strerror}") from None
+    raw = read_preset(path)
     raw.setdefault("name", path.stem)
     cpu_sizes = raw.pop("cpu_overrides", None)
     if cpu_sizes is not None:
@@ -223,9 +208,12 @@ def load_preset(
             for key, value in cpu_sizes.items():
                 _set_dotted(raw, key, value, src)
             raw["size_profile"] = "cpu"
+    as_preset_set = dict(raw)
     for item in overrides:
         apply_override(raw, item, src)
+    notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
     comparison = build_comparison(raw, src)
+    comparison.adjustments = notes
     validate(comparison, host=host)
     return comparison
 
@@ -328,7 +316,7 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     runs = [_build(RunSpec, r, f"runs[{i}]", src) for i, r in enumerate(runs_raw)]
     top = {k: v for k, v in raw.items() if k not in nested and k != "runs"}
     top.pop("source", None)
-    comparison = _build(Comparison, top, "", src, skip=("model", "data", "profile", "launch", "runs", "source"))
+    comparison = _build(Comparison, top, "", src, skip=(*nested, "runs", "source", "adjustments"))
     for k, v in parts.items():
         setattr(comparison, k, v)
     comparison.runs = runs
@@ -393,7 +381,7 @@ def parse_fault(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": 0, "step": 0, "kind": "raise"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = part.partition("=")
-        if key in ("rank", "step"):
+        if key in ("rank", "step", "ms"):
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
@@ -402,7 +390,7 @@ def parse_fault(text: str) -> dict[str, Any]:
                 raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {val!r}")
             out[key] = val
         else:
-            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind")
+            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow)")
     return out
 
 
@@ -421,13 +409,14 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     src = c.source or "preset"
     if not NAME_RE.match(c.name):
         raise ConfigError(f"{src}: name = {c.name!r}: use letters, digits, '.', '_' or '-'")
-    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every"):
+    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
         _positive(src, key, getattr(c, key))
-    for key in ("lr", "stall_timeout_s"):
+    for key in ("lr", "stall_timeout_s", "straggler_threshold"):
         _positive(src, key, getattr(c, key))
     for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
         _positive(src, key, getattr(c, key), allow_zero=True)
     _one_of(src, "precision", c.precision, PRECISIONS)
+    _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
     m = c.model
     _one_of(src, "model.kind", m.kind, MODEL_KINDS)
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",
@@ -456,6 +445,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> None:
     _positive(src, "launch.nnodes", c.launch.nnodes)
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
+    _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]
@@ -606,9 +596,9 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically (write then rename)."""
+    """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
     tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"  # unique: several nodes may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=str)
+        json.dump(json_ready(data), fh, indent=2, default=str)
         fh.write("\n")
     os.replace(tmp, path)

@@ -12,6 +12,7 @@ This module never imports torch: the orchestrator and the app use it too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,10 +28,27 @@ TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "ten
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
 COMM = "comm"  # collective summary computed in-rank, optional
 ERROR = "error"  # message, traceback
-END = "end"  # status ("ok" | "failed" | "stopped"), steps_completed; compiled_graphs when compile is on
+END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
+#              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
+#              "grad_norm") when diverged
+
+ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared
+# Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>" (engines/watchdog.py).
+ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
 
 KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")
+
+
+def nonfinite_fields(step_record: dict[str, Any]) -> str:
+    """Return which of a ``step`` record's loss and grad norm are inf or nan ("loss", "grad_norm" or
+    "loss and grad_norm"; "" when both are finite). On a step a loss scaler skipped, the gradients'
+    overflow is the scaler doing its job, so only the loss counts: a non-finite loss is divergence
+    that no scale fixes (DeepSpeed skips such steps even in fp32, and would otherwise end ``ok``)."""
+    keys = ("loss",) if step_record.get("skipped") else ("loss", "grad_norm")
+    bad = [k for k in keys
+           if isinstance(step_record.get(k), (int, float)) and not math.isfinite(step_record[k])]
+    return " and ".join(bad)
 
 
 def make_record(kind: str, run: str, rank: int, **fields: Any) -> dict[str, Any]:
@@ -63,25 +81,54 @@ class RecordWriter:
     """Appends records for one rank to its JSONL file, one line per record, flushed per line.
 
     Used by ranks. The file is opened in append mode so a restarted rank keeps earlier records.
+    With ``spare_bytes``, a file of that many bytes is kept beside it (``<path>.spare``): when the
+    disk fills, ``release_spare()`` frees it so that the rank's last records (error, end) still fit.
     """
 
-    def __init__(self, path: str | os.PathLike[str], run: str, rank: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], run: str, rank: int, *, spare_bytes: int = 0) -> None:
         self.path = os.fspath(path)
         self.run = run
         self.rank = rank
+        self._injected: int | None = None
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+        self.spare_path = self.path + ".spare"
+        if spare_bytes:
+            try:
+                with open(self.spare_path, "wb") as fh:
+                    fh.write(b"\0" * spare_bytes)
+            except OSError:  # too full already: the first record write will say so
+                self.release_spare()
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Write one record of ``kind`` and return it."""
+        """Write one record of ``kind`` and return it; raises OSError when the disk refuses it."""
         record = make_record(kind, self.run, self.rank, **fields)
+        if self._injected is not None:
+            raise OSError(self._injected, os.strerror(self._injected), self.path)
         self._file.write(encode(record))
         self._file.flush()
         return record
 
+    def inject_error(self, err: int) -> None:
+        """Fault injection: make every write fail with OSError(``err``) until ``release_spare``."""
+        self._injected = err
+
+    def release_spare(self) -> None:
+        """Delete the spare file (room for the last records) and drop an injected error."""
+        self._injected = None
+        try:
+            os.remove(self.spare_path)
+        except OSError:
+            pass
+
     def close(self) -> None:
-        """Close the file; further writes raise ValueError."""
-        self._file.close()
+        """Close the file (a failing flush of a full disk is ignored: the rank has recorded why);
+        the spare goes too. Further writes raise ValueError."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self.release_spare()
 
     def __enter__(self) -> "RecordWriter":
         return self

@@ -15,10 +15,9 @@ from rich.live import Live
 from rich.table import Table
 
 from shardscope.orchestrator import state
-from shardscope.orchestrator.state import RunState, Update
-
-STATUS_STYLE = {"queued": "dim", "starting": "yellow", "running": "cyan", "ok": "green",
-                "failed": "bold red", "stopped": "magenta"}
+from shardscope.orchestrator.state import STATUS_STYLE, RunState, Update
+from shardscope.profiling import straggler_report, stragglers
+from shardscope.profiling.summary import throughput_unit
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -60,6 +59,7 @@ class HeadlessView:
         self.notices: list[state.Notice] = []
         self._lock = threading.Lock()
         self._plain_marks: dict[str, int] = {}
+        self.straggler_lines: dict[tuple[str, int], str] = {}  # (run, rank) -> line, once flagged
         self.live = self.console.is_terminal
 
     def __call__(self, updates: list[Update]) -> None:
@@ -71,8 +71,22 @@ class HeadlessView:
                     self.order.append(u.run)
                 if isinstance(u, state.Notice):
                     self.notices.append(u)
+            fresh = self._new_stragglers(changed)
+        for line in fresh if not self.live else ():
+            self.console.print(line, highlight=False, markup=False)
         if not self.live:
             self._print_plain(updates, changed)
+
+    def _new_stragglers(self, changed: set[str]) -> list[str]:
+        fresh = []
+        for name in changed:
+            st = self.states[name]
+            for rank, s in st.stragglers.flagged.items():
+                if (name, rank) not in self.straggler_lines:
+                    line = stragglers.describe(name, s, st.start.get(rank), st.stragglers.threshold)
+                    self.straggler_lines[(name, rank)] = line
+                    fresh.append(line)
+        return fresh
 
     def _print_plain(self, updates: list[Update], changed: set[str]) -> None:
         for u in updates:
@@ -99,9 +113,11 @@ class HeadlessView:
 
     def table(self) -> Table:
         """Return the live progress table."""
-        table = Table(title="shardscope", expand=False)
+        table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
+        with self._lock:
+            units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
-                             ("step", "right"), ("loss", "right"), ("tokens/s", "right"),
+                             ("step", "right"), ("loss", "right"), (" or ".join(sorted(units)), "right"),
                              ("peak mem", "right"), ("eta", "right")):
             table.add_column(col, justify=justify)
         with self._lock:
@@ -109,7 +125,7 @@ class HeadlessView:
                 st = self.states.get(name)
                 if st is None:
                     continue
-                unit_rate = fmt_rate(st.rate) + ("" if st.unit == "tokens/s" else " smp/s")
+                unit_rate = fmt_rate(st.rate) + (f" {st.unit}" if len(units) > 1 else "")
                 table.add_row(
                     name, st.strategy, str(st.world_size),
                     f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
@@ -149,7 +165,8 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
-    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|", "throughput/s",
+    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
+                f"median {throughput_unit(runs)}",
                 "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
         table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
                          overflow="fold")
@@ -167,4 +184,18 @@ def comparison_table(summary: dict[str, Any]) -> Table:
             fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
             *((flags,) if with_notes else ()),
         )
+    return table
+
+
+def rank_timing_table(summary: dict[str, Any]) -> Table | None:
+    """Return the per-rank step timing table (ms, medians) of every run with timing, or None."""
+    section = summary.get("stragglers") or {}
+    if not any(e.get("per_rank") for e in section.values()):
+        return None
+    table = Table(title="per-rank step timing (median ms; busy = the rank's own CPU time; ⚠ straggler)")
+    for col in ("run", *straggler_report.HEADER):
+        table.add_column(col, justify="left" if col in ("run", "rank", "host", "device") else "right")
+    for name, entry in section.items():
+        for row in straggler_report.rows(entry):
+            table.add_row(name, *row)
     return table

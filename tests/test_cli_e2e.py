@@ -72,6 +72,30 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
     assert (out / "init.safetensors").exists() and (out / "comparison.json").exists()
     assert "comparison with baseline ddp" in proc.stdout
     assert leftover_processes(str(out)) == []
+    _check_explained_and_recommended(out, summary, proc.stdout)
+
+
+def _check_explained_and_recommended(out, summary, stdout):
+    """The report and the headless output end with the recommendation; each run is explained with the
+    profiled step's collectives, which match the memory model's theory phase by phase."""
+    from shardscope.explainview import explain_dir
+
+    report = (out / "report.md").read_text()
+    assert "## Each run explained" in report
+    assert report.index("## Recommendation") > report.index("## Each run explained")
+    assert report[report.index("## Recommendation"):].count("\n## ") == 0, "the recommendation is the last section"
+    assert "fastest run" in stdout[stdout.index("recommendation"):] or "no clear difference" in stdout
+    assert "gloo on CPU" in stdout.splitlines()[-2] + stdout.splitlines()[-1]
+    entry = summary["explain"]["fsdp2"]
+    rows = {(r["phase"], r["type"]): r for r in entry["measured"]["rows"]}
+    for r in entry["theory"]:
+        if r["count"] is not None:  # unit counts and bytes: trace sizes against the parameter shapes
+            assert rows[(r["phase"], r["type"])]["count"] == r["count"], r
+            assert rows[(r["phase"], r["type"])]["bytes"] == pytest.approx(r["bytes"]), r
+    assert "layers.1" in entry["timeline"]
+    shown = explain_dir(str(out), None, "fsdp2")
+    assert shown["numbers"]["phases_measured"] == entry["measured"]["rows"]
+    assert entry["timeline"] in shown["text"]
 
 
 @pytest.mark.parametrize("kind", ["raise", "exit", "hang"])

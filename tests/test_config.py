@@ -98,6 +98,7 @@ def test_parse_fault():
     assert config.parse_fault("rank=1,step=3,kind=hang") == {"rank": 1, "step": 3, "kind": "hang"}
     with pytest.raises(ValueError):
         config.parse_fault("rank=x")
+    assert config.parse_fault("rank=1,step=2,kind=slow,ms=40") == {"rank": 1, "step": 2, "kind": "slow", "ms": 40}
 
 
 def test_spec_payload_resolves_defaults(tmp_path):

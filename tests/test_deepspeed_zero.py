@@ -2,8 +2,8 @@
 
 Checks: identical step-0 loss, every step's loss and global grad norm within 1e-5 of DDP (with
 gradient accumulation and clipping active), and each stage's local model-state bytes: ZeRO-3
-at 0.5x DDP in fp32 (parameter partitions stepped in place; 0.625x with DeepSpeed's extra fp32
-copy) and <= 0.55x in bf16-params, ZeRO-1 and ZeRO-2 between ZeRO-3 and DDP. The bf16 ZeRO-3 run also checks
+at 0.625x DDP in fp32 as DeepSpeed ships it (an extra fp32 copy; 0.5x with shardscope's
+``reuse_fp32_partitions`` fix, which steps the parameter partitions in place) and <= 0.55x in bf16-params, ZeRO-1 and ZeRO-2 between ZeRO-3 and DDP. The bf16 ZeRO-3 run also checks
 DeepSpeed's bf16 mode on CPU. The config builder is unit-tested without a launch.
 """
 
@@ -62,7 +62,7 @@ def test_stage3_shards_every_parameter():
 def results(tmp_path_factory):
     runs = [RunSpec("ddp", "ddp")] + [RunSpec(name, name) for name in STAGES]
     runs.append(RunSpec("zero3-bf16", "deepspeed-zero3", precision="bf16-params"))
-    runs.append(RunSpec("zero3-copy", "deepspeed-zero3", options={"reuse_fp32_partitions": False}))
+    runs.append(RunSpec("zero3-reuse", "deepspeed-zero3", options={"reuse_fp32_partitions": True}))
     comparison = tiny_comparison(runs, steps=6, grad_accum=2, grad_clip=0.5)
     return launch_all(tmp_path_factory.mktemp("zero"), comparison)
 
@@ -86,15 +86,15 @@ def _state_bytes(result) -> int:
 def test_each_stage_shards_more_model_state(results):
     """fp32, 2 ranks. ZeRO-1/2 keep a separate fp32 master partition even when the parameters are
     fp32, so per parameter: ZeRO-1 4 + 4 + 12/2 = 14 bytes (0.875x DDP's 16), ZeRO-2
-    4 + (4 + 12)/2 = 12 (0.75x). ZeRO-3 steps its fp32 parameter partitions in place (shardscope's
-    default, ``reuse_fp32_partitions``): (4 + 4 + 8)/2 = 8 (0.5x); with DeepSpeed's extra copy
-    (option off) (4 + 4 + 12)/2 = 10 (0.625x)."""
+    4 + (4 + 12)/2 = 12 (0.75x). ZeRO-3 as DeepSpeed 0.19 ships it (the default) keeps an extra fp32
+    copy too: (4 + 4 + 12)/2 = 10 (0.625x); with shardscope's ``reuse_fp32_partitions`` fix on it
+    steps its fp32 parameter partitions in place: (4 + 4 + 8)/2 = 8 (0.5x)."""
     ddp = _state_bytes(results["ddp"])
-    z1, z2, z3, copy = (_state_bytes(results[name]) / ddp for name in (*STAGES, "zero3-copy"))
-    assert z3 < z2 < z1 < 1.0, (z1, z2, z3)
-    for measured, expected in ((z1, 0.875), (z2, 0.75), (z3, 0.5), (copy, 0.625)):
-        assert abs(measured - expected) < 0.03, (z1, z2, z3, copy)
-    assert z3 <= 0.55
+    z1, z2, z3, reuse = (_state_bytes(results[name]) / ddp for name in (*STAGES, "zero3-reuse"))
+    assert reuse < z3 < z2 < z1 < 1.0, (z1, z2, z3, reuse)
+    for measured, expected in ((z1, 0.875), (z2, 0.75), (z3, 0.625), (reuse, 0.5)):
+        assert abs(measured - expected) < 0.03, (z1, z2, z3, reuse)
+    assert reuse <= 0.55
     # ZeRO-1 and 2 keep whole parameters; only ZeRO-3 partitions them.
     params = {name: results[name].of_kind("memory")[-1]["param_bytes"] for name in ("ddp", *STAGES)}
     assert params["deepspeed-zero1"] == params["deepspeed-zero2"] == params["ddp"]
@@ -104,7 +104,7 @@ def test_each_stage_shards_more_model_state(results):
 @pytest.mark.slow
 def test_reusing_fp32_partitions_trains_identically_and_is_stated(results):
     """Stepping the parameter partitions in place is the same arithmetic as stepping a copy."""
-    reuse, copy = results["deepspeed-zero3"], results["zero3-copy"]
+    copy, reuse = results["deepspeed-zero3"], results["zero3-reuse"]
     assert reuse.losses() == copy.losses() and grad_norms(reuse) == grad_norms(copy)
     assert "in place" in reuse.of_kind("start")[0]["notes"]["fp32_master"]
     assert "separate" in copy.of_kind("start")[0]["notes"]["fp32_master"]
@@ -121,11 +121,14 @@ def test_zero3_in_mixed_precision_holds_at_most_055_of_ddp(results):
 
 @pytest.mark.slow
 def test_bf16_params_hold_bf16_weights_and_fp32_masters(results):
-    fp32, bf16 = results["deepspeed-zero3"], results["zero3-bf16"]
-    mem32, mem16 = fp32.of_kind("memory")[-1], bf16.of_kind("memory")[-1]
+    shipped, reuse, bf16 = results["deepspeed-zero3"], results["zero3-reuse"], results["zero3-bf16"]
+    mem32, mem_reuse, mem16 = (r.of_kind("memory")[-1] for r in (shipped, reuse, bf16))
     assert mem16["param_bytes"] == mem32["param_bytes"] // 2  # bf16 parameter partitions
-    # bf16: fp32 master + 2 moments; fp32 (partitions stepped in place): 2 moments (+ AdamW's step counters)
-    assert abs(mem16["optim_bytes"] / mem32["optim_bytes"] - 1.5) < 0.01, (mem16["optim_bytes"], mem32["optim_bytes"])
+    # bf16 and fp32 as DeepSpeed ships it: fp32 master + 2 moments; fp32 with the reuse fix (partitions
+    # stepped in place): 2 moments (+ AdamW's step counters)
+    assert mem16["optim_bytes"] == mem32["optim_bytes"]
+    assert abs(mem16["optim_bytes"] / mem_reuse["optim_bytes"] - 1.5) < 0.01, (mem16["optim_bytes"],
+                                                                              mem_reuse["optim_bytes"])
     assert bf16.of_kind("start")[0]["notes"]["deepspeed_config"]["bf16"] == {"enabled": True}
     # bf16 rounding, not a different model: close to the fp32 run, and it trains.
     assert max_abs_diff(bf16.losses(), results["ddp"].losses()) < 0.05

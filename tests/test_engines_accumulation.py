@@ -28,5 +28,6 @@ def results(tmp_path_factory):
 def test_two_micro_batches_equal_one_batch(results, name):
     base, accum = results["one-batch"], results[name]
     assert accum.of_kind("start")[0]["grad_accum"] == 2 and accum.of_kind("start")[0]["micro_batch_size"] == 2
-    print(name, assert_matches(base, accum, TOL))
+    # A mean of micro-batch means rounds differently from one mean: step 0 within TOL, not bit-equal.
+    print(name, assert_matches(base, accum, TOL, exact_first=False))
     assert all(s["tokens"] == 8 * 16 for s in accum.steps())

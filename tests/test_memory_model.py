@@ -9,7 +9,7 @@ import pytest
 
 from shardscope import config
 from shardscope.config import ModelSpec, RunSpec
-from shardscope.profiling import estimate, memory_model
+from shardscope.profiling import comm_theory, estimate, memory_model
 
 torch = pytest.importorskip("torch")
 
@@ -125,6 +125,17 @@ def test_checkpointing_shrinks_predicted_activations():
     c = _comparison(ModelSpec(), RunSpec("a", "ddp"), RunSpec("b", "ddp", activation_checkpointing=True))
     a, b = memory_model.predict_comparison(c)
     assert b["activation_bytes"] < a["activation_bytes"] and a["model_state_bytes"] == b["model_state_bytes"]
+
+
+def test_expected_comm_from_a_spec_payload(tmp_path):
+    c = _comparison(UNEVEN, RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2"),
+                    RunSpec("keep", "fsdp2", options={"reshard_after_forward": False}))
+    psi = memory_model.param_count(UNEVEN)
+    got = {r.name: comm_theory.expected_comm(config.run_spec_payload(c, r, out_dir=str(tmp_path), device="cpu"))
+           for r in c.runs}
+    assert got["ddp"]["bytes_per_step"] == 4 * psi
+    assert got["fsdp2"]["bytes_per_step"] == 3 * 4 * psi
+    assert got["keep"]["bytes_per_step"] == 2 * 4 * psi
 
 
 def test_flops_per_token_follows_torchtitan():

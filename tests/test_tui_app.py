@@ -64,7 +64,12 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         steps.value = "12"
         screen.query_one("#knob-world-size").value = "3"
         await pilot.pause()
-        assert "divisible by dp (3)" in str(screen.query_one("#knob-world-size-error").render())
+        # The global batch follows a world size changed alone (8 at 2 ranks -> 12 at 3): no error.
+        assert str(screen.query_one("#knob-world-size-error").render()) == ""
+        assert screen.comparison is not None and screen.comparison.global_batch == 12
+        screen.query_one("#knob-world-size").value = "0"
+        await pilot.pause()
+        assert "world_size = 0: must be > 0" in str(screen.query_one("#knob-world-size-error").render())
         assert str(screen.query_one("#knob-steps-error").render()) == ""
         screen.query_one("#knob-world-size").value = "4"
         screen.query_one("#knob-model-d-model").value = "30"  # 4 heads do not divide 30

@@ -91,7 +91,8 @@ class Prepared:
     - ``model(inputs)`` returns logits ``[batch, seq, vocab]`` (or ``[batch, classes]`` for images).
     - ``backward(loss)`` back-propagates one micro-batch's (already 1/grad_accum-scaled) loss.
     - ``clip_and_step(max_norm)`` returns the *global* gradient norm before clipping (across every
-      shard and tensor-parallel rank), clips to ``max_norm`` unless it is 0, and steps the optimizer.
+      shard and tensor-parallel rank), clips to ``max_norm`` unless it is 0, and steps the optimizer;
+      None when the strategy cannot measure the norm (a NaN would mark the run diverged).
     - ``set_lr(lr)`` sets the learning rate for the coming step.
     - ``no_sync()`` is entered for every micro-batch except the last when accumulating.
     - ``model_state_bytes()`` returns this rank's exact ``param_bytes``, ``grad_bytes`` and
@@ -104,7 +105,7 @@ class Prepared:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    clip_and_step: Callable[[float], float]
+    clip_and_step: Callable[[float], float | None]
     model_state_bytes: Callable[[], dict[str, int]]
     backward: Callable[[torch.Tensor], None] = lambda loss: loss.backward()
     zero_grad: Callable[[], None] | None = None
@@ -112,6 +113,9 @@ class Prepared:
     no_sync: Callable[[], ContextManager[Any]] = _nullcontext
     layer_norms: Callable[[], dict[str, dict[str, float]]] | None = None
     handles_precision: bool = False  # True: the strategy applies the precision policy itself (no loop autocast)
+    # Whether the last step updated the parameters (False: the strategy's own fp16 loss scaler skipped it,
+    # which is not divergence); None: a strategy whose steps are never skipped by itself.
+    step_applied: Callable[[], bool] | None = None
     notes: dict[str, Any] = field(default_factory=dict)  # strategy facts for the start record
 
     def __post_init__(self) -> None:

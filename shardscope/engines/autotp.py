@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
-from shardscope.engines.deepspeed_zero import build_config, import_deepspeed, prepare_engine
+from shardscope.engines.deepspeed_zero import build_config, prepare_engine
 
 
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from shardscope.engines import norms
+from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
-from shardscope.profiling.comm_count import instrument
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -140,7 +140,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     config = build_config(settings, ctx, stage=stage, bucket_mb=int(options.get("bucket_mb", 25)))
     notes: dict[str, Any] = {"zero_stage": stage}
     if stage == 3 and settings.precision.name in ("fp32", "bf16-autocast"):
-        reuse = bool(options.get("reuse_fp32_partitions", True))
+        reuse = bool(options.get("reuse_fp32_partitions", False))
         reuse_fp32_partitions_in_zero3(reuse)
         notes["fp32_master"] = ("the fp32 parameter partitions, stepped in place" if reuse
                                 else "a separate fp32 copy of the parameter partitions (DeepSpeed 0.19 default)")
@@ -238,7 +238,7 @@ def prepare_engine(
     def backward(loss: torch.Tensor) -> None:
         engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(max_norm: float) -> float:
+    def clip_and_step(max_norm: float) -> float | None:
         configured = clip if grad_norm is not None else float(config["gradient_clipping"])
         if abs(max_norm - configured) > 1e-12:
             raise ValueError(f"clip_and_step({max_norm}) but DeepSpeed was configured with "
@@ -247,7 +247,8 @@ def prepare_engine(
         if grad_norm is None:
             engine.step()
             norm = engine.get_global_grad_norm()
-            return float("nan") if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
+            # None: ZeRO-1/2 with gradient-norm computation off. Not measured, not NaN (NaN = diverged).
+            return None if norm is None else float(norm.item() if torch.is_tensor(norm) else norm)
         seen: list[float] = []
 
         def clip_before_step(*_: Any) -> None:
@@ -283,6 +284,7 @@ def prepare_engine(
         # no_sync stays a no-op: with unmanaged accumulation stages 0/1 reduce only in step(),
         # and stages 2/3 must reduce-scatter every micro-batch into their gradient partitions.
         handles_precision=True,
+        step_applied=engine.was_step_applied,  # False after DeepSpeed's fp16 scaler skipped an overflow
         layer_norms=_layer_norms_at_reduction(engine, tp_size),
         notes=facts,
     )
@@ -308,7 +310,7 @@ def _layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[st
             out = reduce(*args, **kwargs)
             if armed[0]:
                 armed[0] = False
-                with instrument():  # the instrument's gathers are not the strategy's communication
+                with instrumentation():  # shardscope's own collectives, not the strategy's
                     found = deepspeed_layer_norms(engine.module, tp_size)
                 if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
                     inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))

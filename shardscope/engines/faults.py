@@ -1,42 +1,111 @@
-"""Fault injection for tests and demos: ``run.fault = "rank=1,step=3,kind=raise|exit|hang"``.
+"""Fault injection for tests and demos: ``run.fault = "rank=1,step=3,kind=..."``.
 
-At the start of the given step, on the given rank: ``raise`` raises RuntimeError (the worker
-writes an error record), ``exit`` calls ``os._exit(3)`` (no records, like a crash), ``hang``
-sleeps forever (like a deadlock; the orchestrator's stall timeout must kill it).
+At the start of the given step, on the given rank:
+
+- ``raise``: raises RuntimeError (the worker writes an error record);
+- ``exit``: ``os._exit(3)`` (no records, like a crash);
+- ``hang``: sleeps forever (like a deadlock; the orchestrator's stall timeout must kill it);
+- ``oom``: raises torch's ``OutOfMemoryError``, as a CUDA allocation that does not fit does;
+- ``memlimit``: caps the rank's address space (RLIMIT_AS) just above what it uses, then allocates
+  1 GiB: the allocator fails as it does on a host without memory;
+- ``oomkill``: moves the rank into a memory cgroup (v1 or v2; needs root) limited just above its
+  use and touches 1 GiB, so the kernel's OOM killer SIGKILLs it; raises RuntimeError where no
+  cgroup can be made;
+- ``nospace``: from this step on the rank's record writer fails with ENOSPC, as on a full disk,
+  until the rank frees its reserved spare (what it does to write its last records);
+- ``slow`` (``kind=slow,ms=50``): the rank is busy ``ms`` more milliseconds in every step from the
+  given one on, like a slower device: it spins rather than sleeps, because a slow device computes
+  (a rank that only slept would look like one waiting in a collective).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
 
 from shardscope.config import parse_fault
+
+_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault."""
+    """One injected fault; ``writer`` is the rank's RecordWriter (for ``nospace``)."""
 
     rank: int
     step: int
-    kind: str  # raise | exit | hang
+    kind: str  # one of config.FAULT_KINDS
+    ms: int = 100  # kind "slow": extra busy milliseconds per step
+    writer: Any = None
 
     @staticmethod
-    def parse(text: str) -> "Fault | None":
+    def parse(text: str, writer: Any = None) -> "Fault | None":
         """Return the fault described by ``text``, or None for an empty spec; raises ValueError."""
         if not text.strip():
             return None
         spec = parse_fault(text)
-        return Fault(spec["rank"], spec["step"], spec["kind"])
+        return Fault(spec["rank"], spec["step"], spec["kind"], spec.get("ms", 100), writer)
 
     def maybe_fire(self, rank: int, step: int) -> None:
-        """Fire the fault if (rank, step) match; raises RuntimeError for kind "raise"."""
+        """Fire the fault if (rank, step) match (see the module docstring for each kind)."""
+        if self.kind == "slow":
+            if rank == self.rank and step >= self.step:
+                busy_until = time.perf_counter() + self.ms / 1000
+                while time.perf_counter() < busy_until:
+                    pass
+            return
         if rank != self.rank or step != self.step:
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")
         if self.kind == "exit":
             os._exit(3)
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(f"injected: tried to allocate 1.00 GiB at step {step} on rank {rank}")
+        if self.kind == "memlimit":
+            vms = psutil.Process().memory_info().vms
+            resource.setrlimit(resource.RLIMIT_AS, (vms + 256 * (1 << 20), resource.RLIM_INFINITY))
+            torch.ones(_GIB // 4, dtype=torch.float32)
+            return
+        if self.kind == "oomkill":
+            _join_limited_cgroup(psutil.Process().memory_info().rss + 64 * (1 << 20))
+            torch.ones(_GIB // 4, dtype=torch.float32)  # written, so resident: the limit is hit
+            raise RuntimeError("oomkill: the memory cgroup limit did not stop this rank")
+        if self.kind == "nospace":
+            self.writer.inject_error(errno.ENOSPC)
+            return
         while True:  # "hang": never returns; only a signal ends it
             time.sleep(3600)
+
+
+def _join_limited_cgroup(limit_bytes: int) -> None:
+    """Move this process into a new memory cgroup limited to ``limit_bytes`` (v2, else v1)."""
+    name = f"shardscope-oomkill-{os.getpid()}"
+    candidates = [("/sys/fs/cgroup", "memory.max", "memory.swap.max"),
+                  ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes")]
+    for root, limit_file, swap_file in candidates:
+        if not os.path.exists(os.path.join(root, limit_file if root.endswith("memory") else "cgroup.controllers")):
+            continue
+        path = os.path.join(root, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, limit_file), "w") as fh:
+                fh.write(str(limit_bytes))
+            try:  # no swapping around the limit
+                with open(os.path.join(path, swap_file), "w") as fh:
+                    fh.write(str(limit_bytes) if root.endswith("memory") else "0")
+            except OSError:
+                pass
+            with open(os.path.join(path, "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+            return
+        except OSError:
+            continue
+    raise RuntimeError("oomkill: no memory cgroup could be made here (needs root and a cgroup memory controller)")

@@ -22,6 +22,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from shardscope import events
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
@@ -29,8 +30,10 @@ from shardscope.engines.data import Batch
 from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
+from shardscope.engines.step_clock import StepClock
+from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.profiling.capture import ProfilerWindow
-from shardscope.profiling.comm_count import instrument
+from shardscope.profiling.phases import PHASE_MARKERS
 
 
 @dataclass
@@ -44,6 +47,8 @@ class LoopConfig:
     log_every: int = 1
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
+    counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
+    stop_on_nonfinite: bool = True  # preset on_nonfinite = "stop": end the run diverged at the first inf/nan
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
 
 
@@ -86,40 +91,57 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     scaler = LossScaler() if scaled else None
     tokens = cfg.global_batch * cfg.tokens_per_sample
     rates: list[float] = []
+    diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
+    clock = StepClock(ctx.device.type == "cpu")
     for step in range(settings.steps):
-        if cfg.fault is not None:
-            cfg.fault.maybe_fire(ctx.rank, step)
+        clock.begin()
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
+        if cfg.counter is not None:
+            cfg.counter.begin_step(step)
         micro = micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
+        clock.lap("data")
+        if cfg.fault is not None:  # inside the timed step: a "slow" rank's extra work is step time
+            cfg.fault.maybe_fire(ctx.rank, step)
         lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
                    min_lr_ratio=cfg.min_lr_ratio)
         assert prep.set_lr is not None and prep.zero_grad is not None
         prep.set_lr(lr)
         prep.zero_grad()
-        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler)
+        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler, clock)
         # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
         handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
         finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        with instrument():
+        with instrumentation():  # shardscope's own collectives, set apart from the strategy's
             layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        grad_norm, skipped = (float(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        with record_function(PHASE_MARKERS["step"]):
+            grad_norm, skipped = (_norm(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
+        # A strategy with its own fp16 loss scaler (DeepSpeed) says whether it skipped the step: not divergence.
+        skipped = skipped or (prep.step_applied is not None and not prep.step_applied())
+        clock.lap("optimizer")
         handle.wait()
+        clock.lap("comm_wait")
         loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
         _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
         dt = time.perf_counter() - t0
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
-            counted = cfg.profiler.take_comm_count()
-            if counted is not None:
-                writer.write(events.COMM, step=step, **counted)
+        counted = cfg.counter.end_step(step) if cfg.counter is not None else None
+        if counted is not None:
+            writer.write(events.COMM, **counted)
         rate = (tokens or cfg.global_batch) / dt
         if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
             rates.append(rate)
-        if step % cfg.log_every == 0 or step == settings.steps - 1:
+        # The loss is reduced over dp and the norm is global, so every rank sees the same verdict and
+        # all of them stop at the same step: none is left waiting in a collective.
+        nonfinite = events.nonfinite_fields({"loss": loss, "grad_norm": grad_norm, "skipped": skipped})
+        if nonfinite and not diverged:
+            diverged = {"first_nonfinite_step": step, "nonfinite": nonfinite}
+        stop_now = bool(nonfinite) and cfg.stop_on_nonfinite
+        if step % cfg.log_every == 0 or step == settings.steps - 1 or stop_now:
             record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
             if tokens:
                 record.update(tokens=tokens, tokens_per_s=rate)
@@ -129,18 +151,28 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
                 record["profiled"] = True
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
+            record.update(clock.fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
         if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
             writer.write(events.LAYERS, step=step, grad_norms=layer_record["grad"], param_norms=layer_record["param"])
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
-    write_memory(prep, ctx, writer, settings.steps - 1, "end")
+        if stop_now:
+            break
+    write_memory(prep, ctx, writer, cfg.steps_completed - 1, "end")
     extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
-    writer.write(events.END, status="ok", steps_completed=settings.steps, **extra,
+    writer.write(events.END, status="diverged" if diverged else "ok", steps_completed=cfg.steps_completed,
+                 **diverged, **extra,
                  median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
                  median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
-    return settings.steps
+    return cfg.steps_completed
+
+
+def _norm(value: float | None) -> float | None:
+    """The global gradient norm as a float; None when the strategy could not measure it (never a NaN,
+    which would read as divergence)."""
+    return None if value is None else float(value)
 
 
 def compiled_graph_count() -> int:
@@ -152,7 +184,7 @@ def compiled_graph_count() -> int:
 
 
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
-                      scaler: LossScaler | None) -> torch.Tensor:
+                      scaler: LossScaler | None, clock: StepClock) -> torch.Tensor:
     """Run every micro-batch forward and backward; return the detached sum of their losses."""
     loss_sum = torch.zeros(1, device=ctx.device)
     for i, (inputs, targets) in enumerate(micro):
@@ -162,11 +194,16 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
         with contextlib.nullcontext() if last else prep.no_sync():
             autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                         else contextlib.nullcontext())
-            with autocast:
-                logits = prep.model(inputs)
-            loss = loss_fn(logits, targets)
+            # The phase markers let the trace analysis tell forward, backward and step collectives apart.
+            with record_function(PHASE_MARKERS["forward"]):
+                with autocast:
+                    logits = prep.model(inputs)
+                loss = loss_fn(logits, targets)
+            clock.lap("forward")
             scaled = loss / len(micro)
-            prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
+            with record_function(PHASE_MARKERS["backward"]):
+                prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
+            clock.lap("backward")
         loss_sum += loss.detach()
     return loss_sum
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -21,6 +21,9 @@ class OptionSpec:
     help: str
     choices: tuple[Any, ...] | None = None
     minimum: int | None = None
+    # True for an option that changes the framework's own behaviour (a fix shardscope applies): it
+    # defaults off, so a run measures the framework as it ships, and reports show both figures when on.
+    framework_fix: bool = False
 
     def describe(self) -> str:
         """Return what values are allowed, for error messages."""
@@ -31,22 +34,6 @@ class OptionSpec:
         if self.minimum is not None:
             return f"an integer >= {self.minimum}"
         return f"a {self.type.__name__}"
-
-
-@dataclass(frozen=True)
-class CommRecipe:
-    """How a strategy communicates in a step, for the communication theory (profiling/comm_theory.py)."""
-
-    grads: str = "all_reduce"  # how gradients are reduced over dp when something is sharded: all_reduce | reduce_scatter
-    gathers: str = "none"  # parameters gathered: none | after_step (updated partitions) | per_unit (before use)
-    root_regathers: bool = True  # per_unit: the root unit (embeddings, final norm, head) gathered again for backward
-    regather: str = "reshard"  # per_unit backward re-gather: "reshard" (reshard_after_forward) | "reuse_distance" (ZeRO-3)
-    padding: str = "none"  # none | unit (each flat unit padded to a multiple of dp) | dim0 (each tensor's dim 0)
-    low_precision_params: bool = False  # under bf16-params/fp16, parameters are gathered in the compute dtype
-    reduce_in_param_dtype: bool = False  # ... and gradients reduced in it too (DeepSpeed's 16-bit gradients)
-    reduce_per_micro_batch: bool = False  # gradients reduced after every micro-batch, not once per step
-    broadcasts_buffers: bool = False  # module buffers broadcast from rank 0 before every forward (DDP)
-    notes: tuple[str, ...] = ()  # one line per way it departs from the textbook formula
 
 
 @dataclass(frozen=True)
@@ -65,11 +52,14 @@ class StrategyInfo:
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
     shard_layout: str = "flat"  # "flat": each unit's elements split evenly; "per-parameter": each tensor's dim 0
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
+    # Where it moves other bytes than the textbook formula (profiling/comm_theory.py QUIRKS): "root-kept"
+    # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
+    # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward).
+    comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
     # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
     traceable: bool = False
-    comm: CommRecipe = field(default_factory=CommRecipe)
 
     def tp_degree(self, options: dict[str, Any]) -> int:
         """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
@@ -78,12 +68,6 @@ class StrategyInfo:
         return int(options.get(self.tp_option, self.options[self.tp_option].default))
 
 
-_ROOT_KEPT = "keeps the root unit (embeddings, final norm, head) gathered from forward into backward: re-gathers only blocks"
-_ZERO12_COMM = CommRecipe(gathers="after_step", low_precision_params=True,
-                          notes=("DeepSpeed ZeRO-1/2 all-reduce gradient buckets, each rank keeping its partition, "
-                                 "then all-gather the updated parameters",))
-_ZERO3_COMM = CommRecipe(grads="reduce_scatter", gathers="per_unit", regather="reuse_distance",
-                         low_precision_params=True, reduce_in_param_dtype=True)
 _BOOL_RESHARD = OptionSpec(bool, True, "free gathered parameters after forward (re-gather in backward)")
 
 STRATEGIES: dict[str, StrategyInfo] = {}
@@ -107,7 +91,6 @@ register(
             "static_graph": OptionSpec(bool, False, "tell DDP the graph does not change between steps"),
         },
         shards="none",
-        comm=CommRecipe(broadcasts_buffers=True),
     )
 )
 
@@ -124,7 +107,6 @@ register(
         shards="all",
         shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0
         traceable=True,
-        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", padding="dim0", low_precision_params=True),
     )
 )
 
@@ -147,8 +129,7 @@ register(
                                             "(0 = the ranks of one node)", minimum=0),
         },
         shards="all",
-        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", root_regathers=False, padding="unit",
-                        low_precision_params=True, notes=(_ROOT_KEPT,)),
+        comm_quirks=("root-kept",),
     )
 )
 
@@ -163,8 +144,7 @@ register(
         },
         models=("transformer", "hf", "vit"),
         shards="all",
-        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", root_regathers=False, padding="unit",
-                        low_precision_params=True, reduce_per_micro_batch=True, notes=(_ROOT_KEPT,)),
+        comm_quirks=("root-kept",),
     )
 )
 
@@ -172,8 +152,9 @@ register(
 # DeepSpeed ZeRO: one name per stage, because each shards a different set of model states
 # (which the memory model reads from ``shards``). All three share one module and config builder.
 _DS_BUCKET = OptionSpec(int, 25, "reduce / all-gather bucket size in MiB", minimum=1)
-_DS_REUSE = OptionSpec(bool, True, "fp32 runs: the fp32 parameter partitions are the master weights, stepped in "
-                       "place (DeepSpeed's intended path; false keeps DeepSpeed 0.19's extra fp32 copy)")
+_DS_REUSE = OptionSpec(bool, False, "fp32 runs: true makes the fp32 parameter partitions the master weights, "
+                       "stepped in place (DeepSpeed's intended path, which 0.19 misses); false (default) keeps "
+                       "DeepSpeed's extra fp32 copy, as it ships", framework_fix=True)
 for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Adam moments) sharded"),
                                (2, "grads", "optimizer states and gradients sharded"),
                                (3, "all", "optimizer states, gradients and parameters sharded")):
@@ -185,7 +166,7 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
-            comm=_ZERO3_COMM if _stage == 3 else _ZERO12_COMM,
+            comm_quirks=("live-params-kept",) if _stage == 3 else ("grads-all-reduced",),
         )
     )
 
@@ -205,8 +186,8 @@ register(
         tp_option="tp",
         models=("hf",),
         shards="optim",  # at the default stage 1
-        comm=_ZERO12_COMM,
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
+        comm_quirks=("grads-all-reduced",),
     )
 )
 
@@ -224,7 +205,6 @@ register(
         tp_option="tp",
         shards="all",
         shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
-        comm=CommRecipe(grads="reduce_scatter", gathers="per_unit", padding="dim0", low_precision_params=True),
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -31,15 +32,19 @@ from shardscope import events
 from shardscope.config import Comparison
 from shardscope.engines import registry
 from shardscope.engines.api import RankContext, TrainSettings
+from shardscope.engines import failure
 from shardscope.engines.data import build_batches
 from shardscope.engines.faults import Fault
 from shardscope.engines.init_weights import load_init
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
+from shardscope.engines.watchdog import OrchestratorWatch
+from shardscope.engines.comm_count import CountWindow
 from shardscope.profiling.capture import ProfilerWindow
 
 EXIT_FAILED, EXIT_STOPPED = 1, 143
+SPARE_BYTES = 64 << 10  # room for the last records (error + end with a traceback) on a full disk
 
 
 class Stopped(BaseException):
@@ -145,30 +150,61 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     prof = comparison.profile
     window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
-                            cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory,
-                            count_collectives=prof.count_collectives)
+                            cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
-                 device_name=device_name(ctx.device), init_sha256=file_sha256(spec["init_path"]),
+                 device_name=device_name(ctx.device), host=socket.gethostname(), init_sha256=file_sha256(spec["init_path"]),
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
-                 grad_accum=settings.grad_accum, notes=prep.notes)
+                 grad_accum=settings.grad_accum, notes=prep.notes,
+                 straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window})
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
-    cfg.fault, cfg.profiler = Fault.parse(run.get("fault", "")), window
+    cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
+    cfg.counter = CountWindow(enabled=window.enabled and prof.count_collectives, start_step=prof.start_step,
+                              steps=prof.steps, total_steps=comparison.steps)
+    cfg.stop_on_nonfinite = comparison.on_nonfinite == "stop"
     try:
         train(prep, ctx, settings, cfg, micro_batches, writer)
-    finally:
-        window.close()
+    except BaseException:
+        try:  # a profiler that cannot stop cleanly must not hide why training ended
+            window.close()
+            cfg.counter.close()
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    window.close()
 
 
-def write_failure(writer: events.RecordWriter, exc: BaseException, steps_completed: int) -> None:
-    """Print the traceback to stderr and write the ``error`` and ``end`` (failed) records."""
-    first_line = str(exc).splitlines()[0] if str(exc) else ""
-    message = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+def write_failure(writer: events.RecordWriter, exc: BaseException, rank: int, steps_completed: int) -> None:
+    """Print the traceback to stderr and write the ``error`` and ``end`` (failed) records.
+
+    The message names out of memory (with rank and step) and a full or unwritable disk (with the
+    path) rather than the exception type alone; on a disk fault the writer's spare is freed first,
+    so that these last records fit. A console that cannot be written either is not an error.
+    """
+    message, cause = failure.describe(exc, rank, steps_completed)
     text = traceback.format_exc()
-    print(text, file=sys.stderr, flush=True)
-    writer.write(events.ERROR, message=message, traceback=text)
-    writer.write(events.END, status="failed", steps_completed=steps_completed)
+    if cause == failure.DISK:
+        writer.release_spare()
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    try:
+        writer.write(events.ERROR, message=message, cause=cause, step=steps_completed, traceback=text,
+                     host=socket.gethostname())
+        writer.write(events.END, status="failed", steps_completed=steps_completed)
+    except OSError:  # nothing more can be recorded; the orchestrator diagnoses the output directory
+        pass
+
+
+def write_stopped(writer: events.RecordWriter, steps_completed: int, watch: OrchestratorWatch) -> None:
+    """Write ``end`` stopped; its reason says when the orchestrator was lost. A full disk is not an error."""
+    reason = {"reason": events.ORCHESTRATOR_LOST} if watch.lost() else {}
+    try:
+        writer.write(events.END, status="stopped", steps_completed=steps_completed, **reason)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,21 +217,25 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(fh)
     rank = int(os.environ.get("RANK", "0"))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    writer = events.RecordWriter(os.path.join(spec["run_dir"], "metrics", f"rank{rank}.jsonl"), spec["run"]["name"], rank)
+    watch = OrchestratorWatch()
+    watch.start(exit_code=EXIT_STOPPED)  # a rank never outlives its orchestrator
+    writer = events.RecordWriter(os.path.join(spec["run_dir"], "metrics", f"rank{rank}.jsonl"), spec["run"]["name"],
+                                 rank, spare_bytes=SPARE_BYTES)
     code = 0
     cfg = LoopConfig(global_batch=0, tokens_per_sample=0, min_lr_ratio=0.0)  # filled in by run_rank
     try:
         ctx = init_distributed(spec)
         run_rank(spec, ctx, writer, cfg)
     except (Stopped, KeyboardInterrupt):  # SIGTERM from the orchestrator or torchrun; Ctrl-C in a terminal
-        writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
+        write_stopped(writer, cfg.steps_completed, watch)
         code = EXIT_STOPPED
     except BaseException as exc:  # noqa: BLE001 - recorded, then the rank exits non-zero
-        if _STOP_REQUESTED:  # a peer stopped first and broke our collective: still a stop, not a failure
-            writer.write(events.END, status="stopped", steps_completed=cfg.steps_completed)
+        # A peer stopped first (or the orchestrator is gone) and broke our collective: a stop, not a failure.
+        if _STOP_REQUESTED or watch.lost():
+            write_stopped(writer, cfg.steps_completed, watch)
             code = EXIT_STOPPED
         else:
-            write_failure(writer, exc, cfg.steps_completed)
+            write_failure(writer, exc, rank, cfg.steps_completed)
             code = EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # do not interrupt the cleanup
@@ -213,8 +253,11 @@ def exit_now(code: int) -> None:
     finished and written its ``end`` record (seen here intermittently with torch 2.13 and gloo; see
     pytorch/pytorch#179291). Skipping finalization keeps a finished run finished.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a console on a full disk
+            pass
     os._exit(code)
 
 

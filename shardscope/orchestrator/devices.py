@@ -38,11 +38,20 @@ def gpu_names() -> list[str]:
 
 
 def visible_gpu_count(names: list[str]) -> int:
-    """Return how many of ``names`` CUDA_VISIBLE_DEVICES leaves visible."""
+    """Return how many of the GPUs NVML found (``names``) CUDA_VISIBLE_DEVICES leaves visible.
+
+    NVML is believed: without a GPU it found, the variable alone (SLURM sets ``CUDA_VISIBLE_DEVICES=0`` on a
+    CPU node of a GPU allocation) counts nothing. An entry of ``-1`` hides every device after it, as in CUDA.
+    """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return len(names)
-    return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+    entries = []
+    for entry in (v.strip() for v in visible.split(",")):
+        if not entry or entry == "-1":
+            break
+        entries.append(entry)
+    return min(len(entries), len(names))
 
 
 def resolve_device(requested: str) -> str:

@@ -4,7 +4,8 @@ torchrun starts each worker in a session of its own (``start_new_session=True`` 
 torch.distributed.elastic), so signalling torchrun's process group does not reach the ranks.
 ``RunProcess`` therefore remembers every descendant it has seen (psutil) and, on stop, sends
 SIGTERM to torchrun's group (torchrun forwards it to the ranks), then SIGKILL after the grace
-period to the group and to every remembered descendant still alive.
+period to the group and to every remembered descendant still alive. Nothing outlives the
+orchestrator either: see ``lifeline`` (torchrun's parent-death signal, the ranks' watchdog).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
+
+from shardscope.orchestrator import lifeline
 
 
 def free_port() -> int:
@@ -57,15 +60,18 @@ def torchrun_argv(
 ) -> tuple[str, ...]:
     """Return the exact torchrun command for one run.
 
-    Single node without an endpoint gets a free local port; several nodes use the given
-    c10d rendezvous endpoint (``host:port``) and node rank.
+    One node: c10d rendezvous on the given endpoint, or a free local port. Several nodes: torchrun's
+    static rendezvous hosted by node 0 at ``rdzv_endpoint``, with ``--node-rank``: global ranks are then
+    ``node_rank * nproc_per_node + local_rank``, so node N's ranks are known before launch (a fault, a
+    label, a lost node can be tied to a node). c10d would order nodes by host name and process id, and
+    ignores ``--node-rank`` with a warning. The rendezvous id keeps jobs' store keys apart.
     """
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     argv = [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(nproc_per_node),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", "c10d" if nnodes == 1 else "static",
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", rdzv_id,
         "--max-restarts", "0",
@@ -74,6 +80,18 @@ def torchrun_argv(
         argv += ["--node-rank", str(node_rank)]
     argv += ["-m", "shardscope.engines.worker", spec_path]
     return tuple(argv)
+
+
+def endpoint_for_run(endpoint: str, index: int) -> str:
+    """Return ``host:port+index``: each run of a multi-node comparison its own rendezvous port.
+
+    A node that finishes a run first starts the next one at once; on the same port it could reach the
+    store node 0's previous run still holds, and fail when that store closes.
+    """
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        return endpoint
+    return f"{host}:{int(port) + index}"
 
 
 def worker_env(device: str) -> dict[str, str]:
@@ -104,7 +122,7 @@ class RunProcess:
         return self.popen.poll()
 
     def refresh_descendants(self) -> dict[int, int]:
-        """Remember torchrun's current descendants; return {pid: local rank} for worker processes."""
+        """Remember torchrun's current descendants; return {pid: global rank} for worker processes."""
         ranks: dict[int, int] = {}
         try:
             children = psutil.Process(self.pid).children(recursive=True)
@@ -113,7 +131,7 @@ class RunProcess:
         for child in children:
             try:
                 self.seen.setdefault(child.pid, child.create_time())
-                env_rank = child.environ().get("LOCAL_RANK")
+                env_rank = child.environ().get("RANK")  # global: several nodes label ranks alike
                 if env_rank is not None:
                     ranks[child.pid] = int(env_rank)
             except (psutil.Error, ValueError):
@@ -179,12 +197,22 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
 
 
 def start(plan: LaunchPlan) -> RunProcess:
-    """Start the plan's command in a new process group, stdout and stderr appended to its console log."""
+    """Start the plan's command in a new process group, stdout and stderr appended to its console log.
+
+    Call it from a thread that outlives the job: torchrun gets SIGTERM when that thread ends
+    (``lifeline.die_with_parent``), and its ranks stop when this process is gone. Raises OSError
+    when the console log cannot be written.
+    """
     os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
     log = open(plan.console_path, "ab", buffering=0)
-    log.write(f"$ {plan.shell_line()}\n".encode())
+    try:
+        log.write(f"$ {plan.shell_line()}\n".encode())
+    except OSError:
+        log.close()
+        raise
     env = dict(os.environ)
     env.update(plan.env)
+    env.update(lifeline.rank_env())
     popen = subprocess.Popen(
         plan.argv,
         stdout=log,
@@ -193,5 +221,6 @@ def start(plan: LaunchPlan) -> RunProcess:
         cwd=plan.cwd,
         env=env,
         start_new_session=True,  # its own process group, so the whole job can be signalled
+        preexec_fn=lifeline.die_with_parent(),  # torchrun ends when this thread or process does
     )
     return RunProcess(plan=plan, popen=popen, _log=log)

@@ -15,9 +15,10 @@ import time
 from typing import Any, Callable
 
 from shardscope.config import Comparison
-from shardscope.events import read_records
-from shardscope.orchestrator import state
-from shardscope.orchestrator.session import Completion
+from shardscope.events import ORCHESTRATOR_LOST, read_records
+from shardscope.orchestrator import lifeline, state
+from shardscope.orchestrator.completion import Completion
+from shardscope.orchestrator.root_cause import root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import tail_text
 
@@ -27,6 +28,14 @@ def load_comparison(out_dir: str) -> Comparison:
     path = os.path.join(out_dir, "comparison.json")
     with open(path, encoding="utf-8") as fh:
         return Comparison.from_dict(json.load(fh))
+
+
+def used_out_dir_error(out_dir: str) -> str:
+    """Return one line refusing ``out_dir`` when it already holds a comparison ("" when it is free):
+    a new comparison there would reuse its shared initial weights and mix its files."""
+    if os.path.exists(os.path.join(out_dir, "comparison.json")):
+        return f"{out_dir}: already holds a comparison; choose a new directory (or open it with `shardscope open`)"
+    return ""
 
 
 def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dict[str, Any] | None, name: str) -> state.StatusChanged:
@@ -40,11 +49,18 @@ def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dic
                                            entry.get("traceback_tail", ""))
     errors = [r for r in records if r.get("kind") == "error"]
     ends = [r for r in records if r.get("kind") == "end"]
-    if errors:
-        return state.StatusChanged(name, state.FAILED, str(errors[0].get("message", "error")),
-                                   str(errors[0].get("traceback", "")))
+    lost = any(e.get("reason") == ORCHESTRATOR_LOST for e in ends)
     ranks = {r.get("rank") for r in records}
     ended = {e.get("rank") for e in ends}
+    if lost or (not ranks <= ended or not records) and lifeline.orchestrator_state(os.path.dirname(run_dir)) == "lost":
+        # No verdict, no summary, no end (or an end saying so): whoever decided this run is gone.
+        return state.StatusChanged(name, state.STOPPED, ORCHESTRATOR_LOST if records else
+                                   f"{ORCHESTRATOR_LOST} before it started", tail_text(os.path.join(run_dir, "console.log"), 20))
+    if errors:
+        return state.StatusChanged(name, state.FAILED, *root_cause(errors))
+    if ends and ranks <= ended and any(e.get("status") == state.DIVERGED for e in ends):
+        step = min(e.get("first_nonfinite_step", 0) for e in ends if e.get("status") == state.DIVERGED)
+        return state.StatusChanged(name, state.DIVERGED, f"non-finite loss or grad norm at step {step}")
     if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
         return state.StatusChanged(name, state.OK)
     if not records:
@@ -87,9 +103,7 @@ def replay_updates(out_dir: str) -> list[Update]:
         final = _status_from_files(run_dir, records, summary, run.name)
         end_t = records[-1].get("t", time.time()) if records else time.time()
         updates.append(state.StatusChanged(final.run, final.status, final.error, final.traceback, t=end_t))
-    sample = last_device_sample(out_dir)
-    if sample is not None:
-        updates.append(sample)
+    updates.extend(device_samples(out_dir))
     if summary is not None:
         code = 0 if summary.get("all_ok") else 1
         report = os.path.join(out_dir, "report.md")
@@ -97,18 +111,22 @@ def replay_updates(out_dir: str) -> list[Update]:
     return updates
 
 
-def last_device_sample(out_dir: str) -> state.DeviceSample | None:
-    """Return the last device sample recorded in ``<out_dir>/devices.jsonl``, or None."""
-    path = os.path.join(out_dir, "devices.jsonl")
-    text = tail_text(path, 1)
-    if not text:
-        return None
+def device_samples(out_dir: str) -> list[state.DeviceSample]:
+    """Return every device sample recorded in ``<out_dir>/devices.jsonl`` (unreadable lines skipped)."""
     try:
-        data = json.loads(text)
-        readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
-        return state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0)))
-    except (ValueError, KeyError, TypeError):
-        return None
+        with open(os.path.join(out_dir, "devices.jsonl"), encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            data = json.loads(line)
+            readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
+            out.append(state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def replay_states(out_dir: str) -> dict[str, RunState]:

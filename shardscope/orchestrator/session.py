@@ -10,8 +10,6 @@ the background thread acts on at its next poll.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -21,9 +19,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardscope import config
+from shardscope import config, outspace
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import launcher, state
+from shardscope.orchestrator import launcher, lifeline, nodes, state, verdict
+from shardscope.orchestrator.completion import Completion
+from shardscope.orchestrator.device_log import DeviceLog
+from shardscope.orchestrator.reporting import write_reports
+from shardscope.orchestrator.root_cause import is_secondary, root_cause
 from shardscope.orchestrator.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
 
@@ -63,24 +65,11 @@ class _Active:
     saw_end: str = ""  # status of an `end` record from rank 0, if any
     error: str = ""
     traceback: str = ""
-    ranks: dict[int, int] = field(default_factory=dict)  # pid -> local rank
-
-
-class Completion:
-    """The end of a source's work: ``wait`` and ``finished`` (shared by Session and ReplaySource)."""
-
-    exit_code: int | None
-    _done: threading.Event
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Block until the work ends (or ``timeout``); return the exit code, or None if not ended."""
-        self._done.wait(timeout)
-        return self.exit_code if self._done.is_set() else None
-
-    @property
-    def finished(self) -> bool:
-        """True once everything ended (a session: every run ended and the reports were written)."""
-        return self._done.is_set()
+    cause: str = ""  # the root-cause error record's cause: oom | disk | error
+    last_steps: dict[int, int] = field(default_factory=dict)  # rank -> last step recorded
+    ranks: dict[int, int] = field(default_factory=dict)  # pid -> global rank
+    errors: list[dict] = field(default_factory=list)  # every rank's error records (root_cause picks one)
+    ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
 
 
 class Session(Completion):
@@ -116,8 +105,10 @@ class Session(Completion):
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._pending: list[Update] = []
-        self._sampler = None
-        self._device_log = None
+        self._sampler: DeviceLog | None = None
+        self._spare = outspace.Spare(self.out_dir)  # freed on a disk fault, so the summary fits
+        launch = comparison.launch
+        self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s)
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -155,12 +146,16 @@ class Session(Completion):
     def _emit(self, update: Update) -> None:
         self._pending.append(update)
         state.fold([update], self.states)
-        if isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
+        owner = nodes.owns_verdict(self.comparison.launch.node_rank)
+        if owner and isinstance(update, state.StatusChanged) and update.status in state.FINISHED:
             # The orchestrator's verdict goes on disk too, so reports rebuilt from files agree with it.
             run_dir = os.path.join(self.out_dir, update.run)
-            os.makedirs(run_dir, exist_ok=True)
-            dump_json(os.path.join(run_dir, "status.json"),
-                      {"status": update.status, "error": update.error, "traceback": update.traceback, "t": update.t})
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                dump_json(os.path.join(run_dir, "status.json"), {"status": update.status, "error": update.error,
+                                                                 "traceback": update.traceback, "t": update.t})
+            except OSError as err:  # a full disk: the live view and the summary still carry the verdict
+                self._pending.append(state.Notice(f"{update.run}: status.json not written: {err}", "warning"))
 
     def _flush(self) -> None:
         if not self._pending:
@@ -177,6 +172,10 @@ class Session(Completion):
     def _main(self) -> None:
         try:
             os.makedirs(self.out_dir, exist_ok=True)
+            self._spare.reserve()
+            if self.comparison.launch.node_rank == 0:
+                lifeline.write_identity(self.out_dir)
+            self._watch.start()
             for run in self.comparison.runs:
                 self._define(run)
             self._queue.extend(self.run_names)
@@ -190,15 +189,19 @@ class Session(Completion):
         except Exception as err:  # keep the contract: every run ends with a status, a summary is written
             import traceback
 
-            self._emit(state.Notice(f"orchestrator error: {err!r}", "error"))
+            disk = outspace.disk_error(err)
+            message = outspace.describe(disk) if disk is not None else f"orchestrator error: {err!r}"
+            if disk is not None:
+                self._spare.release()
+            self._emit(state.Notice(message, "error"))
             for name in self.run_names:
                 if self.states[name].status not in state.FINISHED:
-                    self._emit(state.StatusChanged(name, state.FAILED, f"orchestrator error: {err!r}",
-                                                   traceback.format_exc()))
+                    self._emit(state.StatusChanged(name, state.FAILED, message, traceback.format_exc()))
             for active in list(self._active.values()):
                 active.proc.kill()
         finally:
             self._stop_sampler()
+            self._watch.stop()
             self._finish()
 
     def _define(self, run: config.RunSpec) -> None:
@@ -254,6 +257,7 @@ class Session(Completion):
         max_active = len(self.run_names) if self.comparison.launch.concurrent else 1
         while True:
             self._handle_requests()
+            self._check_nodes()
             while self._queue and len(self._active) < max_active and not self._stopping:
                 self._launch(self._queue.popleft())
             if not self._active and (not self._queue or self._stopping):
@@ -266,6 +270,17 @@ class Session(Completion):
             self._emit(state.StatusChanged(name, state.STOPPED, "stopped before it started"))
         self._queue.clear()
         self._flush()
+
+    def _check_nodes(self) -> None:
+        """Node 0: a lost node fails the active runs (their ranks here are stopped) and every queued run."""
+        lost = self._watch.lost()
+        if not lost:
+            return
+        message = nodes.lost_message(lost, self._watch.timeout_s)
+        for active in self._active.values():
+            active.stop_reason = active.stop_reason or message
+        while self._queue:
+            self._emit(state.StatusChanged(self._queue.popleft(), state.FAILED, message))
 
     def _handle_requests(self) -> None:
         while self._requests:
@@ -293,17 +308,18 @@ class Session(Completion):
         run_dir = os.path.join(self.out_dir, run.name)
         ws = config.resolved_world_size(self.comparison, run)
         launch = self.comparison.launch
+        prefix = launch.rdzv_id or f"shardscope-{self.comparison.name}"
         argv = launcher.torchrun_argv(
             os.path.join(run_dir, "spec.json"),
             nproc_per_node=ws // launch.nnodes,
             nnodes=launch.nnodes,
             node_rank=launch.node_rank,
-            rdzv_endpoint=launch.rdzv_endpoint,
-            rdzv_id=f"shardscope-{self.comparison.name}-{run.name}",
+            rdzv_endpoint=launcher.endpoint_for_run(launch.rdzv_endpoint, self.run_names.index(run.name)),
+            rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
         )
         return launcher.LaunchPlan(run.name, argv, launcher.worker_env(self.device),
-                                   os.path.join(run_dir, "console.log"), os.getcwd())
+                                   os.path.join(run_dir, nodes.console_name(launch.node_rank)), os.getcwd())
 
     def _launch(self, name: str) -> None:
         run = self.comparison.run(name)
@@ -314,13 +330,20 @@ class Session(Completion):
             os.replace(run_dir, os.path.join(self.out_dir, f"{name}.attempt{attempt}"))
             self._define(run)
         self._attempts[name] = attempt + 1
-        os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        dump_json(os.path.join(run_dir, "spec.json"),
-                  config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
         plan = self._plan(run)
         self._emit(state.StatusChanged(name, state.STARTING))
         self._emit(state.Notice(f"{name}: {plan.shell_line()}"))
-        proc = launcher.start(plan)
+        try:
+            os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+            dump_json(os.path.join(run_dir, "spec.json"),
+                      config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
+            proc = launcher.start(plan)
+        except OSError as err:
+            disk = outspace.disk_error(err)
+            if disk is None:
+                raise
+            self._halt_for_disk(name, verdict.Verdict(outspace.describe(disk), "", verdict.DISK))
+            return
         self._active[name] = _Active(name, proc, MetricsTailer(os.path.join(run_dir, "metrics")),
                                      ConsoleTailer(plan.console_path), time.monotonic())
 
@@ -339,6 +362,8 @@ class Session(Completion):
         else:
             active.proc.kill()  # torchrun ended: make sure no rank outlived it
         self._read(active)
+        if code != 0 and self.comparison.launch.nnodes > 1:
+            self._await_other_nodes(active)
         self._settle(active, active.proc.poll())
 
     def _read(self, active: _Active) -> None:
@@ -347,15 +372,28 @@ class Session(Completion):
             active.last_progress = time.monotonic()
             active.started = True
             for r in records:
-                if r.get("kind") == "error" and not active.error:
-                    active.error = str(r.get("message", "error"))
-                    active.traceback = str(r.get("traceback", ""))
-                elif r.get("kind") == "end" and r.get("rank") == 0:
-                    active.saw_end = str(r.get("status", ""))
+                if r.get("kind") == "step":
+                    active.last_steps[int(r.get("rank", 0))] = int(r.get("step", 0))
+                elif r.get("kind") == "error":
+                    active.errors.append(r)
+                    active.error, active.traceback = root_cause(active.errors)
+                    active.cause = verdict.cause_of(active.errors, active.error)
+                elif r.get("kind") == "end":
+                    active.ended.add(int(r.get("rank", -1)))
+                    if r.get("rank") == 0:
+                        active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
         text = active.console.poll()
         if text:
             self._emit(state.ConsoleText(active.name, text))
+
+    def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
+        """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""
+        world = self.states[active.name].world_size
+        deadline = time.monotonic() + timeout_s
+        while len(active.ended) < world and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self._read(active)
 
     def _stall_limit(self, active: _Active) -> float:
         """Seconds without a new record before a run counts as stalled (startup gets longer)."""
@@ -373,13 +411,41 @@ class Session(Completion):
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
                 f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
+        elif active.stop_reason:  # a lost node
+            update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
+        elif active.saw_end == state.DIVERGED:  # every rank ended at the same non-finite step
+            update = state.StatusChanged(active.name, state.DIVERGED, self.states[active.name].divergence)
         elif code == 0 and active.saw_end in ("ok", ""):
             update = state.StatusChanged(active.name, state.OK)
         else:
-            console = tail_text(active.proc.plan.console_path, 30)
-            error = active.error or _last_line(console) or f"torchrun exited with code {code}"
-            update = state.StatusChanged(active.name, state.FAILED, error, active.traceback or console)
+            found = self._failure(active, code)
+            if found.cause == verdict.DISK:
+                self._halt_for_disk(active.name, found)
+                return
+            error = found.error
+            if not active.error or is_secondary(active.error):  # peers' errors only: did a node vanish?
+                error = nodes.silent_verdict(active.ended | {int(e.get("rank", -1)) for e in active.errors},
+                                             self.states[active.name].world_size, self.comparison.launch) or error
+            update = state.StatusChanged(active.name, state.FAILED, error, found.traceback)
         self._emit(update)
+
+    def _failure(self, active: _Active, code: int | None) -> verdict.Verdict:
+        """Why a run failed: its error record, else a kill (OOM or not) or the output disk, else the console."""
+        recorded = verdict.Verdict(active.error, active.traceback, active.cause or verdict.ERROR) if active.error else None
+        if recorded is not None and recorded.cause != verdict.ERROR:
+            return recorded
+        console = tail_text(active.proc.plan.console_path, 60)
+        return (verdict.from_kill(console, active.last_steps) or recorded  # a killed rank's peers only saw it go
+                or verdict.from_output(os.path.join(self.out_dir, active.name), console)
+                or verdict.Verdict(_last_line(console) or f"torchrun exited with code {code}", console))
+
+    def _halt_for_disk(self, name: str, found: verdict.Verdict) -> None:
+        """A full or unwritable output: fail the run, start no other (they would fail the same way)."""
+        self._spare.release()
+        self._emit(state.StatusChanged(name, state.FAILED, found.error, found.traceback))
+        for queued in list(self._queue):
+            self._emit(state.StatusChanged(queued, state.STOPPED, f"not started: {found.error}"))
+        self._queue.clear()
 
     # ---- device sampling and the end ----------------------------------------------------------
 
@@ -389,32 +455,23 @@ class Session(Completion):
     def _start_sampler(self) -> None:
         if not self.sample_devices:
             return
-        try:
-            from shardscope.profiling.nvml import DeviceSampler
-        except ImportError:
-            return
-        sampler = DeviceSampler()
-        log = open(os.path.join(self.out_dir, "devices.jsonl"), "a", encoding="utf-8", buffering=1)
+        launch = self.comparison.launch
+        self._sampler = DeviceLog(os.path.join(self.out_dir, nodes.devices_name(launch.node_rank)),
+                                  nodes.node_label(launch.node_rank, launch.nnodes))
 
         def publish(sample: state.DeviceSample) -> None:
-            if sample.readings:
-                log.write(json.dumps(dataclasses.asdict(sample), separators=(",", ":")) + "\n")
             with self._lock:
                 subscribers = list(self._subscribers)
             for callback in subscribers:
                 callback([sample])
 
-        try:
-            sampler.start(publish, self._pids_by_run)
-        except Exception as err:  # sampling is optional; runs go on without it
-            self._emit(state.Notice(f"device sampling unavailable: {err!r}", "warning"))
-            return
-        self._sampler, self._device_log = sampler, log
+        why = self._sampler.start(publish, self._pids_by_run)
+        if why:
+            self._emit(state.Notice(why, "warning"))
 
     def _stop_sampler(self) -> None:
         if self._sampler is not None:
             self._sampler.close()
-            self._device_log.close()
 
     def _finish(self) -> None:
         statuses = [self.states[n].status for n in self.run_names]
@@ -425,36 +482,17 @@ class Session(Completion):
             self._flush()
             self._done.set()
             return
+        self._spare.release()  # its room is for the summary
         try:
             self.paths = write_reports(self.out_dir, self.comparison, self.states)
             summary_path, report_path = self.paths.get("summary", ""), self.paths.get("report", "")
         except Exception as err:
-            self._emit(state.Notice(f"writing the reports failed: {err!r}", "error"))
+            disk = outspace.disk_error(err)
+            why = outspace.describe(disk) if disk is not None else repr(err)
+            self._emit(state.Notice(f"writing the reports failed: {why}", "error"))
         self._emit(state.ComparisonFinished(self.out_dir, self.exit_code, summary_path, report_path))
         self._flush()
         self._done.set()
-
-
-def write_reports(out_dir: str, comparison: Comparison, states: dict[str, RunState]) -> dict[str, str]:
-    """Write summary.json (and, when the profiling reports are available, report.md and plots).
-
-    Returns the paths written by name. Falls back to the core summary alone when the full report
-    writer fails, so a summary always exists.
-    """
-    from shardscope.profiling import summary
-
-    try:
-        from shardscope.profiling.report import write_reports as full_reports
-    except ImportError:
-        full_reports = None
-    if full_reports is not None:
-        try:
-            return full_reports(out_dir)
-        except Exception as err:
-            print(f"shardscope: full report failed, writing the core summary: {err!r}", file=sys.stderr)
-    path = os.path.join(out_dir, "summary.json")
-    dump_json(path, summary.build_summary(comparison, states, out_dir))
-    return {"summary": path}
 
 
 def _last_line(text: str) -> str:

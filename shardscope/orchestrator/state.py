@@ -13,11 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope import events
+from shardscope.profiling.stragglers import StragglerWatch
 
-QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED = "queued", "starting", "running", "ok", "failed", "stopped"
+# The one set of run statuses. A finished run is ok, failed (an error, a stall, a lost process),
+# stopped (by the user or before it started) or diverged (a non-finite loss or gradient norm).
+QUEUED, STARTING, RUNNING = "queued", "starting", "running"
+OK, FAILED, STOPPED, DIVERGED = "ok", "failed", "stopped", "diverged"
 ACTIVE = (STARTING, RUNNING)
-FINISHED = (OK, FAILED, STOPPED)
-STATUSES = (QUEUED, STARTING, RUNNING, OK, FAILED, STOPPED)
+FINISHED = (OK, FAILED, STOPPED, DIVERGED)
+STATUSES = (QUEUED, STARTING, RUNNING, *FINISHED)
+# How each status is drawn (rich/textual style strings), the same in the app and the headless table.
+STATUS_STYLE = {QUEUED: "dim", STARTING: "yellow", RUNNING: "bold cyan", OK: "bold green", FAILED: "bold red",
+                STOPPED: "magenta", DIVERGED: "bold #ff8700"}
 
 
 # --- updates -----------------------------------------------------------------------------------
@@ -146,12 +153,22 @@ class RunState:
     ended_at: float | None = None
     first_step_t: float | None = None
     last_step_t: float | None = None
+    first_nonfinite_step: int | None = None  # first step whose loss or grad norm was inf/nan (not an fp16 skip)
+    nonfinite_what: str = ""  # "loss", "grad_norm" or "loss and grad_norm" at that step
+    stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
 
     # -- queries --
     @property
     def unit(self) -> str:
         """'samples/s' for image models, else 'tokens/s'."""
         return "samples/s" if self.samples_per_s is not None and self.tokens_per_s is None else "tokens/s"
+
+    @property
+    def divergence(self) -> str:
+        """One line saying where the run went non-finite ("" when it did not)."""
+        if self.first_nonfinite_step is None:
+            return ""
+        return f"non-finite {self.nonfinite_what} at step {self.first_nonfinite_step}"
 
     @property
     def rate(self) -> float | None:
@@ -204,6 +221,7 @@ class RunState:
             peak = r.get("mem_peak_bytes")
             if isinstance(peak, (int, float)):
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
+            self.stragglers.add(rank, int(r.get("step", 0)), r, self.world_size)
             if rank != 0:
                 return
             step = int(r.get("step", self.step + 1))
@@ -218,6 +236,10 @@ class RunState:
                 self.samples_per_s = r["samples_per_s"]
             if isinstance(self.loss, (int, float)):
                 self.losses.append((step, float(self.loss)))
+            if self.first_nonfinite_step is None:
+                what = events.nonfinite_fields(r)
+                if what:
+                    self.first_nonfinite_step, self.nonfinite_what = step, what
             if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
             if "tokens" in r:
@@ -237,6 +259,7 @@ class RunState:
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
         elif kind == events.START:
             self.start[rank] = r
+            self.stragglers.configure(r.get("straggler"))
             if self.status in (QUEUED, STARTING):
                 self.status = RUNNING
         elif kind == events.TRACE:

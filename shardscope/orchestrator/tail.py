@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from shardscope.events import LineDecoder
+from shardscope.orchestrator.console_noise import ConsoleFilter, clean
 
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 MAX_READ = 4 << 20  # bytes read from one file per poll, so one huge burst cannot stall the others
@@ -73,18 +74,20 @@ def _rank_of(path: str) -> int:
 
 
 class ConsoleTailer:
-    """Follows a console log, returning appended text (undecodable bytes replaced)."""
+    """Follows a console log, returning appended text (undecodable bytes replaced) without known
+    library noise (``console_noise``)."""
 
     def __init__(self, path: str) -> None:
         self._follower = FileFollower(path)
+        self._filter = ConsoleFilter()
 
     def poll(self) -> str:
-        """Return the text appended since the last poll."""
-        return self._follower.read_new(256 << 10).decode("utf-8", errors="replace")
+        """Return the text appended since the last poll, noise lines left out."""
+        return self._filter.feed(self._follower.read_new(256 << 10).decode("utf-8", errors="replace"))
 
 
 def tail_text(path: str, max_lines: int = 40) -> str:
-    """Return the last ``max_lines`` lines of a text file ("" if it does not exist)."""
+    """Return the last ``max_lines`` lines of a text file, known library noise left out ("" if it does not exist)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -93,4 +96,4 @@ def tail_text(path: str, max_lines: int = 40) -> str:
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-max_lines:])
+    return "\n".join(clean(text).splitlines()[-max_lines:])

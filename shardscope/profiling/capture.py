@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from shardscope.profiling.comm_count import CollectiveCounter
+from shardscope.outspace import filesystem_problem
 
 
 class ProfilerWindow:
@@ -32,8 +32,7 @@ class ProfilerWindow:
     """
 
     def __init__(self, run_dir: str, rank: int, *, enabled: bool, start_step: int, steps: int,
-                 total_steps: int, record_shapes: bool, cuda: bool, profile_memory: bool = False,
-                 count_collectives: bool = False) -> None:
+                 total_steps: int, record_shapes: bool, cuda: bool, profile_memory: bool = False) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.start, self.stop = start_step, start_step + steps
         # Profile only when the whole window fits in the run.
@@ -44,9 +43,6 @@ class ProfilerWindow:
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof: profile | None = None
         self._records: list[dict[str, Any]] = []
-        # Ground truth for the trace analysis: bytes handed to collectives in the window's steps.
-        self._counter = CollectiveCounter() if self.enabled and count_collectives else None
-        self._comm_count: dict[str, Any] | None = None
 
     def in_window(self, step: int) -> bool:
         """Return True when ``step`` runs under the profiler (warm-up included): keep it out of throughput."""
@@ -61,39 +57,37 @@ class ProfilerWindow:
                                  record_shapes=self.record_shapes, profile_memory=self.profile_memory,
                                  with_stack=False)
             self._prof.__enter__()
-        if self._counter is not None and step == self.start:
-            self._counter.start()
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
         """Advance the schedule; after the window's last step the trace is saved and the profiler
         fully stopped. Returns the trace record payloads written by this call."""
         if self._prof is None:
             return []
-        if self._counter is not None and step == self.stop - 1:
-            self._counter.stop()  # before prof.step(): the last ProfilerStep marker ends there
-            self._comm_count = {"steps": [self.start, self.stop - 1], "window_steps": self.stop - self.start,
-                                "by_type": self._counter.by_type, "source": "in-rank dispatch count"}
         self._prof.step()  # after the last window step this saves the trace (calls _export)
         if step >= self.stop - 1:
             self.close()
         out, self._records = self._records, []
         return out
 
-    def take_comm_count(self) -> dict[str, Any] | None:
-        """Once, after the window closed with ``count_collectives`` on: the ``comm`` record payload
-        (``steps``, ``window_steps``, ``by_type`` {type: {count, bytes}} summed over the window); else None."""
-        out, self._comm_count = self._comm_count, None
-        return out
-
     def close(self) -> None:
         """Stop the profiler if it is still running (training ended or failed inside the window)."""
-        if self._counter is not None:
-            self._counter.stop()
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
 
     def _export(self, prof: profile) -> None:
+        try:
+            self._write(prof)
+        except Exception as err:  # torch reports a full disk as a bare RuntimeError: name the true cause
+            partial = glob.glob(os.path.join(self.run_dir, "traces", "tb", f"rank{self.rank}.*.tmp"))
+            for path in partial:  # torch's half-written temporary traces
+                os.remove(path)
+            problem = filesystem_problem(partial[0][:-len(".tmp")] if partial else os.path.join(self.run_dir, "traces"))
+            if problem is not None:
+                raise problem from err
+            raise
+
+    def _write(self, prof: profile) -> None:
         steps = [self.start, self.stop - 1]
         traces = os.path.join(self.run_dir, "traces")
         tb_dir = os.path.join(traces, "tb")

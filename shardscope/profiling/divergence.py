@@ -17,10 +17,12 @@ Pure Python; the orchestrator and ``shardscope report`` call it.
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any
 
 from shardscope.events import read_records
+from shardscope.profiling.summary import loss_difference
 
 DEFAULT_LAYER_RTOL = 1e-4  # fp32: different reduction orders stay well below this
 LOW_PRECISION_LAYER_RTOL = 1e-2  # bf16/fp16 compute
@@ -90,13 +92,26 @@ def first_loss_divergence(base: list[tuple[int, float]], run: list[tuple[int, fl
     """First common step where |loss - baseline loss| > tolerance: ``{step, loss, baseline_loss, abs_diff}``."""
     base_at = dict(base)
     for step, loss in sorted(run):
-        if step in base_at and abs(loss - base_at[step]) > tolerance:
-            return {"step": step, "loss": loss, "baseline_loss": base_at[step], "abs_diff": abs(loss - base_at[step])}
+        diff = loss_difference(loss, base_at[step]) if step in base_at else 0.0  # a NaN is never "equal"
+        if diff > tolerance:
+            return {"step": step, "loss": loss, "baseline_loss": base_at[step], "abs_diff": diff}
     return None
 
 
 def _rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf  # a non-finite norm on either side is a difference
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def first_nonfinite_layer(layers: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """Return ``{step, layer, norm}`` for the first step (and first layer in model order) whose
+    gradient norm is inf or nan in a run's ``layers`` records, or None."""
+    for step in sorted(layers):
+        for layer, norm in (layers[step].get("grad_norms") or {}).items():
+            if isinstance(norm, (int, float)) and not math.isfinite(norm):
+                return {"step": step, "layer": layer, "norm": float(norm)}
+    return None
 
 
 def first_layer_divergence(base: dict[int, dict[str, Any]], run: dict[int, dict[str, Any]], key: str,
@@ -163,6 +178,7 @@ def compare_runs(base_losses: list[tuple[int, float]], run_losses: list[tuple[in
         "first_grad_layer": grad,
         "first_param_layer": param,
         "layers_recorded": bool(base_layers and run_layers),
+        "first_nonfinite_grad_layer": first_nonfinite_layer(run_layers) if run_layers else None,
         "likely_causes": causes,
     }
     entry["finding"] = _finding(entry, tolerance)
@@ -186,6 +202,9 @@ def _finding(e: dict[str, Any], tolerance: float) -> str:
         parts.append("per-layer gradient norms agree")
     else:
         parts.append("no per-layer norms recorded (set parity = true to locate the layer)")
+    bad = e.get("first_nonfinite_grad_layer")
+    if bad:
+        parts.append(f"first non-finite gradient at step {bad['step']} in {bad['layer']} ({bad['norm']})")
     if e["likely_causes"] and (e["loss"] or g):
         parts.append("likely cause: " + e["likely_causes"][0])
     elif e["likely_causes"]:
@@ -214,4 +233,6 @@ def parity_section(comparison: Any, states: dict[str, Any], layers: dict[str, di
                                   base.start.get(0, {}), st.start.get(0, {}), tolerance=comparison.loss_tolerance,
                                   layer_rtol=rtol)
         runs[name]["layer_rtol"] = rtol
-    return {"baseline": baseline, "tolerance": comparison.loss_tolerance, "runs": runs}
+    nonfinite = {name: found for name in names if (found := first_nonfinite_layer(layers.get(name, {})))}
+    return {"baseline": baseline, "tolerance": comparison.loss_tolerance, "runs": runs,
+            "first_nonfinite_grad_layer": nonfinite}

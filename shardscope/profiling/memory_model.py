@@ -237,9 +237,9 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
     shards = shards_for(info, options)
     # Measured (benchmarks/memory_model.py): DeepSpeed ZeRO-1/2 keep a separate fp32 partition for
-    # the optimizer even in fp32 training; ZeRO-3 in fp32 steps its partitions in place unless
-    # its ``reuse_fp32_partitions`` option is off.
-    copy = shards in ("optim", "grads") or not options.get("reuse_fp32_partitions", True)
+    # the optimizer even in fp32 training; so does ZeRO-3 as it ships, unless shardscope's
+    # ``reuse_fp32_partitions`` fix is on (then it steps its partitions in place).
+    copy = shards in ("optim", "grads") or not options.get("reuse_fp32_partitions", False)
     master = low or (info.needs_deepspeed and copy)
     shard_layout = str((notes or {}).get("shard_layout") or getattr(info, "shard_layout", "") or "flat")
     return Layout(ws, tp, max(1, ws // tp), shards, precision, low, run.activation_checkpointing, master,

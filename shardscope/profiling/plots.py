@@ -7,6 +7,7 @@ importing this module stays cheap.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -41,6 +42,7 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     base = dict(losses.get(baseline, []))
+    nonfinite: dict[int, list[str]] = {}  # first non-finite step -> runs
     for i, (name, points) in enumerate(losses.items()):
         if not points:
             continue
@@ -48,11 +50,20 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
         style = {"linewidth": 2.2 if name == baseline else 1.4, "color": COLORS[i % len(COLORS)],
                  "linestyle": "-" if name == baseline else "--"}
         top.plot(steps, values, label=f"{name} (baseline)" if name == baseline else name, **style)
+        bad = [s for s, v in points if not math.isfinite(v)]
+        if bad:  # a line cannot show nan/inf: mark where it stops meaning anything
+            nonfinite.setdefault(bad[0], []).append(name)
         if name != baseline and base:
             common = [(s, v - base[s]) for s, v in points if s in base]
             if common:
                 xs, ds = zip(*common)
                 bottom.plot(xs, ds, label=name, **style)
+    for step, names in nonfinite.items():
+        for ax in (top, bottom):
+            ax.axvline(step, color="#c44e52", linestyle=":", linewidth=1.4)
+        top.annotate(f"non-finite loss from step {step}: {', '.join(names)}", (step, 0.5),
+                     xycoords=("data", "axes fraction"), rotation=90, va="center", ha="right", fontsize=8,
+                     color="#c44e52")
     top.set_ylabel("loss")
     top.set_title("Training loss")
     top.grid(alpha=0.3)

@@ -9,14 +9,15 @@ writes everything. It never imports torch (the orchestrator is torch-free); trac
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 from shardscope.config import Comparison, dump_json
 from shardscope.orchestrator import replay
 from shardscope.orchestrator.state import RunState
-from shardscope.profiling import divergence, memory_model, plots, summary, traces
+from shardscope.numbers import not_measured
+from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
+from shardscope.profiling.summary import throughput_unit
 
 
 # --- sections ----------------------------------------------------------------------------------
@@ -74,6 +75,7 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             "measured": measured,
             "per_rank": per_rank,
             "model_state_error": max(errors) if errors else None,
+            "as_shipped": framework_fixes.as_shipped(c, run, st.world_size or None),
         }
     return out
 
@@ -90,6 +92,8 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         run_dir = os.path.join(out_dir, run.name)
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
+        if not analysis:  # nothing was measured: say why instead of showing zeros
+            analysis = {"not_measured": comm_not_measured_reason(c, st, run_dir)}
         if st is not None:
             start = st.start.get(0) or {}
             device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
@@ -101,6 +105,16 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
             out["runs"][run.name] = analysis
     out["flops_per_token"] = fpt
     return out
+
+
+def comm_not_measured_reason(c: Comparison, st: RunState | None, run_dir: str) -> str:
+    """Return why a run has no communication figures: profiling off, the run ended before the
+    profiler window, or no trace files found."""
+    if not c.profile.enabled:
+        return "profiling off: profile.enabled = false"
+    if st is not None and st.steps_completed <= c.profile.start_step + c.profile.steps:
+        return f"the run ended before its profiler window (steps {c.profile.start_step}+{c.profile.steps}) closed"
+    return f"no traces found under {os.path.join(os.path.basename(run_dir), 'traces')}"
 
 
 def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
@@ -133,6 +147,9 @@ def write_reports(out_dir: str) -> dict[str, str]:
     layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
+    data["stragglers"] = straggler_report.section(states)
+    data["explain"] = explain_report.section(c, data, out_dir)
+    data["recommendation"] = recommend.section(c, states, data)
     paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
              "plots": os.path.join(out_dir, "plots")}
     if data["traces"]:
@@ -141,7 +158,10 @@ def write_reports(out_dir: str) -> dict[str, str]:
         data["merged_trace"] = merged
         paths["merged_trace"] = merged
     losses = {name: st.losses for name, st in states.items()}
-    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in plots.write_plots(data, losses, paths["plots"]).items()}
+    made = plots.write_plots(data, losses, paths["plots"])
+    timing = straggler_report.plot(states, os.path.join(paths["plots"], "rank_timing.png"))
+    made.update({"rank_timing": timing} if timing else {})
+    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
     dump_json(paths["summary"], data)
     with open(paths["report"], "w", encoding="utf-8") as fh:
         fh.write(render_markdown(data))
@@ -149,11 +169,6 @@ def write_reports(out_dir: str) -> dict[str, str]:
 
 
 # --- report.md -----------------------------------------------------------------------------------
-
-
-def _mib(v: Any) -> str:
-    """Bytes as MiB; "unknown" where the trace did not say (the note names the op)."""
-    return "unknown" if v is None else f"{v / 2**20:,.3f}"
 
 
 def _num(v: Any, fmt: str = "{:,.0f}") -> str:
@@ -176,29 +191,33 @@ def render_markdown(s: dict[str, Any]) -> str:
            f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
     out.append("## Throughput and loss\n")
     rows = []
+    unit = throughput_unit(s["runs"])
     for r in s["runs"]:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
         rows.append([r["name"], r["strategy"], str(r["world_size"]), r["status"], str(r["steps_completed"]),
                      _num(r["final_loss"], "{:.4f}"), _num(rate), _num(r["speedup"], "×{:.2f}"),
                      fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
                      _num(r["loss_max_abs_diff"], "{:.2e}")])
-    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", "median tok/s", "speedup",
+    out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", f"median {unit}", "speedup",
                        "peak mem", "mem ratio", "max |Δloss|"], rows))
     out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
     for r in s["runs"]:
         if r.get("fairness_flags"):
             out.append(f"\n- **{r['name']} is not like-for-like**: {'; '.join(r['fairness_flags'])}")
         if r.get("error"):
-            out.append(f"\n- **{r['name']} failed**: {r['error']}")
+            out.append(f"\n- **{r['name']} {r['status']}**: {r['error']}")
     out.append("\n")
     out.append(_loss_md(s))
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
     out.append(_parity_md(s.get("parity", {})))
+    out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
     if s.get("plots"):
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
+    out.append(explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"))
+    out.append(recommend.markdown(s.get("recommendation") or {}))
     return "\n".join(x for x in out if x)
 
 
@@ -229,36 +248,45 @@ def _memory_md(m: dict[str, Any]) -> str:
                      _num(r.get("model_state_error"), "{:.2%}"),
                      fmt_bytes(p["activation_bytes"] + p["gathered_unit_bytes"]), fmt_bytes(meas.get("peak_bytes"))])
     kind = m.get("measured_peak_kind") or "measured"
+    fixes = "".join(framework_fixes.note_md(name, r["predicted"], r.get("as_shipped"))
+                    for name, r in m["runs"].items() if "error" not in r)
     return ("## Memory per rank: predicted / measured\n\n"
             + _table(["run", "dp×tp (shards)", "params", "grads", "optimizer", "model states", "worst error",
                       "pred. activations+gathered", f"peak ({kind})"], rows)
             + "\nModel states are measured exactly from the tensors each rank holds (rank 0 shown; the error is the "
               "worst over ranks). Activations are predicted with Korthikanti et al.'s formula; on CPU the measured "
-              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n")
+              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n"
+            + (f"\n{fixes}" if fixes else ""))
 
 
 def _comm_md(comm: dict[str, Any]) -> str:
     runs = comm.get("runs") or {}
     if not runs:
-        return "## Communication\n\nNo traces were recorded (profile.enabled = false, or the runs ended early).\n"
+        return "## Communication\n\nNot measured: no run was analysed.\n"
     rows, steps = [], []
+    missing = {name: c["not_measured"] for name, c in runs.items() if c.get("not_measured")}
+    runs = {name: c for name, c in runs.items() if name not in missing}
+    gaps = "".join(f"- {name}: {not_measured(reason)}\n" for name, reason in missing.items())
+    if not runs:
+        return "## Communication\n\n" + gaps
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
-            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), _mib(row["bytes_per_step"]),
+            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
                          _num(row["time_per_step_s"] * 1e3, "{:.3f}"), _num(row["algbw_GBps"], "{:.3f}"),
                          _num(row["busbw_GBps"], "{:.3f}"), str(row["group_size"]), row["dtype"] or "-",
                          row["timed_by"]])
         ps = c.get("per_step") or {}
         theory = c.get("theory") or {}
         ratio = theory.get("ratio")
-        steps.append([name, _num((ps.get("step_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("compute_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("comm_time_s") or 0) * 1e3, "{:.2f}"),
-                      _num((ps.get("exposed_comm_s") or 0) * 1e3, "{:.2f}"),
-                      _mib(c.get("comm_bytes_per_step")),
+        ms = {k: None if ps.get(k) is None else ps[k] * 1e3  # not measured stays "-", never 0
+              for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")}
+        observed = c.get("comm_bytes_per_step")
+        steps.append([name, _num(ms["step_time_s"], "{:.2f}"), _num(ms["compute_time_s"], "{:.2f}"),
+                      _num(ms["comm_time_s"], "{:.2f}"), _num(ms["exposed_comm_s"], "{:.2f}"),
+                      _num(None if observed is None else observed / 2**20, "{:,.3f}"),
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
-    text = ["## Communication\n\n",
+    text = ["## Communication\n\n", gaps + "\n" if gaps else "",
             _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
                     "dtype", "timed by"], rows),
             "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
@@ -270,17 +298,24 @@ def _comm_md(comm: dict[str, Any]) -> str:
     bases = {c.get("theory", {}).get("basis") for c in runs.values() if c.get("theory")}
     text.append("; ".join(sorted(b for b in bases if b)) or "-")
     notes = {c.get(key) for c in runs.values() for key in ("mfu_note", "note") if c.get(key)}
-    notes |= {f"{name}: {n}" for name, c in runs.items() for n in (c.get("theory") or {}).get("notes", [])}
     if notes:
         text.append(". " + "; ".join(sorted(notes)))
-    return "".join(text) + ".\n"
+    text.append(".\n")
+    reasons = [(name, r) for name, c in runs.items() for r in (c.get("theory") or {}).get("reasons") or []]
+    if reasons:  # where a strategy legitimately moves more or less than the textbook formula, say why
+        text.append("\nWhere the theory departs from the textbook formula:\n\n")
+        text.extend(f"- {name}: {reason}\n" for name, reason in reasons)
+    return "".join(text)
 
 
 def _parity_md(p: dict[str, Any]) -> str:
     runs = p.get("runs") or {}
-    if not runs:
+    own = {n: b for n, b in (p.get("first_nonfinite_grad_layer") or {}).items() if n not in runs}
+    if not runs and not own:
         return ""
     lines = [f"## Parity against {p['baseline']} (loss tolerance {p['tolerance']:g})\n"]
+    lines += [f"- **{n}**: first non-finite gradient at step {b['step']} in {b['layer']} ({b['norm']})."
+              for n, b in own.items()]
     for name, e in runs.items():
         lines.append(f"- **{name}**: {e['finding']}")
         for cause in e["likely_causes"][1:4]:

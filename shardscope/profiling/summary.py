@@ -6,13 +6,14 @@ Keys named in DESIGN.md keep their names and meaning; other modules add sections
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
-from shardscope.orchestrator.state import RunState
+from shardscope.orchestrator.state import FINISHED, STOPPED, RunState
 
 SUMMARY_VERSION = 1
 
@@ -23,25 +24,43 @@ def median_rate(state: RunState) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def throughput_unit(runs: list[dict[str, Any]]) -> str:
+    """Return the unit of the summary runs' median throughput: "tokens/s", "samples/s", or both
+    names when runs differ (image models count samples, language models tokens)."""
+    units = {"samples/s" if r.get("median_samples_per_s") is not None else "tokens/s" for r in runs
+             if r.get("median_samples_per_s") is not None or r.get("median_tokens_per_s") is not None}
+    return " or ".join(sorted(units)) if len(units) > 1 else (units.pop() if units else "tokens/s")
+
+
+def loss_difference(a: float, b: float) -> float:
+    """Return |a - b|, or inf when either side is non-finite: a NaN or an inf is never "equal"."""
+    return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
 def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | None, int | None]:
-    """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps."""
+    """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps
+    (None without common steps); a step where either loss is non-finite counts as an infinite difference."""
     base_losses = dict(base.losses)
-    diffs = [abs(loss - base_losses[step]) for step, loss in run.losses if step in base_losses]
+    diffs = [loss_difference(loss, base_losses[step]) for step, loss in run.losses if step in base_losses]
     if not diffs:
         return None, None, None
     return max(diffs), sum(diffs) / len(diffs), len(diffs)
 
 
-def loss_stats(run: RunState, base: RunState) -> dict[str, float | None]:
-    """Return initial/final/min/mean loss of ``run`` and its final |difference| from the baseline."""
+def loss_stats(run: RunState, base: RunState) -> dict[str, Any]:
+    """Return initial/final/min/mean loss of ``run`` (min and mean over its finite losses), how many of
+    its losses were non-finite, and its final |difference| from the baseline."""
     values = [loss for _, loss in run.losses]
+    finite = [v for v in values if math.isfinite(v)]
     base_losses = dict(base.losses)
     last_common = [step for step, _ in run.losses if step in base_losses]
-    final_diff = abs(dict(run.losses)[last_common[-1]] - base_losses[last_common[-1]]) if last_common else None
+    final_diff = (loss_difference(dict(run.losses)[last_common[-1]], base_losses[last_common[-1]])
+                  if last_common else None)
     return {
         "initial_loss": values[0] if values else None,
-        "min_loss": min(values) if values else None,
-        "mean_loss": sum(values) / len(values) if values else None,
+        "min_loss": min(finite) if finite else None,
+        "mean_loss": sum(finite) / len(finite) if finite else None,
+        "nonfinite_losses": len(values) - len(finite),
         "loss_final_abs_diff": final_diff,
     }
 
@@ -54,7 +73,7 @@ def fairness_flags(c: Comparison, run: RunState, base: RunState) -> list[str]:
     if run.tokens_per_step is not None and base.tokens_per_step is not None and run.tokens_per_step != base.tokens_per_step:
         flags.append(f"tokens per step {run.tokens_per_step} vs baseline {base.tokens_per_step}")
     if run.losses and base.losses and run.losses[0][0] == base.losses[0][0] == 0:
-        gap = abs(run.losses[0][1] - base.losses[0][1])
+        gap = loss_difference(run.losses[0][1], base.losses[0][1])
         if gap > max(c.loss_tolerance, 1e-3 if run.precision != "fp32" or base.precision != "fp32" else 0):
             flags.append(f"step-0 loss differs by {gap:.2e}: initial weights or data order differ")
     hashes = {_start_value(s, "init_sha256") for s in (run, base)}
@@ -82,7 +101,7 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "name": state.name,
         "strategy": state.strategy,
         "world_size": state.world_size,
-        "status": state.status if state.status in ("ok", "failed", "stopped") else "stopped",
+        "status": state.status if state.status in FINISHED else STOPPED,
         "steps_completed": state.steps_completed,
         "final_loss": state.losses[-1][1] if state.losses else None,
         "median_tokens_per_s": rate if state.unit == "tokens/s" else None,
@@ -91,6 +110,8 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "loss_max_abs_diff": max_diff,
         "loss_mean_abs_diff": mean_diff,
         "loss_steps_compared": common,
+        "first_nonfinite_step": state.first_nonfinite_step,
+        "nonfinite": state.nonfinite_what or None,
         **loss_stats(state, base),
         "speedup": (rate / base_rate) if rate and base_rate else None,
         "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)

@@ -29,6 +29,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset
+from shardscope.orchestrator.preflight import check_space
+from shardscope.orchestrator.replay import used_out_dir_error
 from shardscope.orchestrator.state import Update
 from shardscope.tui import source as sources
 from shardscope.tui.board import Board
@@ -107,6 +109,14 @@ class ShardscopeApp(App):
             return
         factory = self.source_factory or sources.session_source
         self.out_dir = self.out_dir or sources.default_out_dir(comparison.name)
+        used = used_out_dir_error(self.out_dir)
+        if used:  # as the headless command does: never reuse another comparison's weights and files
+            self.refuse_launch(f"Cannot start: {used}")
+            return
+        short = check_space(comparison, self.out_dir)  # as the headless command does: traces need room
+        if short:
+            self.refuse_launch(f"Cannot start: {short}")
+            return
         try:
             source = factory(comparison, self.out_dir)
         except (OSError, RuntimeError, ValueError, ImportError) as err:  # ConfigError is a ValueError
@@ -115,6 +125,12 @@ class ShardscopeApp(App):
         extra = f" [dim]{escape(' '.join(overrides))}[/dim]" if overrides else ""
         self.attach(source, comparison, comparison.name + extra)
         self.action_start()
+
+    def refuse_launch(self, message: str) -> None:
+        """Say why a comparison cannot start, under the launch button when the presets screen is open."""
+        if isinstance(self.screen, PresetsScreen):
+            self.screen.show_launch_error(message)
+        self.notify(message, severity="error", timeout=10)
 
     def attach(self, source: sources.Source, comparison: Comparison | None, title: str) -> None:
         """Subscribe to ``source`` and switch to the dashboard."""
@@ -233,6 +249,17 @@ class ShardscopeApp(App):
         elif not isinstance(self.screen, ReportScreen):
             self.push_screen(ReportScreen(self.out_dir, self.board))
 
+    def action_explain(self) -> None:
+        """Open the selected run's strategy explainer, filled with that run's numbers."""
+        from shardscope.tui.screens.explainer import ExplainScreen, explanation_for
+
+        run = self._selected()
+        if not run or self.comparison is None:
+            self.notify("Select a run first.")
+            return
+        result = explanation_for(self.comparison, run, self.out_dir)
+        self.push_screen(ExplainScreen("\n\n".join([result["text"], *result["notes"]])))
+
     def action_export(self) -> None:
         """Save a picture of the screen next to the results and copy every artefact path."""
         if not self.out_dir:
@@ -286,6 +313,8 @@ class ShardscopeApp(App):
         yield SystemCommand("Set baseline", "Compare the other runs with the selected one", self.action_set_baseline)
         yield SystemCommand("Toggle log", "Show or hide the console pane", self._toggle_log)
         yield SystemCommand("Report", "Open the comparison table", self.action_report)
+        yield SystemCommand("Explain run", "How the selected run's strategy works, with its numbers",
+                            self.action_explain)
         yield SystemCommand("Export", "Save a screenshot and copy the result paths", self.action_export)
 
     def _toggle_log(self) -> None:

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shardscope.orchestrator import state as st
+from shardscope.orchestrator.device_history import DeviceHistory
 
 CONSOLE_LINES = 2000  # console lines kept per run (older ones are dropped from view, never from disk)
 
@@ -46,6 +47,7 @@ class Board:
     states: dict[str, st.RunState] = field(default_factory=dict)
     consoles: dict[str, Console] = field(default_factory=dict)
     devices: st.DeviceSample | None = None
+    device_history: DeviceHistory = field(default_factory=DeviceHistory)  # last reading and peak per device
     finished: st.ComparisonFinished | None = None
     notices: list[st.Notice] = field(default_factory=list)
     baseline: str = ""
@@ -104,6 +106,7 @@ class Board:
                 self.dirty_consoles.add(update.run)
             elif isinstance(update, st.DeviceSample):
                 self.devices = update
+                self.device_history.add(update)
                 self.dirty_devices = True
             elif isinstance(update, st.ComparisonFinished):
                 self.finished = update

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import os
 
+from shardscope.orchestrator.state import STATUS_STYLE  # noqa: F401  (one style per status, in state.py)
 from shardscope.profiling.estimate import fmt_bytes as human_bytes  # noqa: F401  (one byte formatter for the project)
 
 # One colour per run, in definition order: used by cards, chart lines and legends alike.
 RUN_COLOURS = ("#4fc1ff", "#ffa94d", "#69db7c", "#f783ac", "#b197fc", "#ffd43b", "#63e6be", "#ff6b6b")
-
-STATUS_STYLE = {
-    "queued": "dim",
-    "starting": "yellow",
-    "running": "bold cyan",
-    "ok": "bold green",
-    "failed": "bold red",
-    "stopped": "magenta",
-}
 
 
 def run_colour(index: int) -> str:

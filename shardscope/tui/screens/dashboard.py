@@ -19,7 +19,7 @@ from shardscope.orchestrator.state import FAILED, STATUSES
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, run_colour
 from shardscope.tui.messages import RunSelected
-from shardscope.tui.widgets.charts import StepChart, loss_diff, series_of
+from shardscope.tui.widgets.charts import diff_note, StepChart, loss_diff, series_of
 from shardscope.tui.widgets.comm_panel import CommPanel
 from shardscope.tui.widgets.device_panel import DevicePanel
 from shardscope.tui.widgets.log_pane import LogPane
@@ -42,6 +42,7 @@ class DashboardScreen(Screen):
         Binding("b", "app.set_baseline", "Baseline"),
         Binding("l", "toggle_log", "Log"),
         Binding("o", "app.report", "Report"),
+        Binding("i", "app.explain", "Explain run", show=False),  # in the palette; the footer is full
         Binding("e", "app.export", "Export"),
         Binding("left,shift+tab", "select(-1)", "Prev run", show=False),
         Binding("right,tab", "select(1)", "Next run", show=False),
@@ -135,7 +136,7 @@ class DashboardScreen(Screen):
             board.dirty_charts = False
             self._baseline_drawn = board.baseline
         if force or board.dirty_devices:
-            self.devices.show(board.devices)
+            self.devices.show(board.device_history)
             board.dirty_devices = False
         if force or board.dirty_comm or (board.finished is not None and not self._comm_final):
             self._comm_final = board.finished is not None
@@ -155,10 +156,9 @@ class DashboardScreen(Screen):
         limit = self.loss_chart.points
         self.loss_chart.set_series([series_of(states[n].losses, n, colours[n], limit) for n in names])
         base = states.get(board.baseline)
-        diffs = [series_of(loss_diff(states[n], base), n, colours[n], limit) for n in names
-                 if base is not None and n != board.baseline]
-        same = bool(diffs) and all(s.ys and not any(s.ys) for s in diffs)
-        self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}" + (" (identical)" if same else ""))
+        raw = {n: loss_diff(states[n], base) for n in names if base is not None and n != board.baseline}
+        diffs = [series_of(pairs, n, colours[n], limit) for n, pairs in raw.items()]
+        self.diff_chart.set_series(diffs, title=f"loss − {board.baseline or 'baseline'}" + diff_note(raw))
         units = {states[n].unit for n in names if states[n].throughput}
         self.rate_chart.set_series(
             [series_of(states[n].throughput, n, colours[n], limit) for n in names],

@@ -185,6 +185,10 @@ class PresetsScreen(Screen):
             return
         self.app.launch(self.comparison, self.preset, list(self.overrides))
 
+    def show_launch_error(self, message: str) -> None:
+        """Show why the comparison could not start, under the launch button."""
+        self.query_one("#preset-error", Static).update(Text(message, "bold red"))
+
     def action_focus_path(self) -> None:
         """Move the cursor to the preset path field."""
         self.query_one("#preset-path", Input).focus()

@@ -7,28 +7,36 @@ the live run states instead and says so.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from shardscope.numbers import fmt_sig, read_json
+from shardscope.profiling import recommend
+from shardscope.profiling.summary import throughput_unit
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
-COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "tokens/s (median)", "peak memory",
+COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "peak memory",
            "Δloss max", "Δloss mean", "speedup", "memory ratio")
+
+
+def columns(summary: dict[str, Any]) -> tuple[str, ...]:
+    """Return the table's headers, the throughput one in the runs' unit (tokens/s or samples/s)."""
+    unit = throughput_unit([r for r in summary.get("runs", []) if isinstance(r, dict)])
+    return tuple(c.format(unit=unit) for c in COLUMNS)
 
 
 def read_summary(out_dir: str) -> dict[str, Any] | None:
     """Return ``<out>/summary.json`` as a dict, or None if missing or unreadable."""
     try:
-        with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_json(os.path.join(out_dir, "summary.json"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("runs"), list) else None
@@ -41,7 +49,7 @@ def live_summary(board: Board) -> dict[str, Any]:
         rates = sorted(v for _, v in s.throughput)
         runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
                      "steps_completed": s.steps_completed, "final_loss": s.loss,
-                     "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
+                     f"median_{s.unit.replace('/', '_per_')}": rates[len(rates) // 2] if rates else None,
                      "peak_mem_bytes": s.peak_mem_bytes})
     return {"baseline": board.baseline, "runs": runs}
 
@@ -58,8 +66,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
             str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else ""),
             str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
             str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
-            human_rate(r.get("median_tokens_per_s")), human_bytes(r.get("peak_mem_bytes")),
-            fmt_float(r.get("loss_max_abs_diff"), ".2e"), fmt_float(r.get("loss_mean_abs_diff"), ".2e"),
+            human_rate(r.get("median_tokens_per_s") or r.get("median_samples_per_s")), human_bytes(r.get("peak_mem_bytes")),
+            fmt_sig(r.get("loss_max_abs_diff")), fmt_sig(r.get("loss_mean_abs_diff")),
             "–" if speed is None else f"{fmt_float(speed, '.2f')}×",
             "–" if ratio is None else f"{fmt_float(ratio, '.2f')}×",
         ))
@@ -104,6 +112,7 @@ class ReportScreen(Screen):
         with VerticalScroll(id="report-body"):
             yield Static(id="report-note")
             yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
+            yield Static(id="report-recommendation")
             yield Static(id="report-paths")
         yield Footer()
 
@@ -121,9 +130,13 @@ class ReportScreen(Screen):
             f"[b]shardscope[/b] · report · {summary.get('preset', '')} · baseline [b]{baseline}[/b]")
         self.query_one("#report-note", Static).update(note)
         table = self.query_one("#report-table", DataTable)
-        table.add_columns(*COLUMNS)
+        table.add_columns(*columns(summary))
         for row in summary_rows(summary):
             table.add_row(*row)
+        rec = summary.get("recommendation") or {}
+        if rec.get("lines"):
+            self.query_one("#report-recommendation", Static).update(
+                "\n[b]Recommendation[/b]\n" + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
         names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
         self.query_one("#report-paths", Static).update(
             "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))

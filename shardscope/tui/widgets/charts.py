@@ -6,11 +6,13 @@ changed and counts its redraws (the ingest benchmark checks the rate stays bound
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 from textual_plotext import PlotextPlot
 
+from shardscope.numbers import fmt_sig
 from shardscope.orchestrator.state import RunState
 from shardscope.tui.format import rgb
 
@@ -38,8 +40,9 @@ def thin(points: list[tuple[int, float]], limit: int = MAX_POINTS) -> list[tuple
 
 
 def series_of(pairs: list[tuple[int, float]], label: str, colour: str, limit: int = MAX_POINTS) -> Series:
-    """Return a Series from (step, value) pairs, thinned to ``limit`` points for drawing."""
-    pts = thin(pairs, limit)
+    """Return a Series from (step, value) pairs, thinned to ``limit`` points for drawing; non-finite
+    values are left out (a line cannot show them; the run's card says it diverged)."""
+    pts = thin([p for p in pairs if math.isfinite(p[1])], limit)
     return Series(label, tuple(p[0] for p in pts), tuple(p[1] for p in pts), colour)
 
 
@@ -47,6 +50,27 @@ def loss_diff(run: RunState, base: RunState) -> list[tuple[int, float]]:
     """Return (step, loss - baseline loss) at the steps both runs reported."""
     base_at = dict(base.losses)
     return [(step, loss - base_at[step]) for step, loss in run.losses if step in base_at]
+
+
+def y_ticks(ys: list[float], count: int = 5) -> list[float]:
+    """Return ``count`` evenly spaced tick values over the range of ``ys`` ([] when empty; one tick
+    when every value is the same)."""
+    if not ys:
+        return []
+    lo, hi = min(ys), max(ys)
+    if hi == lo:
+        return [lo]
+    return [lo + (hi - lo) * i / (count - 1) for i in range(count)]
+
+
+def diff_note(diffs: dict[str, list[tuple[int, float]]]) -> str:
+    """Return the difference chart's title note: " (non-finite from step N)" when a difference is
+    nan or inf (never "identical"), " (identical)" when every difference is exactly 0, else ""."""
+    bad = [step for pairs in diffs.values() for step, d in pairs if not math.isfinite(d)]
+    if bad:
+        return f" (non-finite from step {min(bad)})"
+    values = [d for pairs in diffs.values() for _, d in pairs]
+    return " (identical)" if values and not any(values) else ""
 
 
 class StepChart(PlotextPlot):
@@ -95,6 +119,9 @@ class StepChart(PlotextPlot):
         drawn = [s for s in self._series if s.xs]
         for s in drawn:
             plt.plot(list(s.xs), list(s.ys), label=s.label, color=rgb(s.colour), marker="braille")
+        ticks = y_ticks([y for s in drawn for y in s.ys])
+        if ticks:  # plotext would write 0.000000119; tiny differences read better as 1.19e-07
+            plt.yticks(ticks, [fmt_sig(t) for t in ticks])
         if not drawn:
             plt.title(f"{self.title}: {self.empty}")
         return super().render()

@@ -8,7 +8,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from shardscope.orchestrator.state import DeviceReading, DeviceSample
+from shardscope.orchestrator.device_history import DeviceHistory
+from shardscope.orchestrator.state import DeviceReading
 from shardscope.tui.format import human_bytes
 
 
@@ -25,32 +26,41 @@ def _who(r: DeviceReading) -> str:
 
 
 class DevicePanel(Static):
-    """Shows the latest ``DeviceSample``; the parent calls ``show``."""
+    """Shows every device's (or rank process's) last reading and peak; the parent calls ``show``.
+    Runs that ended keep their last reading and peak, marked as ended."""
 
-    def show(self, sample: DeviceSample | None) -> None:
-        """Redraw from ``sample`` (None: explain that nothing was sampled yet)."""
-        if sample is None or not sample.readings:
+    def show(self, history: DeviceHistory | None) -> None:
+        """Redraw from ``history`` (None or empty: explain that nothing was sampled yet)."""
+        rows = history.rows() if history is not None else []
+        if not rows:
             self.update(Text("No device samples yet: they arrive while runs are live.", "dim"))
             return
-        width = max(6, (self.size.width or 40) // 4)
+        width = max(3, (self.size.width or 40) // 8)
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        table.add_column(no_wrap=True, overflow="ellipsis", ratio=1, min_width=12)
         table.add_column(width=width)
         table.add_column(no_wrap=True, justify="right")
-        rows = sorted(sample.readings, key=lambda r: (r.kind, r.label))
-        if sample.source == "process-rss":
-            header = Text("process RSS per rank (CPU run)", "dim italic")
-            peak = max((r.used_bytes for r in rows), default=0) or 1
-            for r in rows:
-                table.add_row(Text(_who(r) if r.run else r.label), _bar(r.used_bytes / peak, width, "cyan"),
-                              Text(human_bytes(r.used_bytes)))
+        if all(k.source == "process-rss" for k in rows):
+            header = Text("process RSS per rank (CPU run): last ↑peak", "dim italic")
+            top = max((k.peak_used_bytes for k in rows), default=0) or 1
+            for k in rows:
+                r = k.last
+                who = Text(_who(r) if r.run else r.label, "" if k.live else "dim")
+                if not k.live:
+                    who.append(" ended", "dim italic")
+                table.add_row(who, _bar(r.used_bytes / top, width, "cyan" if k.live else "grey50"),
+                              Text(f"{human_bytes(r.used_bytes)} ↑{human_bytes(k.peak_used_bytes)}"))
             return self.update(Group(header, table))
-        header = Text("GPU memory used/total · utilisation (NVML)", "dim italic")
-        for r in rows:
+        header = Text("GPU memory used/total (peak) · utilisation (NVML)", "dim italic")
+        for k in rows:
+            r = k.last
             frac = r.used_bytes / r.total_bytes if r.total_bytes else 0.0
-            table.add_row(Text.assemble((r.label, "bold"), ("  " + _who(r), "dim")),
-                          _bar(frac, width, "magenta"),
-                          Text(f"{human_bytes(r.used_bytes)}/{human_bytes(r.total_bytes)}"))
+            label = Text.assemble((r.label, "bold"), ("  " + _who(r), "dim"))
+            if not k.live:
+                label.append(" (last reading)", "dim italic")
+            table.add_row(label, _bar(frac, width, "magenta" if k.live else "grey50"),
+                          Text(f"{human_bytes(r.used_bytes)}/{human_bytes(r.total_bytes)} "
+                               f"({human_bytes(k.peak_used_bytes)})"))
             if r.util_pct is not None:
                 power = f" {r.power_w:.0f} W" if r.power_w is not None else ""
                 table.add_row(Text("  utilisation", "dim"), _bar(r.util_pct / 100, width, "green"),

@@ -49,16 +49,21 @@ class RunCard(Static):
         self._state, self._baseline = state, baseline
         width = self.content_size.width or 30
         key = (width, baseline, state.status, state.steps_completed, state.steps_total, state.loss, state.rate,
-               state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s))
+               state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s), tuple(state.stragglers.flagged))
         if key == self._drawn:
             return
         self._drawn = key
-        self.set_class(state.status == "failed", "-failed")
+        self.set_class(state.status in ("failed", "diverged"), "-failed")
         title = Text.assemble(("■ ", self.colour), (state.name, "bold"))
         if baseline:
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
-        self.border_subtitle = Text(state.status, STATUS_STYLE.get(state.status, "")).markup
+        subtitle = Text(state.status, STATUS_STYLE.get(state.status, ""))
+        for rank in state.stragglers.flagged:  # named live: run (this card), rank, host, device
+            start = state.start.get(rank) or {}
+            subtitle.append(f" ⚠ straggler rank {rank} {start.get('host', '')} {start.get('device', '')}".rstrip(),
+                            "bold yellow")
+        self.border_subtitle = subtitle.markup
         self.update(self._body(state, width))
 
     def on_resize(self) -> None:

@@ -1,0 +1,102 @@
+"""Nothing of a comparison outlives its orchestrator, however the orchestrator dies.
+
+Two guards, because torchrun starts every rank in a session of its own (so ranks do not die
+with torchrun's process group):
+
+- **torchrun** gets a parent-death signal (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, set in the
+  child between fork and exec). The kernel sends it when the *thread* that forked the child exits,
+  so jobs must be started from a thread that lives as long as they do (the session thread does).
+  torchrun forwards SIGTERM to its ranks.
+- **every rank** watches the orchestrator's pid (``engines/watchdog.py``), named in its environment
+  as ``events.ORCHESTRATOR_ENV`` = ``"<pid>:<create_time>"``, and stops itself when it is gone
+  (including a SIGKILL of torchrun and orchestrator together). On several nodes each node's
+  orchestrator names itself to its own ranks, so each node guards its own.
+
+The orchestrator also leaves its identity in ``<out>/orchestrator.json`` so that a report rebuilt
+from files can tell a run that is still going from one whose orchestrator was lost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any, Callable
+
+import psutil
+
+from shardscope.config import dump_json
+from shardscope.engines.watchdog import process_alive
+from shardscope.events import ORCHESTRATOR_ENV
+
+IDENTITY_FILE = "orchestrator.json"
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved here, in the parent: the child between fork and exec only calls it
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """Return a ``preexec_fn`` that makes the child receive ``sig`` when its parent thread dies.
+
+    None where the platform has no ``prctl`` (the rank watchdogs still guard the ranks). The
+    returned function also ends the child at once if the parent is already gone by then.
+    """
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), int(sig))
+
+    return preexec
+
+
+def identity() -> str:
+    """Return this process's identity for ranks to watch: ``"<pid>:<create_time>"``."""
+    pid = os.getpid()
+    return f"{pid}:{psutil.Process(pid).create_time():.3f}"
+
+
+def rank_env() -> dict[str, str]:
+    """Return the environment additions that tell ranks which orchestrator to watch."""
+    return {ORCHESTRATOR_ENV: identity()}
+
+
+def write_identity(out_dir: str) -> None:
+    """Record this orchestrator (host, pid, start time) in ``<out>/orchestrator.json``."""
+    pid = os.getpid()
+    dump_json(os.path.join(out_dir, IDENTITY_FILE),
+              {"host": socket.gethostname(), "pid": pid, "create_time": psutil.Process(pid).create_time()})
+
+
+def orchestrator_state(out_dir: str) -> str:
+    """Return ``"alive"``, ``"lost"`` or ``"unknown"`` for the orchestrator that wrote ``out_dir``.
+
+    Unknown: no identity file (an older directory), or it was written on another host.
+    """
+    try:
+        with open(os.path.join(out_dir, IDENTITY_FILE), encoding="utf-8") as fh:
+            info = json.load(fh)
+        pid, created, host = int(info["pid"]), float(info["create_time"]), str(info["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+    if host != socket.gethostname():
+        return "unknown"
+    return "alive" if process_alive(pid, created) else "lost"

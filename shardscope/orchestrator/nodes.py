@@ -1,0 +1,127 @@
+"""Which node owns which file of a run directory shared by several nodes.
+
+Node 0 owns the verdict: ``<run>/status.json``, ``<run>/console.log``, ``devices.jsonl``, the summary and
+the reports. Every other node writes files of its own beside them (``<run>/console.node<N>.log``,
+``devices.node<N>.jsonl``), so no node overwrites or interleaves another's; rank record files are already
+one per global rank. ``NodeWatch`` lets node 0 notice a lost node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+from shardscope.config import LaunchSpec, dump_json
+
+
+def owns_verdict(node_rank: int) -> bool:
+    """True for the node that writes status.json, comparison.json, the summary and the reports (node 0)."""
+    return node_rank == 0
+
+
+def console_name(node_rank: int) -> str:
+    """Return the file name of this node's torchrun console log inside a run directory."""
+    return "console.log" if owns_verdict(node_rank) else f"console.node{node_rank}.log"
+
+
+def devices_name(node_rank: int) -> str:
+    """Return the file name of this node's device samples inside the comparison directory."""
+    return "devices.jsonl" if owns_verdict(node_rank) else f"devices.node{node_rank}.jsonl"
+
+
+def node_label(node_rank: int, nnodes: int) -> str:
+    """Return ``"node N (host)"`` on several nodes, ``""`` on one (labels stay as they were)."""
+    return f"node {node_rank} ({socket.gethostname()})" if nnodes > 1 else ""
+
+
+def heartbeat_path(out_dir: str, node_rank: int) -> str:
+    """Return the path of node ``node_rank``'s heartbeat file (shared filesystem)."""
+    return os.path.join(out_dir, "nodes", f"node{node_rank}.json")
+
+
+class NodeWatch:
+    """Tells node 0 when another node is lost: its orchestrator stopped beating, or its ranks all vanished.
+
+    Every node other than 0 rewrites ``<out>/nodes/node<N>.json`` once a second from a thread of its own
+    (so a busy or blocked session loop does not look like a death) and marks it ``done`` when it finishes.
+    Node 0 calls ``lost()``: nodes whose last beat (or, before the first one, the watch's start) is older
+    than ``timeout_s``. On one node the watch does nothing.
+    """
+
+    def __init__(self, out_dir: str, node_rank: int, nnodes: int, timeout_s: float) -> None:
+        self.out_dir, self.node_rank, self.nnodes, self.timeout_s = out_dir, node_rank, nnodes, timeout_s
+        self._started = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost: set[int] = set()
+
+    def start(self) -> None:
+        """Start beating (nodes other than 0 of a multi-node comparison)."""
+        if self.nnodes > 1 and not owns_verdict(self.node_rank):
+            self._thread = threading.Thread(target=self._beat_forever, name="shardscope-heartbeat", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and say this node finished (so node 0 does not take its silence for a loss)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._write(done=True)
+
+    def _beat_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._write(done=False)
+            except OSError:  # a full or flaky disk: node 0 will judge from the silence
+                pass
+            self._stop.wait(1.0)
+
+    def _write(self, done: bool) -> None:
+        os.makedirs(os.path.dirname(heartbeat_path(self.out_dir, self.node_rank)), exist_ok=True)
+        dump_json(heartbeat_path(self.out_dir, self.node_rank),
+                  {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
+                   "done": done})
+
+    def lost(self) -> list[int]:
+        """Node 0: the nodes lost so far (a lost node stays lost); [] elsewhere or on one node."""
+        if self.nnodes == 1 or not owns_verdict(self.node_rank):
+            return []
+        now = time.time()
+        for node in range(1, self.nnodes):
+            try:
+                with open(heartbeat_path(self.out_dir, node), encoding="utf-8") as fh:
+                    beat = json.load(fh)
+            except (OSError, ValueError):
+                beat = {"t": self._started, "done": False}
+            if not beat.get("done") and now - float(beat.get("t", 0.0)) > self.timeout_s:
+                self._lost.add(node)
+        return sorted(self._lost)
+
+
+def lost_message(lost: list[int], timeout_s: float) -> str:
+    """Return the verdict for runs that lost nodes: ``node 1 lost (no heartbeat for 30 s)``."""
+    names = ", ".join(str(n) for n in lost)
+    return f"node{'s' if len(lost) > 1 else ''} {names} lost (its orchestrator sent no heartbeat for {timeout_s:g} s)"
+
+
+def silent_nodes(reported: set[int], world_size: int, nnodes: int) -> list[int]:
+    """Return the nodes none of whose ranks wrote an ``end`` or ``error`` record (they died, killed or crashed).
+
+    Global ranks of node N are ``N * per_node .. N * per_node + per_node - 1`` (static rendezvous).
+    """
+    per_node = world_size // nnodes if nnodes else world_size
+    return [n for n in range(nnodes) if per_node and not reported & set(range(n * per_node, (n + 1) * per_node))]
+
+
+def silent_verdict(reported: set[int], world_size: int, launch: LaunchSpec) -> str:
+    """Return ``node N lost (...)`` when another node's ranks all ended without a record, else ""."""
+    if launch.nnodes == 1:
+        return ""
+    silent = [n for n in silent_nodes(reported, world_size, launch.nnodes) if n != launch.node_rank]
+    if not silent:
+        return ""
+    names = ", ".join(str(n) for n in silent)
+    return f"node{'s' if len(silent) > 1 else ''} {names} lost (every rank there ended without an end or error record)"

@@ -1,0 +1,111 @@
+"""Why a run failed, when its ranks could not say so themselves.
+
+A rank that raises writes an ``error`` record (its message already names out of memory or a full
+disk: ``engines/failure.py``). A rank that is killed writes nothing; then the orchestrator looks:
+
+- torchrun's root-cause entry in the console (``rank : R``, ``exitcode : -9 (pid: P)``) gives the rank,
+  its pid and the signal; the kernel log (``/dev/kmsg``, readable by root) says whether the OOM
+  killer killed that pid (``Killed process P``) — a SIGKILL from anyone else is named as such, and
+  where the kernel log cannot be read the message says the OOM killer could not be confirmed;
+- the output directory's filesystem (read-only, or full): a rank that died on a full disk may not
+  have been able to write even its error.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from shardscope import outspace
+
+OOM, DISK, ERROR = "oom", "disk", "error"  # the same causes a rank's error record carries
+
+_FAILURE_ROW = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A failed run's one-line error, its traceback or console tail, and its cause."""
+
+    error: str
+    traceback: str
+    cause: str = ERROR
+
+
+def cause_of(errors: list[dict], message: str) -> str:
+    """The ``cause`` (oom | disk | error) of the error record whose message is ``message`` (the root cause)."""
+    return next((str(e.get("cause", "")) for e in errors if str(e.get("message", "")) == message), "")
+
+
+def killed_ranks(console: str) -> list[tuple[int, int, int]]:
+    """Return (rank, signal number, pid) of the ranks torchrun's failure table shows killed by a signal,
+    its root cause (first observed failure) first. Under load torchrun may observe a peer whose collective
+    broke (exit code 1) before the killed rank, so the other failures of the table count too."""
+    block = console[console.rfind("Failures:"):] if "Failures:" in console else console
+    _, found, root = block.rpartition("Root Cause (first observed failure)")
+    rows = [(r, c, p, True) for r, c, p in _FAILURE_ROW.findall(root if found else "")]
+    rows += [(r, c, p, False) for r, c, p in _FAILURE_ROW.findall(block)]
+    out: list[tuple[int, int, int]] = []
+    for rank, code, pid, is_root in rows:
+        entry = (int(rank), -int(code), int(pid))
+        # Beyond the root cause only SIGKILL counts: torchrun itself ends the other ranks with SIGTERM.
+        if int(code) < 0 and (is_root or -int(code) == 9) and entry not in out:
+            out.append(entry)
+    return out
+
+
+def kernel_oom_kills() -> set[int] | None:
+    """Return the pids the kernel's OOM killer killed (from ``/dev/kmsg``), or None when it cannot be read."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    pids: set[int] = set()
+    try:
+        while True:
+            try:
+                line = os.read(fd, 8192).decode("utf-8", "replace")
+            except BlockingIOError:
+                break
+            except OSError as err:
+                if err.errno == errno.EPIPE:  # a record was overwritten while reading: go on
+                    continue
+                break
+            if not line:
+                break
+            match = re.search(r"Killed process (\d+)", line)
+            if match:
+                pids.add(int(match.group(1)))
+    finally:
+        os.close(fd)
+    return pids
+
+
+def from_kill(console: str, last_steps: dict[int, int]) -> Verdict | None:
+    """A verdict naming the first rank killed by a signal (out of memory when the OOM killer did it)."""
+    killed = killed_ranks(console)
+    if not killed:
+        return None
+    oom_pids = kernel_oom_kills()
+    rank, sig, pid = killed[0]
+    step = last_steps.get(rank, -1) + 1
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+    if oom_pids is not None and pid in oom_pids:
+        return Verdict(f"out of memory on rank {rank} at step {step}: killed by the kernel's OOM killer (pid {pid})",
+                       console, OOM)
+    if sig == signal.SIGKILL:
+        why = ("not by the OOM killer, says the kernel log" if oom_pids is not None
+               else "the kernel log is unreadable, so an OOM kill cannot be confirmed")
+        return Verdict(f"rank {rank} killed by SIGKILL at step {step} ({why})", console)
+    return Verdict(f"rank {rank} killed by {name} at step {step}", console)
+
+
+def from_output(run_dir: str, console: str) -> Verdict | None:
+    """A verdict naming a full or read-only output filesystem, or None when it looks writable."""
+    problem = outspace.filesystem_problem(run_dir)
+    if problem is None:
+        return None
+    return Verdict(outspace.describe(problem), console, DISK)

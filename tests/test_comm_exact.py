@@ -1,0 +1,60 @@
+"""Communication bytes are exact: trace analysis == the in-rank count, and observed/theory == 1.
+
+Through the real command line: the parity preset (every strategy, world size 2, tensor parallel
+at 4) with profiling and ``profile.count_collectives`` on, once in fp32 and once with bf16
+parameters. The in-rank count (engines/comm_count.py) reads the tensors handed to each
+collective; the trace analysis reads only the profiler's trace; the theory reads only the spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardscope.profiling import traces
+
+pytestmark = pytest.mark.slow
+
+PRECISIONS = ("fp32", "bf16-params")
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def parity_run(request, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp(f"comm-{request.param}") / "run")
+    cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", "parity", "--headless", "--out", out,
+           "--set", f"precision={request.param}", "--set", "steps=4", "--set", "profile.enabled=true",
+           "--set", "profile.start_step=2", "--set", "profile.steps=1", "--set", "profile.count_collectives=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _counted(run_dir: str) -> dict[str, float]:
+    """Per collective type, the bytes per step the ranks counted in-process (mean over ranks)."""
+    per_rank = []
+    for name in sorted(os.listdir(os.path.join(run_dir, "metrics"))):
+        with open(os.path.join(run_dir, "metrics", name), encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if '"comm"' in line]
+        per_rank.append(records[-1]["collectives"])
+    kinds = {k for r in per_rank for k in r}
+    return {k: sum(r.get(k, {}).get("bytes_per_step", 0.0) for r in per_rank) / len(per_rank) for k in kinds}
+
+
+RUNS = ("ddp", "fsdp2", "fsdp1", "fsdp-handwritten", "zero1", "zero2", "zero3", "autotp", "fsdp2-tp")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_trace_equals_in_rank_count_and_theory(parity_run, run):
+    run_dir = os.path.join(parity_run, run)
+    analysis = traces.analyse_run(run_dir)
+    counted = _counted(run_dir)
+    observed = {k: v["bytes_per_step"] for k, v in analysis["collectives"].items()}
+    assert not analysis["unknown_sizes"]
+    assert observed.keys() == counted.keys()
+    for kind, n in counted.items():
+        assert observed[kind] == pytest.approx(n, rel=1e-9), kind
+    assert analysis["theory"]["ratio"] == pytest.approx(1.0, abs=0.02), analysis["theory"]

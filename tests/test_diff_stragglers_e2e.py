@@ -1,0 +1,136 @@
+"""End to end: `shardscope diff`, `run --against` and straggler detection on real torchrun jobs (gloo, CPU).
+
+One stored comparison (one DDP run) and three new ones: the same settings plus a run with a `slow`
+rank (2 ranks) and one at 4 ranks; a different lr; a larger batch. Each diff must pass or fail with
+the right line and exit code; the slow rank, and only it, must be named.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "shardscope.cli"]
+
+PRESET = """
+description = "diff test"
+steps = 10
+global_batch = {batch}
+lr = {lr}
+warmup_steps = 2
+world_size = 2
+stall_timeout_s = 90
+straggler_window = 4
+[model]
+vocab_size = 128
+d_model = 32
+n_layers = 2
+n_heads = 4
+d_ff = 64
+seq_len = 32
+[profile]
+enabled = false
+[[runs]]
+name = "ddp"
+strategy = "ddp"
+"""
+SLOW_RUNS = """
+[[runs]]
+name = "slow"
+strategy = "ddp"
+fault = "rank=1,step=2,kind=slow,ms=60"
+[[runs]]
+name = "slow4"
+strategy = "ddp"
+world_size = 4
+fault = "rank=2,step=2,kind=slow,ms=60"
+"""
+
+
+def cli(*args, timeout=400):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_preset(tmp, name, *args, batch=8, lr=3e-3, extra=""):
+    preset = tmp / f"{name}.toml"
+    preset.write_text(PRESET.format(batch=batch, lr=lr) + extra)
+    out = tmp / name
+    proc = cli("run", "--preset", str(preset), "--headless", "--out", str(out), *args)
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("diff")
+    old, proc = run_preset(tmp, "old")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # --against end to end: identical settings for "ddp" pass; the new-only runs are reported, not errors.
+    new, against = run_preset(tmp, "new", "--against", str(old), "--speed-tol", "0.6", extra=SLOW_RUNS)
+    lr, _ = run_preset(tmp, "lr", lr=4e-3)
+    big, _ = run_preset(tmp, "big", batch=256)
+    return {"old": old, "new": new, "against": against, "lr": lr, "big": big}
+
+
+def test_against_passes_and_reports_new_only_runs(dirs):
+    proc = dirs["against"]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "slow: only in the new directory, not compared" in proc.stdout
+    assert "passed (loss-tol" in proc.stdout
+
+
+def test_slow_rank_named_and_no_false_flag(dirs):
+    summary = json.loads((dirs["new"] / "summary.json").read_text())
+    sec = summary["stragglers"]
+    assert sec["ddp"]["flagged"] == [] and len(sec["ddp"]["per_rank"]) == 2
+    assert [f["rank"] for f in sec["slow"]["flagged"]] == [1]
+    assert [f["rank"] for f in sec["slow4"]["flagged"]] == [2]
+    flag = sec["slow"]["flagged"][0]
+    assert flag["from_step"] >= 2 and flag["ratio"] > 1.5 and flag["host"] and flag["device"] == "cpu"
+    out = dirs["against"].stdout
+    assert "straggler: slow rank 1" in out and "straggler: slow4 rank 2" in out and "straggler: ddp" not in out
+    assert "straggler: slow rank 1" in (dirs["new"] / "report.md").read_text()
+    assert (dirs["new"] / "plots" / "rank_timing.png").exists()
+
+
+def test_diff_identical_settings_passes(dirs):
+    proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--speed-tol", "0.6", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = json.loads(proc.stdout)
+    (ddp,) = result["runs"]
+    assert ddp["loss"]["max_abs_diff"] == 0.0 and ddp["loss"]["steps_compared"] == 10
+    assert result["only_new"] == ["slow", "slow4"] and result["only_old"] == []
+    assert ddp["communication"]["reason"].startswith("not measured")  # profiler off: no bytes, never 0
+    assert (dirs["new"] / "diff" / "diff_loss_ddp.png").exists()
+
+
+def test_diff_slow_run_fails_on_throughput(dirs):
+    proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--map", "ddp=slow")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "diff: ddp→slow: throughput" in proc.stdout
+    assert "loss differs" not in proc.stdout  # the same training, only slower
+
+
+def test_diff_lr_fails_on_loss(dirs):
+    proc = cli("diff", str(dirs["old"]), str(dirs["lr"]), "--speed-tol", "0.6")
+    assert proc.returncode == 1
+    assert "diff: ddp: loss differs beyond 0.0001 from step 1" in proc.stdout
+    assert "lr" in proc.stdout and "0.004" in proc.stdout  # what differs: the setting, both values
+
+
+def test_diff_bigger_batch_fails_on_memory(dirs):
+    proc = cli("diff", str(dirs["old"]), str(dirs["big"]), "--speed-tol", "100", "--mem-tol", "0.05", "--json")
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert any(": peak memory" in line for line in result["failures"]), result["failures"]
+    assert any(d["key"] == "global_batch" for d in result["runs"][0]["differs"])
+
+
+def test_diff_bad_input_exits_2(dirs, tmp_path):
+    proc = cli("diff", str(dirs["old"]), str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no comparison.json" in proc.stderr
+    proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--map", "ddp=nope")
+    assert proc.returncode == 2 and "no run 'nope'" in proc.stderr

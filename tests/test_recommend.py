@@ -1,0 +1,119 @@
+"""The recommendation logic on synthetic summaries: winner, tie within noise, failed run, no fit, CPU."""
+
+from __future__ import annotations
+
+from shardscope.profiling import recommend
+
+MiB = 2**20
+
+
+def _summary(*runs):
+    return {"baseline": runs[0]["name"], "runs": list(runs)}
+
+
+def _run(name, rate, peak_mib, status="ok", **extra):
+    return {"name": name, "status": status, "median_tokens_per_s": rate, "peak_mem_bytes": peak_mib * MiB, **extra}
+
+
+def test_clear_winner_and_what_each_run_saves_and_costs():
+    s = _summary(_run("ddp", 10000, 800), _run("fsdp", 7000, 500))
+    rec = recommend.recommend(s, {"ddp": 0.02, "fsdp": 0.03}, "cuda")
+    assert rec["fastest"] == "ddp" and rec["no_clear_difference"] == []
+    assert "fastest run: ddp (10,000 tokens/s, 1.43x fsdp)" in rec["lines"]
+    assert rec["runs"]["fsdp"]["mem_saved_bytes"] == 300 * MiB
+    assert "fsdp vs ddp: saves 300.0 MiB peak memory per rank, costs 30.0% throughput (7,000 vs 10,000 tokens/s)" \
+        in rec["lines"]
+    assert rec["caveats"] == []
+
+
+def test_tie_within_the_runs_own_spread_is_no_clear_difference():
+    s = _summary(_run("ddp", 10000, 800), _run("fsdp", 9800, 500))
+    rec = recommend.recommend(s, {"ddp": 0.015, "fsdp": 0.01}, "cuda")
+    assert rec["no_clear_difference"] == ["ddp", "fsdp"]
+    assert any(line.startswith("no clear difference in throughput between ddp, fsdp") for line in rec["lines"])
+    assert "within the noise" in rec["lines"][-1]
+    # The same 2% gap with tighter spreads is a real difference.
+    assert recommend.recommend(s, {"ddp": 0.005, "fsdp": 0.005}, "cuda")["no_clear_difference"] == []
+
+
+def test_a_failed_run_is_left_out_and_said():
+    s = _summary(_run("ddp", 10000, 800), _run("zero3", None, 300, status="failed", error="out of memory on rank 1"))
+    rec = recommend.recommend(s, {"ddp": 0.02, "zero3": None}, "cuda")
+    assert rec["fastest"] == "ddp"
+    assert "zero3 failed: left out of the recommendation (out of memory on rank 1)" in rec["lines"]
+    assert not any(line.startswith("zero3 vs") for line in rec["lines"])
+
+
+def test_a_run_that_does_not_fit_is_not_the_winner_and_its_scale_is_said():
+    s = _summary(_run("ddp", 10000, 900), _run("fsdp", 7000, 500))
+    rec = recommend.recommend(s, {"ddp": 0.01, "fsdp": 0.01}, "cuda", 600 * MiB, {"ddp": None, "fsdp": 1})
+    assert rec["fastest"] == "fsdp" and rec["runs"]["ddp"]["fits"] is False
+    assert "fastest run that fits: fsdp (7,000 tokens/s)" in rec["lines"]
+    assert any(line.startswith("ddp would not fit 600.0 MiB: peak 900.0 MiB per rank at the measured batch; the "
+                               "memory model (model states") and "does not fit at any world size" in line for line in rec["lines"])
+
+
+def test_model_states_saved_come_from_the_exact_counts():
+    s = _summary(_run("ddp", 10000, 800), _run("fsdp", 7000, 790))
+    s["memory"] = {"runs": {"ddp": {"measured": {"model_state_bytes": 400 * MiB}},
+                            "fsdp": {"measured": {"model_state_bytes": 100 * MiB}}}}
+    rec = recommend.recommend(s, {"ddp": 0.01, "fsdp": 0.01}, "cuda")
+    assert rec["runs"]["fsdp"]["model_states_saved_bytes"] == 300 * MiB
+    assert "(model states 400.0 MiB -> 100.0 MiB, counted exactly)" in rec["lines"][-1]
+
+
+def test_cpu_runs_say_gloo_timings_do_not_predict_gpus():
+    s = _summary(_run("ddp", 10000, 800), _run("fsdp", 5000, 790))
+    rec = recommend.recommend(s, {"ddp": 0.05, "fsdp": 0.05}, "cpu")
+    assert rec["caveats"] == [recommend.GPU_CAVEAT] and "gloo" in rec["caveats"][0]
+    assert "**Caveat**" in recommend.markdown(rec)
+
+
+def test_unknown_spread_is_said_not_guessed():
+    s = _summary(_run("ddp", 10000, 800), _run("fsdp", 9900, 500))
+    rec = recommend.recommend(s, {"ddp": None, "fsdp": None}, "cuda")
+    assert "spread not measured" in rec["lines"][0]
+
+
+def test_smallest_fitting_world_size_follows_the_memory_model():
+    from shardscope import config
+    from shardscope.profiling import memory_model
+
+    c = config.load_preset("ddp-vs-fsdp")
+    ddp, fsdp = c.runs[0], c.runs[1]
+    limit = memory_model.predict_run(c, fsdp, 4)["total_bytes"]
+    at = recommend.smallest_fitting_world_size(c, fsdp, limit)
+    assert at is not None and at <= 4
+    assert memory_model.predict_run(c, fsdp, at)["total_bytes"] <= limit
+    if at > 1:
+        assert memory_model.predict_run(c, fsdp, at // 2)["total_bytes"] > limit
+    assert recommend.smallest_fitting_world_size(c, ddp, limit) is None  # a replica does not shrink with ranks
+
+
+def test_device_memory_refits_the_summary_and_report_of_a_run_directory(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shardscope.profiling.report import write_reports
+    from shardscope.recommendview import refit
+
+    out = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "replay-smoke", out)
+    write_reports(str(out))
+    summary = refit(str(out), 1 * MiB)  # every run's measured peak is above 1 MiB
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["recommendation"] == summary["recommendation"]
+    assert summary["recommendation"]["device_memory_bytes"] == MiB
+    ok = [r["name"] for r in summary["runs"] if r.get("peak_mem_bytes")]
+    for name in ok:
+        assert summary["recommendation"]["runs"][name]["fits"] is False
+        assert any(line.startswith(f"{name} would not fit 1.0 MiB") for line in summary["recommendation"]["lines"])
+    assert "would not fit 1.0 MiB" in (out / "report.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--headless",
+                          "--device-memory", "80XB", "--out", str(tmp_path / "never")], capture_output=True, text=True,
+                         check=False)
+    assert bad.returncode == 2 and "--device-memory '80XB'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "never").exists()

@@ -1,0 +1,117 @@
+"""The app, honestly: it refuses an output directory that holds a comparison, keeps each run's last
+device readings and peaks after the run ends, and labels tiny differences in scientific notation."""
+
+from __future__ import annotations
+
+import os
+
+from shardscope import config
+from shardscope.config import cpu_host
+from shardscope.orchestrator import state as st
+from shardscope.tui.app import build_app
+from shardscope.tui.messages import UpdatesArrived
+from shardscope.tui.screens.presets import PresetsScreen
+from shardscope.tui.widgets.charts import y_ticks
+from shardscope.numbers import fmt_sig
+from tui_fakes import FIXTURE, run_async
+
+SIZE = (160, 48)
+
+
+def rich_text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=open(os.devnull, "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
+@run_async
+async def test_app_refuses_an_output_directory_that_holds_a_comparison(tmp_path):
+    out = tmp_path / "used"
+    out.mkdir()
+    config.dump_json(out / "comparison.json", {"name": "earlier"})
+    started = []
+
+    def factory(comparison, out_dir):
+        started.append(out_dir)
+        raise AssertionError("no source may start in a used directory")
+
+    app = build_app(host=cpu_host(), source_factory=factory, out_dir=str(out))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        await pilot.click("#launch")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, PresetsScreen) and started == []
+        message = str(app.screen.query_one("#preset-error").render())
+        assert f"{out}: already holds a comparison; choose a new directory" in message
+        assert (out / "comparison.json").read_text().count("earlier") == 1  # untouched
+        assert not (out / "init.safetensors").exists()
+
+
+@run_async
+async def test_device_panel_keeps_last_readings_and_peaks_after_runs_end():
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(100):
+            if app.board.finished is not None:
+                break
+            await pilot.pause(0.05)
+        rss = [st.DeviceSample((st.DeviceReading("ddp rank 0 (process RSS)", "process", used, run="ddp", ranks=(0,)),),
+                               "process-rss") for used in (300 * 2**20, 500 * 2**20, 400 * 2**20)]
+        later = st.DeviceSample((st.DeviceReading("fsdp2 rank 0 (process RSS)", "process", 200 * 2**20, run="fsdp2",
+                                                  ranks=(0,)),), "process-rss")
+        app.post_message(UpdatesArrived([*rss, later]))
+        await pilot.pause(0.3)
+        text = rich_text(app.screen.devices.content)
+        assert "No device samples yet" not in text
+        assert "fsdp2 rank 0" in text and "200.0 MiB ↑200.0 MiB" in text
+        assert "ddp rank 0 ended" in text and "400.0 MiB ↑500.0 MiB" in text  # last reading, peak
+
+
+def test_chart_axis_labels_tiny_differences_in_scientific_notation():
+    ticks = y_ticks([0.0, 1.1920929e-7, 5.96e-8])
+    labels = [fmt_sig(t) for t in ticks]
+    assert labels[0] == "0" and labels[-1] == "1.19e-07" and len(labels) == 5
+    assert all("0.0000" not in label for label in labels)
+    assert y_ticks([]) == [] and y_ticks([2.0, 2.0]) == [2.0]
+
+
+def test_difference_chart_never_calls_nan_identical():
+    from shardscope.tui.widgets.charts import diff_note
+
+    nan = float("nan")
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0), (2, nan)]}) == " (non-finite from step 2)"
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 0.0)]}) == " (identical)"
+    assert diff_note({"fsdp2": [(0, 0.0), (1, 1e-7)]}) == ""
+
+
+@run_async
+async def test_app_refuses_a_directory_short_of_space(tmp_path):
+    """Started from the app, a comparison whose traces cannot fit is refused as the headless command does."""
+    import subprocess
+
+    import pytest
+
+    point = tmp_path / "small"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        started = []
+
+        def factory(comparison, out_dir):
+            started.append(out_dir)
+            raise AssertionError("no source may start without room for its files")
+
+        app = build_app(host=cpu_host(), source_factory=factory, out_dir=str(point / "out"))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            await pilot.click("#launch")
+            await pilot.pause(0.3)
+            assert isinstance(app.screen, PresetsScreen) and started == []
+            message = str(app.screen.query_one("#preset-error").render())
+            assert "MiB free, the comparison needs about" in message, message
+    finally:
+        subprocess.run(["umount", str(point)], check=False)
