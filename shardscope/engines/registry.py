@@ -54,7 +54,8 @@ class StrategyInfo:
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
     # Where it moves other bytes than the textbook formula (profiling/comm_theory.py QUIRKS): "root-kept"
     # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
-    # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward).
+    # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward),
+    # "buffers-broadcast" (DDP broadcasts module buffers every forward), "reduces-per-micro-batch".
     comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
@@ -91,6 +92,7 @@ register(
             "static_graph": OptionSpec(bool, False, "tell DDP the graph does not change between steps"),
         },
         shards="none",
+        comm_quirks=("buffers-broadcast",),
     )
 )
 
@@ -144,7 +146,7 @@ register(
         },
         models=("transformer", "hf", "vit"),
         shards="all",
-        comm_quirks=("root-kept",),
+        comm_quirks=("root-kept", "reduces-per-micro-batch"),
     )
 )
 

@@ -4,12 +4,14 @@ Sizes as nccl-tests counts them (the full buffer: an all-gather's gathered outpu
 reduce-scatter's full input). The textbook figures, then what each strategy does differently
 (the registry's ``comm_quirks``), each with the one-line reason the report shows:
 
-- nothing sharded (DDP, FSDP1 NO_SHARD): one all-reduce of every gradient;
+- nothing sharded (DDP, FSDP1 NO_SHARD): one all-reduce of every gradient; DDP also broadcasts
+  the module's buffers before every forward;
 - ZeRO-1/2: an all-gather of the updated parameters, and the gradients reduced; DeepSpeed
   (0.19) all-reduces its gradient buckets rather than reduce-scattering them;
 - full sharding: an all-gather of every unit in forward, again in backward unless
   reshard-after-forward is off (FSDP1 and the hand-written FSDP keep the root unit gathered from
-  forward to backward), and a reduce-scatter of the gradients;
+  forward to backward), and a reduce-scatter of the gradients (the hand-written FSDP after every
+  micro-batch);
 - flat buffers are padded to a multiple of the data-parallel degree (FSDP1, ZeRO), FSDP2 pads
   each tensor's dim 0;
 - tensor parallel: two all-reduces of the activations per layer in forward and two in backward.
@@ -41,6 +43,18 @@ LOW_PARAM_POLICIES = ("bf16-params", "fp16")  # gathered parameters in the compu
 
 def _pad(n: int, multiple: int) -> int:
     return -(-n // max(1, multiple)) * max(1, multiple)
+
+
+def buffer_bytes(comp: Comparison) -> int:
+    """Bytes of the model's buffers, which DDP broadcasts: the Hugging Face rotary embedding's
+    ``inv_freq`` and ``original_inv_freq`` (head_dim / 2 fp32 each, transformers 5); the built-in
+    transformer and the ViT have none."""
+    m = comp.model
+    if m.kind != "hf":
+        return 0
+    a = ARCHS[m.hf_arch]
+    head_dim = a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]
+    return 2 * (head_dim // 2) * 4
 
 
 def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -75,6 +89,10 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
         if layout.shards == "none":
             parts["all_reduce"] = local * reduce_bytes
             basis.append("all-reduce of every gradient")
+            if "buffers-broadcast" in quirks and buffer_bytes(comp):
+                parts["broadcast"] = buffer_bytes(comp) * accum
+                reasons.append("DDP broadcasts the module's buffers from rank 0 before every forward "
+                               "(broadcast_buffers)")
         elif layout.shards in ("optim", "grads"):
             flat = _pad(local, 2 * dp)  # DeepSpeed aligns its flat partitions (nccl_start_alignment_factor 2)
             parts["all_gather"] = flat * gather_bytes
@@ -97,7 +115,11 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             backward = {k: v for k, v in units.items() if not ("root-kept" in quirks and k == "root")}
             fwd, bwd = sum(units.values()), sum(backward.values()) if regather else 0
             parts["all_gather"] = (fwd + bwd) * gather_bytes * (accum if regather else 1)
-            parts["reduce_scatter"] = fwd * reduce_bytes
+            per_micro = accum if "reduces-per-micro-batch" in quirks else 1
+            parts["reduce_scatter"] = fwd * reduce_bytes * per_micro
+            if per_micro > 1:
+                reasons.append("gradients are reduce-scattered after every micro-batch (no_sync keeps no full "
+                               "gradients between micro-batches)")
             basis.append("all-gather in forward" + (" and backward" if regather else "")
                          + " + reduce-scatter of gradients")
             if regather and len(backward) < len(units):

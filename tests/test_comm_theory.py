@@ -1,0 +1,79 @@
+"""Communication theory on hand-counted cases (no torch): per collective type, in the dtype it moves."""
+
+from __future__ import annotations
+
+import math
+
+from shardscope import config
+from shardscope.config import ModelSpec, RunSpec
+from shardscope.profiling import comm_theory
+
+# Odd sizes on purpose: vocab 251, seq 31 and width 33 rows do not split evenly over 2 ranks.
+ODD = ModelSpec(vocab_size=251, d_model=33, n_layers=2, n_heads=3, d_ff=100, seq_len=31)
+D, F, V, S = 33, 100, 251, 31
+BLOCK = 2 * D + 4 * (D * D + D) + 2 * D + F * D + F + D * F + D  # ln1, q/k/v/o, ln2, fc_in, fc_out
+ROOT = V * D + S * D + 2 * D + V * D  # tok_emb, pos_emb, final norm, untied lm_head
+TOTAL = ROOT + 2 * BLOCK
+
+
+def _theory(run: RunSpec, tmp_path, precision: str = "fp32", ws: int = 2, model: ModelSpec = ODD,
+            accum: int = 1) -> dict:
+    c = config.Comparison(name="t", model=model, runs=[run], world_size=ws, global_batch=8, precision=precision,
+                          grad_accum=accum, profile=config.ProfileSpec(enabled=False))
+    config.validate(c)
+    return comm_theory.expected_comm(config.run_spec_payload(c, c.runs[0], out_dir=str(tmp_path), device="cpu"))
+
+
+def test_ddp_all_reduces_every_gradient_and_broadcasts_buffers(tmp_path):
+    assert _theory(RunSpec("ddp", "ddp"), tmp_path)["by_type"] == {"all_reduce": 4 * TOTAL}  # no buffers
+    hf = _theory(RunSpec("ddp", "ddp"), tmp_path, model=ModelSpec(kind="hf", hf_arch="qwen2-tiny", hf_layers=1,
+                                                                 vocab_size=128, seq_len=16))
+    assert hf["by_type"]["broadcast"] == 64  # rotary inv_freq + original_inv_freq, 8 fp32 each (measured)
+    assert any("broadcast" in r for r in hf["reasons"])
+
+
+def test_fsdp1_regathers_blocks_not_the_root_and_pads_flat_units(tmp_path):
+    root, block = ROOT + 1, BLOCK + 1  # both odd: each flat unit gets one padding element
+    assert ROOT % 2 == 1 and BLOCK % 2 == 1
+    full = _theory(RunSpec("f", "fsdp1"), tmp_path)
+    assert full["by_type"]["all_gather"] == 4 * (root + 2 * block + 2 * block)
+    assert full["by_type"]["reduce_scatter"] == 4 * (root + 2 * block)
+    assert any("root" in r for r in full["reasons"])
+    sgo = _theory(RunSpec("s", "fsdp1", options={"sharding_strategy": "SHARD_GRAD_OP"}), tmp_path)["by_type"]
+    assert sgo["all_gather"] == 4 * (root + 2 * block)
+    no = _theory(RunSpec("n", "fsdp1", options={"sharding_strategy": "NO_SHARD"}), tmp_path)["by_type"]
+    assert no == {"all_reduce": 4 * TOTAL}  # nothing sharded, nothing padded
+
+
+def test_fsdp2_pads_dim0_and_gathers_in_bf16_under_bf16_params(tmp_path):
+    # every tensor's dim 0 rounded up to even: 251 -> 252, 31 -> 32, 33 -> 34; 100 stays
+    root = 252 * D * 2 + 32 * D + 2 * 34
+    block = 2 * 34 + 4 * (34 * D + 34) + 2 * 34 + F * D + F + 34 * F + 34
+    t = _theory(RunSpec("f", "fsdp2"), tmp_path, precision="bf16-params")["by_type"]
+    assert t["all_gather"] == 2 * 2 * (root + 2 * block)  # bf16, forward and backward, root included
+    assert t["reduce_scatter"] == 4 * (root + 2 * block)  # fp32 reduction
+    keep = _theory(RunSpec("k", "fsdp2", options={"reshard_after_forward": False}), tmp_path)["by_type"]
+    assert keep["all_gather"] == 4 * (root + 2 * block)
+
+
+def test_handwritten_reduce_scatters_every_micro_batch(tmp_path):
+    t = _theory(RunSpec("h", "fsdp-handwritten"), tmp_path, accum=2)
+    assert t["by_type"]["reduce_scatter"] == 2 * 4 * (ROOT + 1 + 2 * (BLOCK + 1))
+    assert any("micro-batch" in r for r in t["reasons"])
+
+
+def test_zero_stages(tmp_path):
+    z1 = _theory(RunSpec("z", "deepspeed-zero1"), tmp_path)["by_type"]
+    assert z1 == {"all_reduce": 4 * TOTAL, "all_gather": 4 * math.ceil(TOTAL / 4) * 4}  # flat buffer aligned to 2 x dp
+    z3 = _theory(RunSpec("z", "deepspeed-zero3"), tmp_path, precision="bf16-params")
+    flat = ROOT + 1 + 2 * (BLOCK + 1)
+    assert z3["by_type"] == {"all_gather": 2 * flat, "reduce_scatter": 2 * flat}  # one gather: the model fits
+    assert any("max_live" in r for r in z3["reasons"])
+
+
+def test_tensor_parallel_activation_all_reduces(tmp_path):
+    t = _theory(RunSpec("tp", "fsdp2-tp", world_size=4, options={"tp": 2}), tmp_path, ws=4,
+                model=ModelSpec(vocab_size=V, d_model=36, n_layers=2, n_heads=4, d_ff=F, seq_len=S))
+    micro, d = 8 // 2, 36  # global batch 8 over dp 2
+    # forward: o_proj and fc_out (row-parallel); backward: q, k, v and fc_in (column-parallel)
+    assert t["by_type"]["all_reduce"] == (2 + 4) * 2 * micro * S * d * 4
