@@ -96,8 +96,12 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
             rows.append(_row("backward", "all_gather", len(back) * accum, gathers - fwd,
                              "the units freed after forward, again, in reverse order"
                              + ("; the root stayed gathered" if len(back) < n_units else "")))
-        rows.append(_row("backward", "reduce_scatter", n_units, by_type.get("reduce_scatter", 0.0),
+        rows.append(_row("backward", "reduce_scatter", n_units * (accum if "reduces-per-micro-batch" in quirks else 1),
+                         by_type.get("reduce_scatter", 0.0),
                          "each unit's gradients as soon as they are computed; each rank keeps its shard"))
+    if by_type.get("broadcast"):
+        rows.append(_row("forward", "broadcast", accum, by_type["broadcast"],
+                         "the module's buffers from rank 0, before every forward"))
     if layout.dp > 1:
         rows.append({"phase": "step", "type": "all_reduce", "count": None, "bytes": None, "bytes_each": None,
                      "what": "the loss (one number) and, with clipping, the squared gradient norm: a few bytes, "
