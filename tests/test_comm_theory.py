@@ -67,8 +67,9 @@ def test_zero_stages(tmp_path):
     assert z1 == {"all_reduce": 4 * TOTAL, "all_gather": 4 * math.ceil(TOTAL / 4) * 4}  # flat buffer aligned to 2 x dp
     z3 = _theory(RunSpec("z", "deepspeed-zero3"), tmp_path, precision="bf16-params")
     flat = ROOT + 1 + 2 * (BLOCK + 1)
-    assert z3["by_type"] == {"all_gather": 2 * flat, "reduce_scatter": 2 * flat}  # one gather: the model fits
-    assert any("max_live" in r for r in z3["reasons"])
+    # one gather (the model fits max_live), in bf16; gradients reduced in fp32 (communication_data_type)
+    assert z3["by_type"] == {"all_gather": 2 * flat, "reduce_scatter": 4 * flat}
+    assert any("max_live" in r for r in z3["reasons"]) and any("fp32" in r for r in z3["reasons"])
 
 
 def test_tensor_parallel_activation_all_reduces(tmp_path):

@@ -55,7 +55,8 @@ class StrategyInfo:
     # Where it moves other bytes than the textbook formula (profiling/comm_theory.py QUIRKS): "root-kept"
     # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
     # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward),
-    # "buffers-broadcast" (DDP broadcasts module buffers every forward), "reduces-per-micro-batch".
+    # "buffers-broadcast" (DDP broadcasts module buffers every forward), "reduces-per-micro-batch",
+    # "fp32-grad-comm" (DeepSpeed reduces gradients in fp32 under bf16 parameters: communication_data_type).
     comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
@@ -168,7 +169,7 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
-            comm_quirks=("live-params-kept",) if _stage == 3 else ("grads-all-reduced",),
+            comm_quirks=(("live-params-kept",) if _stage == 3 else ("grads-all-reduced",)) + ("fp32-grad-comm",),
         )
     )
 
@@ -189,7 +190,7 @@ register(
         models=("hf",),
         shards="optim",  # at the default stage 1
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
-        comm_quirks=("grads-all-reduced",),
+        comm_quirks=("grads-all-reduced", "fp32-grad-comm"),
     )
 )
 

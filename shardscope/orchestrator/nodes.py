@@ -90,15 +90,36 @@ class NodeWatch:
         if self.nnodes == 1 or not owns_verdict(self.node_rank):
             return []
         now = time.time()
+        for node, beat in self._beats().items():
+            if not beat.get("done") and now - float(beat.get("t") or self._started) > self.timeout_s:
+                self._lost.add(node)
+        return sorted(self._lost)
+
+    def _beats(self) -> dict[int, dict]:
+        beats = {}
         for node in range(1, self.nnodes):
             try:
                 with open(heartbeat_path(self.out_dir, node), encoding="utf-8") as fh:
-                    beat = json.load(fh)
+                    beats[node] = json.load(fh)
             except (OSError, ValueError):
-                beat = {"t": self._started, "done": False}
-            if not beat.get("done") and now - float(beat.get("t", 0.0)) > self.timeout_s:
-                self._lost.add(node)
-        return sorted(self._lost)
+                beats[node] = {"t": None, "done": False}  # no beat yet
+        return beats
+
+    def judge(self) -> list[int]:
+        """Node 0, when a run failed with only peers' errors: did another node die with it?
+
+        Waits until every other node has beaten since this call (alive: returns []) or the heartbeat timeout
+        calls the silent ones lost (returns them). A live node beats every second, so that wait is short.
+        """
+        if self.nnodes == 1 or not owns_verdict(self.node_rank):
+            return []
+        since = time.time()
+        deadline = time.monotonic() + self.timeout_s + 1.5
+        while not self.lost() and time.monotonic() < deadline:
+            if all(b.get("done") or float(b.get("t") or 0.0) > since for b in self._beats().values()):
+                break
+            time.sleep(0.25)
+        return self.lost()
 
 
 def lost_message(lost: list[int], timeout_s: float) -> str:

@@ -424,8 +424,11 @@ class Session(Completion):
                 return
             error = found.error
             if not active.error or is_secondary(active.error):  # peers' errors only: did a node vanish?
-                error = nodes.silent_verdict(active.ended | {int(e.get("rank", -1)) for e in active.errors},
-                                             self.states[active.name].world_size, self.comparison.launch) or error
+                lost = self._watch.judge()
+                reported = active.ended | {int(e.get("rank", -1)) for e in active.errors}
+                error = ((lost and nodes.lost_message(lost, self._watch.timeout_s))
+                         or nodes.silent_verdict(reported, self.states[active.name].world_size, self.comparison.launch)
+                         or error)
             update = state.StatusChanged(active.name, state.FAILED, error, found.traceback)
         self._emit(update)
 

@@ -14,6 +14,8 @@ reduce-scatter's full input). The textbook figures, then what each strategy does
   micro-batch);
 - flat buffers are padded to a multiple of the data-parallel degree (FSDP1, ZeRO), FSDP2 pads
   each tensor's dim 0;
+- DeepSpeed under bf16 parameters reduces gradients in fp32 (``communication_data_type``, which
+  engines/deepspeed_zero.py sets);
 - tensor parallel: two all-reduces of the activations per layer in forward and two in backward.
 
 Gathers move the compute dtype when parameters are held or cast low (``bf16-params``, fp16),
@@ -83,6 +85,10 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                                     compute_bytes if layout.low_precision_params else g_bytes)
     parts: dict[str, float] = {}
     basis, reasons = [], []
+    if "fp32-grad-comm" in quirks and layout.precision == "bf16-params" and layout.dp > 1:
+        reduce_bytes = 4
+        reasons.append("under bf16 parameters DeepSpeed reduces gradients in fp32 (shardscope sets its "
+                       "communication_data_type to fp32, so bf16 gradients are not summed in bf16)")
     accum = max(1, comp.grad_accum)
     dp = layout.dp
     if dp > 1:

@@ -134,9 +134,11 @@ class ReportScreen(Screen):
         for row in summary_rows(summary):
             table.add_row(*row)
         rec = summary.get("recommendation") or {}
+        shown = self.query_one("#report-recommendation", Static)
+        shown.display = bool(rec.get("lines"))  # no empty row where there is no recommendation
         if rec.get("lines"):
-            self.query_one("#report-recommendation", Static).update(
-                "\n[b]Recommendation[/b]\n" + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
+            shown.update("\n[b]Recommendation[/b]\n"
+                         + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
         names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
         self.query_one("#report-paths", Static).update(
             "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))

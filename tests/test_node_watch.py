@@ -1,0 +1,27 @@
+"""NodeWatch.judge: after a run fails with only peers' errors, node 0 tells a live node from a lost one."""
+
+from __future__ import annotations
+
+import time
+
+from shardscope.orchestrator.nodes import NodeWatch
+
+
+def test_judge_tells_a_beating_node_from_a_silent_one(tmp_path):
+    beating = NodeWatch(str(tmp_path / "a"), node_rank=1, nnodes=2, timeout_s=3)
+    beating.start()
+    judge = NodeWatch(str(tmp_path / "a"), node_rank=0, nnodes=2, timeout_s=3)
+    assert judge.judge() == []  # it beat again since the failure
+    beating.stop()  # done: never lost
+    assert judge.judge() == []
+
+    silent = NodeWatch(str(tmp_path / "b"), node_rank=1, nnodes=2, timeout_s=3)
+    silent._write(done=False)  # one beat, then silence (its orchestrator was killed)
+    judge = NodeWatch(str(tmp_path / "b"), node_rank=0, nnodes=2, timeout_s=3)
+    t0 = time.monotonic()
+    assert judge.judge() == [1]
+    assert time.monotonic() - t0 > 2.0  # decided by the heartbeat timeout, not at once
+
+
+def test_one_node_judges_nothing(tmp_path):
+    assert NodeWatch(str(tmp_path), node_rank=0, nnodes=1, timeout_s=3).judge() == []
