@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from shardscope import config, events  # noqa: E402  (torch-free)
-from shardscope.engines import registry  # noqa: E402
+from shardscope import registry  # noqa: E402
 from shardscope.profiling.estimate import fmt_bytes  # noqa: E402  (torch-free; rich only inside functions)
 
 NOT = "not measured"
@@ -125,7 +125,7 @@ class NvmlPeaks:
 def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: str,
             traced: dict[str, Any]) -> dict[str, Any]:
     """One table row for a finished run, from its rank 0 records, traces and the predictions."""
-    from shardscope.orchestrator.state import RecordsArrived, RunState
+    from shardscope.profiling.state import RecordsArrived, RunState
     from shardscope.profiling import memory_model, summary, traces
 
     path = os.path.join(run_dir, "metrics", "rank0.jsonl")

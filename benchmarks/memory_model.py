@@ -85,11 +85,11 @@ def run_world_size(world_size: int, work: Path) -> Path:
 
 def compare(out: Path) -> list[dict]:
     """Rows of predicted vs measured model-state bytes per run (worst rank)."""
-    from shardscope.orchestrator import replay
+    from shardscope.profiling import fold
     from shardscope.profiling.report import memory_section
 
-    comparison = replay.load_comparison(str(out))
-    states = replay.replay_states(str(out))
+    comparison = fold.load_comparison(str(out))
+    states = fold.replay_states(str(out))
     section = memory_section(comparison, states)
     rows = []
     for run in comparison.runs:

@@ -21,7 +21,6 @@ parameter partitions in place, 16/N. In bf16-params: ZeRO-1 2 + 2 + 12/N; ZeRO-2
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from _launch import assert_ok, launch, prepare, tiny_comparison  # noqa: E402
 from shardscope.config import ModelSpec, RunSpec  # noqa: E402
-from shardscope.engines import registry  # noqa: E402
+from shardscope import registry  # noqa: E402
 
 
 def measure(out: Path, model: ModelSpec, names: list[str], precision: str = "fp32",

@@ -80,7 +80,8 @@ def inner(spec_path: str, blocks: int) -> None:
 
     from shardscope import events
     from shardscope.config import Comparison
-    from shardscope.engines import loop, registry, worker
+    from shardscope import registry
+    from shardscope.engines import loop, worker
     from shardscope.engines.data import build_batches
     from shardscope.engines.init_weights import load_init
     from shardscope.engines.model import build_model, resolve

@@ -30,7 +30,7 @@ import time
 
 from shardscope import events
 from shardscope.config import RunSpec, cpu_host, dump_json, load_preset
-from shardscope.orchestrator import state as st
+from shardscope.profiling import state as st
 from shardscope.orchestrator.tail import MetricsTailer
 
 RUNS, RANKS = 8, 4

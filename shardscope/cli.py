@@ -362,14 +362,14 @@ def _check_parity(summary: dict[str, Any]) -> int:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def report_cmd(out_dir: str) -> None:
     """Regenerate summary.json, report.md and plots from a run directory alone."""
-    from shardscope.orchestrator import replay
-    from shardscope.orchestrator.session import write_reports
+    from shardscope.profiling import fold
+    from shardscope.profiling.report import write_reports
 
     try:
-        comparison = replay.load_comparison(out_dir)
+        comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError) as err:
         fail_usage(f"{out_dir}: not a shardscope run directory (comparison.json: {err})")
-    states = replay.replay_states(out_dir)
+    states = fold.replay_states(out_dir)
     paths = write_reports(out_dir, comparison, states)
     for label, path in sorted(paths.items()):
         click.echo(f"{label}: {path}")

@@ -26,7 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from shardscope import batch_follow
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
 from shardscope.numbers import json_ready
 from shardscope.presets.files import PRESET_DIR, ConfigError, preset_path, read_preset  # noqa: F401

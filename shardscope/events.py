@@ -35,6 +35,8 @@ END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_complete
 ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared
 # Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>" (engines/watchdog.py).
 ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
+# Profiler ranges the training loop opens around each phase; the trace analysis reads them back.
+PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}
 
 KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")

@@ -15,7 +15,7 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.numbers import read_json
 from shardscope.profiling import explain
 
@@ -30,10 +30,10 @@ def explain_dir(out_dir: str, strategy: str | None, run_name: str | None) -> dic
 
     Raises ExplainError when the directory has no readable comparison.json or summary.json, or no such run.
     """
-    from shardscope.orchestrator import replay
+    from shardscope.profiling import fold
 
     try:
-        comparison = replay.load_comparison(out_dir)
+        comparison = fold.load_comparison(out_dir)
         summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError) as err:
         raise explain.ExplainError(f"{out_dir}: not a finished shardscope run directory ({err}); "

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from shardscope.orchestrator import state
-from shardscope.orchestrator.state import STATUS_STYLE, RunState, Update
+from shardscope.profiling import state
+from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.profiling import straggler_report, stragglers
 from shardscope.profiling.summary import throughput_unit
 

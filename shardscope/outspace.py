@@ -1,7 +1,7 @@
 """The output directory's disk: what a comparison will write, whether it fits, and naming a write that failed.
 
 Torch-free; used by the orchestrator (before launching, and when a run fails) and by ranks
-(``engines/failure.py``, ``profiling/capture.py``).
+(``engines/failure.py``, ``engines/capture.py``).
 
 Trace bytes per profiled step, per rank, measured with
 ``shardscope run --preset smoke --headless --set steps=13 --set model.n_layers=L`` (L = 2 and 4; CPU,

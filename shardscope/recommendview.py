@@ -37,16 +37,16 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
     would not fit, and from which world size the memory model says they would), write it into
     summary.json and report.md, and return the summary (None when the directory has no summary)."""
     from shardscope.config import dump_json
-    from shardscope.orchestrator import replay
+    from shardscope.profiling import fold
     from shardscope.profiling import recommend
     from shardscope.profiling.report import render_markdown
 
     try:
-        comparison = replay.load_comparison(out_dir)
+        comparison = fold.load_comparison(out_dir)
         summary = read_json(os.path.join(out_dir, "summary.json"))
     except (OSError, ValueError):
         return None
-    summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary,
+    summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary,
                                                   device_memory_bytes)
     dump_json(os.path.join(out_dir, "summary.json"), summary)
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
@@ -72,14 +72,14 @@ def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
     """Recommend a run of a finished run directory: the fastest that fits, what each saves and costs."""
     from rich.console import Console
 
-    from shardscope.orchestrator import replay
+    from shardscope.profiling import fold
     from shardscope.profiling import recommend
 
     limit = parse_device_memory(device_memory)
     try:
-        comparison = replay.load_comparison(out_dir)
+        comparison = fold.load_comparison(out_dir)
         summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
-    summary["recommendation"] = recommend.section(comparison, replay.replay_states(out_dir), summary, limit)
+    summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary, limit)
     print_recommendation(summary, Console())

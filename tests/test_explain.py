@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shardscope import config
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import comm_theory, explain, memory_model
 
 HERE = Path(__file__).parent

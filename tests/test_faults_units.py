@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from shardscope import outspace
-from shardscope.engines.watchdog import OrchestratorWatch, process_alive
+from shardscope.engines.watchdog import OrchestratorWatch
+from shardscope.liveness import process_alive
 from shardscope.orchestrator import verdict
 
 CONSOLE = """Failures:

@@ -8,7 +8,7 @@ import pytest
 
 from shardscope import config
 from shardscope.config import RunSpec
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import framework_fixes, memory_model, report
 
 

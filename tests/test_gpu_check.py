@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from shardscope import config, events
-from shardscope.engines import registry
-from shardscope.orchestrator.state import DeviceReading, DeviceSample
+from shardscope import registry
+from shardscope.profiling.state import DeviceReading, DeviceSample
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path(__file__).parent / "data" / "torch215-ddp-run"

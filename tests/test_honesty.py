@@ -14,7 +14,8 @@ import pytest
 
 from shardscope import config, events, numbers
 from shardscope.config import ConfigError, HostInfo
-from shardscope.orchestrator import replay, state
+from shardscope.profiling import fold
+from shardscope.profiling import state
 from shardscope.profiling import report, summary
 
 HOST = HostInfo("cpu", 4, "2 CPU cores", True)
@@ -102,7 +103,7 @@ def test_replay_reads_diverged_from_end_records(tmp_path):
                 w.write("step", step=0, loss=5.0, grad_norm=1.0, tokens=64, tokens_per_s=10.0)
                 w.write("step", step=1, loss=float("nan"), grad_norm=float("nan"), tokens=64, tokens_per_s=10.0)
                 w.write("end", status="diverged", steps_completed=2, first_nonfinite_step=1, nonfinite="loss")
-    states = replay.replay_states(str(out))
+    states = fold.replay_states(str(out))
     assert states["ddp"].status == state.DIVERGED and states["ddp"].first_nonfinite_step == 1
     s = summary.build_summary(c, states, str(out))
     entry = s["runs"][1]

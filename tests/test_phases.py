@@ -7,7 +7,7 @@ import pytest
 from test_traces import GLOO, _x, write_trace
 
 from shardscope import config
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import comm_theory, explain, phases
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from shardscope import config, events
 from shardscope.config import RunSpec
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.profiling import divergence
 
 LAYERS = ["tok_emb", "layers.0", "layers.1", "lm_head"]
@@ -88,14 +88,14 @@ def test_read_layers_from_rank_files(tmp_path):
 def test_real_pair_fp32_vs_bf16_autocast(tmp_path):
     from tests._launch import assert_ok, launch, prepare, tiny_comparison
 
-    from shardscope.orchestrator import replay
+    from shardscope.profiling import fold
 
     comparison = tiny_comparison([RunSpec("fp32", "ddp"), RunSpec("bf16", "ddp", precision="bf16-autocast")],
                                  steps=3, parity=True)
     out = prepare(tmp_path, comparison)
     for run in ("fp32", "bf16"):
         assert_ok(launch(out, comparison, run))
-    states = replay.replay_states(str(out))
+    states = fold.replay_states(str(out))
     layers = {name: divergence.read_layers(str(out / name)) for name in states}
     assert layers["fp32"] and layers["bf16"], "parity mode wrote no layers records"
     entry = divergence.parity_section(comparison, states, layers)["runs"]["bf16"]

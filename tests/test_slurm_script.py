@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from shardscope.orchestrator import devices, launcher, root_cause, slurm
+from shardscope.orchestrator import devices, launcher, slurm
+from shardscope.profiling import root_cause
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 from shardscope import config, events
 from shardscope.config import HostInfo
-from shardscope.orchestrator import replay, state
+from shardscope.orchestrator import replay
+from shardscope.profiling import fold
+from shardscope.profiling import state
 from shardscope.profiling import summary
 
 HOST = HostInfo("cpu", 4, "2 CPU cores", True)
@@ -43,7 +44,7 @@ def make_dir(tmp_path):
 
 def test_fold_and_summary(tmp_path):
     c, out = make_dir(tmp_path)
-    states = replay.replay_states(str(out))
+    states = fold.replay_states(str(out))
     ddp, fsdp = states["ddp"], states["fsdp2"]
     assert ddp.status == "ok" and ddp.steps_completed == 4 and ddp.loss == 2.0
     assert ddp.peak_mem_bytes == 101  # max over ranks
@@ -71,13 +72,13 @@ def test_interrupted_run_replays_as_stopped(tmp_path):
     path = out / "ddp" / "metrics" / "rank0.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:-1]) + "\n" + "garbage\n" + lines[-1][:5])  # no end record, torn line
-    states = replay.replay_states(str(out))
+    states = fold.replay_states(str(out))
     assert states["ddp"].status == "stopped" and states["ddp"].invalid_lines >= 1
 
 
 def test_replay_source_publishes_like_a_session(tmp_path):
     c, out = make_dir(tmp_path)
-    config.dump_json(out / "summary.json", summary.build_summary(c, replay.replay_states(str(out)), str(out)))
+    config.dump_json(out / "summary.json", summary.build_summary(c, fold.replay_states(str(out)), str(out)))
     src = replay.ReplaySource(str(out), speed=1000.0)
     got: list = []
     src.subscribe(got.extend)
@@ -110,5 +111,5 @@ def test_replay_publishes_last_device_sample(tmp_path):
     sample = {"readings": [{"label": "ddp rank 0 (process RSS)", "kind": "process", "used_bytes": 5, "total_bytes": 10,
                             "util_pct": 1.0, "power_w": None, "run": "ddp", "ranks": [0]}], "source": "process-rss", "t": 1.0}
     (out / "devices.jsonl").write_text(json.dumps(sample) + "\n")
-    got = [u for u in replay.replay_updates(str(out)) if isinstance(u, state.DeviceSample)]
+    got = [u for u in fold.replay_updates(str(out)) if isinstance(u, state.DeviceSample)]
     assert len(got) == 1 and got[0].readings[0].used_bytes == 5 and got[0].readings[0].ranks == (0,)

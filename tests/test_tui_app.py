@@ -248,7 +248,7 @@ async def test_export_writes_screenshot_and_copies_paths(tmp_path):
 
 @run_async
 async def test_device_panel_labels_gpus_with_run_and_ranks():
-    from shardscope.orchestrator import state as st
+    from shardscope.profiling import state as st
     from shardscope.tui.messages import UpdatesArrived
 
     app = build_app(replay_dir=FIXTURE, host=cpu_host())

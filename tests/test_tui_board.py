@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardscope.config import load_preset
-from shardscope.orchestrator import state as st
+from shardscope.profiling import state as st
 from shardscope.tui.board import Board, Console
 from shardscope.tui.screens.knobs import overrides, route_error, without_source
 from shardscope.tui.widgets.charts import loss_diff, thin

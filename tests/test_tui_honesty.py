@@ -7,7 +7,7 @@ import os
 
 from shardscope import config
 from shardscope.config import cpu_host
-from shardscope.orchestrator import state as st
+from shardscope.profiling import state as st
 from shardscope.tui.app import build_app
 from shardscope.tui.messages import UpdatesArrived
 from shardscope.tui.screens.presets import PresetsScreen

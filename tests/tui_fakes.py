@@ -17,7 +17,7 @@ from typing import Callable
 
 from shardscope import events
 from shardscope.config import Comparison, resolved_options, resolved_precision, resolved_world_size
-from shardscope.orchestrator import state as st
+from shardscope.profiling import state as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "data", "replay-smoke")

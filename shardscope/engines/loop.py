@@ -32,8 +32,8 @@ from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import StepClock
 from shardscope.engines.comm_count import CountWindow, instrumentation
-from shardscope.profiling.capture import ProfilerWindow
-from shardscope.profiling.phases import PHASE_MARKERS
+from shardscope.engines.capture import ProfilerWindow
+from shardscope.events import PHASE_MARKERS
 
 
 @dataclass

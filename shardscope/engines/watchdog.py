@@ -16,18 +16,8 @@ import signal
 import threading
 import time
 
-import psutil
-
 from shardscope.events import ORCHESTRATOR_ENV
-
-
-def process_alive(pid: int, create_time: float) -> bool:
-    """True when ``pid`` runs and is the process started at ``create_time`` (not a reused pid, not a zombie)."""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+from shardscope.liveness import process_alive
 
 
 class OrchestratorWatch:

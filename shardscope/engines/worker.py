@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardscope import events
 from shardscope.config import Comparison
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.engines.api import RankContext, TrainSettings
 from shardscope.engines import failure
 from shardscope.engines.data import build_batches
@@ -41,7 +41,7 @@ from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch
 from shardscope.engines.comm_count import CountWindow
-from shardscope.profiling.capture import ProfilerWindow
+from shardscope.engines.capture import ProfilerWindow
 
 EXIT_FAILED, EXIT_STOPPED = 1, 143
 SPARE_BYTES = 64 << 10  # room for the last records (error + end with a traceback) on a full disk

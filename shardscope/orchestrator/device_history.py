@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardscope.orchestrator.state import DeviceReading, DeviceSample
+from shardscope.profiling.state import DeviceReading, DeviceSample
 
 
 @dataclass

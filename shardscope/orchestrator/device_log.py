@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Callable
 
-from shardscope.orchestrator import state
+from shardscope.profiling import state
 
 
 class DeviceLog:

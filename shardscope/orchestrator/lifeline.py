@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import os
 import signal
 import socket
@@ -30,10 +29,9 @@ from typing import Any, Callable
 import psutil
 
 from shardscope.config import dump_json
-from shardscope.engines.watchdog import process_alive
 from shardscope.events import ORCHESTRATOR_ENV
+from shardscope.liveness import IDENTITY_FILE
 
-IDENTITY_FILE = "orchestrator.json"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -84,19 +82,3 @@ def write_identity(out_dir: str) -> None:
     pid = os.getpid()
     dump_json(os.path.join(out_dir, IDENTITY_FILE),
               {"host": socket.gethostname(), "pid": pid, "create_time": psutil.Process(pid).create_time()})
-
-
-def orchestrator_state(out_dir: str) -> str:
-    """Return ``"alive"``, ``"lost"`` or ``"unknown"`` for the orchestrator that wrote ``out_dir``.
-
-    Unknown: no identity file (an older directory), or it was written on another host.
-    """
-    try:
-        with open(os.path.join(out_dir, IDENTITY_FILE), encoding="utf-8") as fh:
-            info = json.load(fh)
-        pid, created, host = int(info["pid"]), float(info["create_time"]), str(info["host"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown"
-    if host != socket.gethostname():
-        return "unknown"
-    return "alive" if process_alive(pid, created) else "lost"

@@ -7,141 +7,24 @@ replay a recorded directory instead of launching torchrun.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from shardscope.config import Comparison
-from shardscope.events import ORCHESTRATOR_LOST, read_records
-from shardscope.orchestrator import lifeline, state
 from shardscope.orchestrator.completion import Completion
-from shardscope.orchestrator.root_cause import root_cause
-from shardscope.orchestrator.state import RunState, Update
-from shardscope.orchestrator.tail import tail_text
-
-
-def load_comparison(out_dir: str) -> Comparison:
-    """Return the Comparison saved in ``<out_dir>/comparison.json``; raises FileNotFoundError or ValueError."""
-    path = os.path.join(out_dir, "comparison.json")
-    with open(path, encoding="utf-8") as fh:
-        return Comparison.from_dict(json.load(fh))
+from shardscope.profiling import state
+from shardscope.profiling.fold import load_comparison, replay_updates
+from shardscope.profiling.state import Update
+from shardscope.rundir import RunDir
 
 
 def used_out_dir_error(out_dir: str) -> str:
     """Return one line refusing ``out_dir`` when it already holds a comparison ("" when it is free):
     a new comparison there would reuse its shared initial weights and mix its files."""
-    if os.path.exists(os.path.join(out_dir, "comparison.json")):
+    if RunDir(out_dir).holds_comparison():
         return f"{out_dir}: already holds a comparison; choose a new directory (or open it with `shardscope open`)"
     return ""
-
-
-def _status_from_files(run_dir: str, records: list[dict[str, Any]], summary: dict[str, Any] | None, name: str) -> state.StatusChanged:
-    verdict = _read_json(os.path.join(run_dir, "status.json"))  # what the orchestrator decided
-    if isinstance(verdict, dict) and verdict.get("status") in state.FINISHED:
-        return state.StatusChanged(name, verdict["status"], verdict.get("error", ""), verdict.get("traceback", ""))
-    if summary:
-        for entry in summary.get("runs", []):
-            if entry.get("name") == name:
-                return state.StatusChanged(name, entry.get("status", state.STOPPED), entry.get("error", ""),
-                                           entry.get("traceback_tail", ""))
-    errors = [r for r in records if r.get("kind") == "error"]
-    ends = [r for r in records if r.get("kind") == "end"]
-    lost = any(e.get("reason") == ORCHESTRATOR_LOST for e in ends)
-    ranks = {r.get("rank") for r in records}
-    ended = {e.get("rank") for e in ends}
-    if lost or (not ranks <= ended or not records) and lifeline.orchestrator_state(os.path.dirname(run_dir)) == "lost":
-        # No verdict, no summary, no end (or an end saying so): whoever decided this run is gone.
-        return state.StatusChanged(name, state.STOPPED, ORCHESTRATOR_LOST if records else
-                                   f"{ORCHESTRATOR_LOST} before it started", tail_text(os.path.join(run_dir, "console.log"), 20))
-    if errors:
-        return state.StatusChanged(name, state.FAILED, *root_cause(errors))
-    if ends and ranks <= ended and any(e.get("status") == state.DIVERGED for e in ends):
-        step = min(e.get("first_nonfinite_step", 0) for e in ends if e.get("status") == state.DIVERGED)
-        return state.StatusChanged(name, state.DIVERGED, f"non-finite loss or grad norm at step {step}")
-    if ends and ranks <= ended and all(e.get("status") == "ok" for e in ends):
-        return state.StatusChanged(name, state.OK)
-    if not records:
-        return state.StatusChanged(name, state.STOPPED, "no records: the run never started")
-    return state.StatusChanged(name, state.STOPPED, "interrupted: no end record",
-                               tail_text(os.path.join(run_dir, "console.log"), 20))
-
-
-def replay_updates(out_dir: str) -> list[Update]:
-    """Return every update a live session would have published for ``out_dir``, in order."""
-    comparison = load_comparison(out_dir)
-    summary_path = os.path.join(out_dir, "summary.json")
-    summary = _read_json(summary_path)
-    summary = summary if isinstance(summary, dict) else None
-    updates: list[Update] = []
-    for run in comparison.runs:
-        run_dir = os.path.join(out_dir, run.name)
-        spec = _read_json(os.path.join(run_dir, "spec.json")) or {}
-        resolved = spec.get("run", {})
-        updates.append(state.RunDefined(
-            run=run.name, strategy=run.strategy,
-            world_size=int(resolved.get("world_size") or run.world_size or comparison.world_size),
-            steps_total=comparison.steps,
-            precision=resolved.get("precision") or run.precision or comparison.precision,
-            options=resolved.get("options") or dict(run.options), run_dir=run_dir,
-        ))
-        records: list[dict[str, Any]] = []
-        invalid = 0
-        for path in sorted(glob.glob(os.path.join(run_dir, "metrics", "rank*.jsonl"))):
-            recs, bad = read_records(path)
-            records.extend(recs)
-            invalid += bad
-        records.sort(key=lambda r: (r.get("t", 0.0), r.get("rank", 0)))
-        if records:
-            updates.append(state.StatusChanged(run.name, state.STARTING, t=records[0].get("t", time.time())))
-            updates.append(state.RecordsArrived(run.name, tuple(records), invalid))
-        console = tail_text(os.path.join(run_dir, "console.log"), 400)
-        if console:
-            updates.append(state.ConsoleText(run.name, console + "\n"))
-        final = _status_from_files(run_dir, records, summary, run.name)
-        end_t = records[-1].get("t", time.time()) if records else time.time()
-        updates.append(state.StatusChanged(final.run, final.status, final.error, final.traceback, t=end_t))
-    updates.extend(device_samples(out_dir))
-    if summary is not None:
-        code = 0 if summary.get("all_ok") else 1
-        report = os.path.join(out_dir, "report.md")
-        updates.append(state.ComparisonFinished(out_dir, code, summary_path, report if os.path.exists(report) else ""))
-    return updates
-
-
-def device_samples(out_dir: str) -> list[state.DeviceSample]:
-    """Return every device sample recorded in ``<out_dir>/devices.jsonl`` (unreadable lines skipped)."""
-    try:
-        with open(os.path.join(out_dir, "devices.jsonl"), encoding="utf-8") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            data = json.loads(line)
-            readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
-            out.append(state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0))))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
-def replay_states(out_dir: str) -> dict[str, RunState]:
-    """Return the run states folded from ``out_dir``'s files alone."""
-    states: dict[str, RunState] = {}
-    state.fold(replay_updates(out_dir), states)
-    return states
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
 
 
 class ReplaySource(Completion):

@@ -21,13 +21,15 @@ from typing import Callable
 
 from shardscope import config, outspace
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import launcher, lifeline, nodes, state, verdict
+from shardscope.orchestrator import launcher, lifeline, nodes, verdict
+from shardscope.profiling import state
 from shardscope.orchestrator.completion import Completion
 from shardscope.orchestrator.device_log import DeviceLog
-from shardscope.orchestrator.reporting import write_reports
-from shardscope.orchestrator.root_cause import is_secondary, root_cause
-from shardscope.orchestrator.state import RunState, Update
-from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer, tail_text
+from shardscope.profiling.report import write_reports
+from shardscope.profiling.root_cause import is_secondary, root_cause
+from shardscope.profiling.state import RunState, Update
+from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
+from shardscope.rundir import tail_text
 
 Subscriber = Callable[[list[Update]], None]
 _LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # sessions started in this process

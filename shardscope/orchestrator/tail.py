@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shardscope.events import LineDecoder
-from shardscope.orchestrator.console_noise import ConsoleFilter, clean
+from shardscope.console_noise import ConsoleFilter
 
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 MAX_READ = 4 << 20  # bytes read from one file per poll, so one huge burst cannot stall the others
@@ -84,16 +84,3 @@ class ConsoleTailer:
     def poll(self) -> str:
         """Return the text appended since the last poll, noise lines left out."""
         return self._filter.feed(self._follower.read_new(256 << 10).decode("utf-8", errors="replace"))
-
-
-def tail_text(path: str, max_lines: int = 40) -> str:
-    """Return the last ``max_lines`` lines of a text file, known library noise left out ("" if it does not exist)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - 64 * 1024))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(clean(text).splitlines()[-max_lines:])

@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling.memory_model import (
     ARCHS,
     PRECISION_BYTES,

@@ -8,7 +8,7 @@ measured them, and what differs between the two (versions, device, initial weigh
 read from the runs' ``start`` records and ``comparison.json``. A run present on one side only is
 listed, never an error.
 
-Run states come from the same fold every view uses (``replay.replay_states``); medians from
+Run states come from the same fold every view uses (``fold.replay_states``); medians from
 ``summary.median_rate``. Pure Python, no torch.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from shardscope.config import Comparison
 from shardscope.numbers import read_json
-from shardscope.orchestrator import replay
-from shardscope.orchestrator.state import OK, RunState
+from shardscope.profiling import fold
+from shardscope.profiling.state import OK, RunState
 from shardscope.profiling import summary, traces
 
 DEFAULT_LOSS_TOL = 1e-4  # |Δloss| at any common step
@@ -66,7 +66,7 @@ def load_side(out_dir: str) -> Side:
     if not os.path.isfile(os.path.join(out_dir, "comparison.json")):
         raise DiffInputError(f"{out_dir}: not a shardscope run directory (no comparison.json)")
     try:
-        comparison = replay.load_comparison(out_dir)
+        comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError, TypeError) as err:
         raise DiffInputError(f"{out_dir}/comparison.json: unreadable ({err})") from None
     data = None
@@ -74,7 +74,7 @@ def load_side(out_dir: str) -> Side:
         data = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
     except (OSError, ValueError):
         pass
-    return Side(out_dir, comparison, replay.replay_states(out_dir), data if isinstance(data, dict) else None)
+    return Side(out_dir, comparison, fold.replay_states(out_dir), data if isinstance(data, dict) else None)
 
 
 def parse_map(items: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:

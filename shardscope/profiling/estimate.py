@@ -15,7 +15,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import memory_model
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison, RunSpec
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import comm_theory, memory_model, phases
 from shardscope.profiling.estimate import fmt_bytes
 

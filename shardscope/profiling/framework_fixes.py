@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec, resolved_options
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.profiling import memory_model
 from shardscope.profiling.estimate import fmt_bytes
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison, ModelSpec, RunSpec, resolved_options, resolved_precision, resolved_world_size
-from shardscope.engines import registry
+from shardscope import registry
 from shardscope.hf_archs import ARCHS
 
 # Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1

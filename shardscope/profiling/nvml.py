@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
-from shardscope.orchestrator.state import DeviceReading, DeviceSample
+from shardscope.profiling.state import DeviceReading, DeviceSample
 
 PidsByRun = dict[str, dict[int, int]]  # run -> {rank: pid}
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}
+from shardscope.events import PHASE_MARKERS
+
 PHASES = ("forward", "backward", "step")
 _LAYER = re.compile(rb"layers\.(\d+)")
 _ROOT = re.compile(rb"^FSDP::[a-z_]+( \(\))?$")  # FSDP2's root unit: an annotation without a module name
@@ -38,7 +39,7 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     None where the runtime's bucketing decides it (DDP, ZeRO).
     """
     from shardscope import config
-    from shardscope.engines import registry
+    from shardscope import registry
     from shardscope.profiling import memory_model
 
     by_type = dict(theory.get("by_type") or {})

@@ -9,12 +9,15 @@ writes everything. It never imports torch (the orchestrator is torch-free); trac
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from shardscope.config import Comparison, dump_json
-from shardscope.orchestrator import replay
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling import fold
+from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
+from shardscope.outspace import describe, disk_error
+from shardscope.rundir import RunDir
 from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 from shardscope.profiling.summary import throughput_unit
@@ -133,14 +136,34 @@ def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
 # --- the entry point ---------------------------------------------------------------------------
 
 
-def write_reports(out_dir: str) -> dict[str, str]:
+def write_reports(out_dir: str, comparison: Comparison | None = None,
+                  states: dict[str, RunState] | None = None) -> dict[str, str]:
     """Write ``summary.json``, ``report.md``, ``plots/*.png`` and ``merged_trace.json`` for ``out_dir``.
 
+    The one report writer: the session calls it when a comparison ends, ``shardscope report DIR`` from
+    files alone. Everything is rebuilt from the directory's files (the same fold as live), so both give
+    the same report. Should the full report fail (a bug, a full disk), the core summary is written from
+    ``comparison`` and ``states`` (folded from files when not given), so a summary always exists.
     Returns {"summary", "report", "plots", "merged_trace"} -> paths ("merged_trace" only when some
-    run has traces). Raises OSError or ValueError when ``comparison.json`` cannot be read.
+    run has traces; only "summary" after the fallback). Raises OSError or ValueError when
+    ``comparison.json`` cannot be read and no comparison was given.
     """
-    c = replay.load_comparison(out_dir)
-    states = replay.replay_states(out_dir)
+    try:
+        return _full_reports(out_dir)
+    except Exception as err:  # noqa: BLE001 - any failure of the full report falls back to the core summary
+        disk = disk_error(err)
+        why = describe(disk) if disk is not None else repr(err)
+        print(f"shardscope: full report failed, writing the core summary: {why}", file=sys.stderr)
+    comparison = comparison or fold.load_comparison(out_dir)
+    states = states if states is not None else fold.replay_states(out_dir)
+    path = RunDir(out_dir).summary
+    dump_json(path, summary.build_summary(comparison, states, out_dir))
+    return {"summary": path}
+
+
+def _full_reports(out_dir: str) -> dict[str, str]:
+    c = fold.load_comparison(out_dir)
+    states = fold.replay_states(out_dir)
     data = summary.build_summary(c, states, out_dir)
     data["memory"] = memory_section(c, states)
     data["communication"] = communication_section(c, states, out_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.profiling import stragglers
 from shardscope.profiling.stragglers import BUSY, PHASE_KEYS
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
-from shardscope.orchestrator.state import FINISHED, STOPPED, RunState
+from shardscope.profiling.state import FINISHED, STOPPED, RunState
 
 SUMMARY_VERSION = 1
 

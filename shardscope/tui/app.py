@@ -31,7 +31,7 @@ from textual.screen import Screen
 from shardscope.config import Comparison, ConfigError, load_preset
 from shardscope.orchestrator.preflight import check_space
 from shardscope.orchestrator.replay import used_out_dir_error
-from shardscope.orchestrator.state import Update
+from shardscope.profiling.state import Update
 from shardscope.tui import source as sources
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path

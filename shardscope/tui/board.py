@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shardscope.orchestrator import state as st
+from shardscope.profiling import state as st
 from shardscope.orchestrator.device_history import DeviceHistory
 
 CONSOLE_LINES = 2000  # console lines kept per run (older ones are dropped from view, never from disk)

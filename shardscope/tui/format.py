@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shardscope.orchestrator.state import STATUS_STYLE  # noqa: F401  (one style per status, in state.py)
+from shardscope.profiling.state import STATUS_STYLE  # noqa: F401  (one style per status, in state.py)
 from shardscope.profiling.estimate import fmt_bytes as human_bytes  # noqa: F401  (one byte formatter for the project)
 
 # One colour per run, in definition order: used by cards, chart lines and legends alike.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from shardscope.orchestrator.state import Update
+from shardscope.profiling.state import Update
 
 
 class UpdatesArrived(Message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from shardscope.config import Comparison, HostInfo
-from shardscope.orchestrator.state import Update
+from shardscope.profiling.state import Update
 
 
 class Source(Protocol):
@@ -62,7 +62,7 @@ def host_info() -> HostInfo:
 
 def read_comparison(out_dir: str) -> Comparison | None:
     """Return the Comparison recorded in ``<out>/comparison.json``, or None if it cannot be read."""
-    from shardscope.orchestrator.replay import load_comparison
+    from shardscope.profiling.fold import load_comparison
 
     try:
         return load_comparison(out_dir)

@@ -6,7 +6,6 @@ Run it again (``python tests/data/make_replay_fixture.py``) only to change the f
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil

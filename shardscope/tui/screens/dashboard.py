@@ -15,7 +15,7 @@ from textual.containers import Horizontal, HorizontalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from shardscope.orchestrator.state import FAILED, STATUSES
+from shardscope.profiling.state import FAILED, STATUSES
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, run_colour
 from shardscope.tui.messages import RunSelected

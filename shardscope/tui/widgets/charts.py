@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from textual_plotext import PlotextPlot
 
 from shardscope.numbers import fmt_sig
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.tui.format import rgb
 
 MAX_POINTS = 400  # points drawn per series at most; longer series are thinned evenly

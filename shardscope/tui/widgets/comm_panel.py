@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.tui.format import human_bytes
 
 EMPTY = ("No communication records yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "

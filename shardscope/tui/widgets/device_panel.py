@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.orchestrator.device_history import DeviceHistory
-from shardscope.orchestrator.state import DeviceReading
+from shardscope.profiling.state import DeviceReading
 from shardscope.tui.format import human_bytes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import RichLog
 
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.tui.board import Console
 
 TRACEBACK_LINES = 25

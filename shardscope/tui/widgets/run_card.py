@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from shardscope.orchestrator.state import RunState
+from shardscope.profiling.state import RunState
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
 from shardscope.tui.messages import RunSelected
 

@@ -1,0 +1,180 @@
+"""The house: the import graph read from the source has no cycle and keeps the documented layers.
+
+Layers (docs/ARCHITECTURE.md), arrows pointing down only:
+
+    views         cli, headless, diffview, explainview, recommendview, tui/
+    orchestrator  orchestrator/
+    analysis      profiling/                      rank side   engines/
+    schema        config, registry, events, rundir, numbers, sizes, hf_archs, batch_follow,
+                  outspace, liveness, console_noise, presets/
+
+The analysis and the rank side sit side by side: neither imports the other.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
+VIEWS = {"cli", "headless", "diffview", "explainview", "recommendview", "tui", "__main__"}
+SCHEMA = {"config", "registry", "events", "rundir", "numbers", "sizes", "hf_archs", "batch_follow", "outspace",
+          "liveness", "console_noise", "presets", "__init__"}
+# What each layer may import (besides itself).
+ALLOWED = {
+    "schema": {"schema"},
+    "engines": {"schema"},
+    "profiling": {"schema"},
+    "orchestrator": {"schema", "profiling"},
+    "views": {"schema", "profiling", "orchestrator", "views"},
+}
+
+
+def layer(room: str) -> str:
+    """The layer a top-level room (package or module of shardscope) belongs to."""
+    if room in VIEWS:
+        return "views"
+    if room in SCHEMA:
+        return "schema"
+    if room in ("engines", "profiling", "orchestrator"):
+        return room
+    raise AssertionError(f"shardscope/{room}: not in any layer; add it to tests/test_layers.py and ARCHITECTURE.md")
+
+
+def modules() -> dict[str, str]:
+    """Module name -> file path for every module of the package."""
+    out = {}
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                name = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Edges module -> modules of the package it imports (anywhere in the file, lazy imports included)."""
+    mods = modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for mod, path in mods.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for name in names:
+                while name and name not in mods:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    edges[mod].add(name)
+    return edges
+
+
+def room(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def cycles(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_cycle():
+    edges = import_graph()
+    assert cycles(set(modules()), edges) == []
+
+
+def test_no_room_cycle():
+    rooms: dict[str, set[str]] = defaultdict(set)
+    for src, dsts in import_graph().items():
+        for dst in dsts:
+            if room(src) != room(dst) and "__init__" not in (room(src), room(dst)):
+                rooms[room(src)].add(room(dst))
+    assert cycles(set(rooms) | {d for v in rooms.values() for d in v}, rooms) == []
+
+
+def test_arrows_point_down():
+    wrong = []
+    for src, dsts in import_graph().items():
+        for dst in dsts:
+            a, b = layer(room(src)), layer(room(dst))
+            if a != b and b not in ALLOWED[a]:
+                wrong.append(f"{src} ({a}) imports {dst} ({b})")
+    assert wrong == []
+
+
+def test_only_the_cli_imports_the_app():
+    wrong = [f"{src} imports {dst}" for src, dsts in import_graph().items() for dst in dsts
+             if room(dst) == "tui" and room(src) not in ("tui", "cli")]
+    assert wrong == []
+
+
+def test_the_checker_sees_a_cycle_and_a_wrong_arrow():
+    """The checks above can fail: a two-module cycle is found, and an analysis -> orchestrator arrow is flagged."""
+    assert cycles({"a", "b", "c"}, {"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert "orchestrator" not in ALLOWED[layer("profiling")]
+    assert layer("cli") == "views" and layer("rundir") == "schema"
+
+
+@pytest.mark.parametrize("command", ["report", "open-nothing"])
+def test_report_loads_no_torch_psutil_or_launcher(tmp_path, command):
+    """`shardscope report DIR` (and importing the app's modules) loads neither torch, psutil nor the launcher."""
+    import shutil
+
+    out = tmp_path / "replay"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "replay-smoke"), out)
+    if command == "report":
+        call = f"main(['report', {str(out)!r}], standalone_mode=False)"
+    else:
+        call = "import shardscope.tui.app, shardscope.profiling.report, shardscope.profiling.diff"
+    code = ("import sys\nfrom shardscope.cli import main\n" + call + "\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'psutil', 'deepspeed') "
+            "or m == 'shardscope.orchestrator.launcher')\nprint('LOADED', bad)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOADED []" in proc.stdout, proc.stdout[-2000:]
