@@ -16,6 +16,7 @@ from rich.table import Table
 
 from shardscope.headless import fmt_bytes, fmt_num
 from shardscope.profiling import diff, plots
+from shardscope.rundir import RunDir, plot_file
 
 NOT_MEASURED = "not measured"
 
@@ -84,7 +85,7 @@ def write_plots(result: dict[str, Any], plots_dir: str) -> dict[str, str]:
     os.makedirs(plots_dir, exist_ok=True)
     out = {}
     for (a, b), (old_losses, new_losses) in result["_losses"].items():
-        path = os.path.join(plots_dir, f"diff_loss_{b}.png")
+        path = plot_file(plots_dir, f"diff_loss_{b}")
         made = plots.loss_plot({f"old {a}": old_losses, f"new {b}": new_losses}, f"old {a}", path)
         if made:
             out[b] = made
@@ -113,7 +114,7 @@ def report(old_dir: str, new_dir: str, maps: list[str] | tuple[str, ...], tol: d
         if not console.is_terminal:  # logs and pipes: wide enough for the table
             console = Console(width=max(console.width, 160))
     result = diff.diff_dirs(old_dir, new_dir, diff.parse_map(maps), tol)
-    plot_paths = write_plots(result, plots_dir or os.path.join(new_dir, "diff"))
+    plot_paths = write_plots(result, plots_dir or RunDir(new_dir).diff)
     public = {k: v for k, v in result.items() if not k.startswith("_")}
     public["plots"] = plot_paths
     if as_json:

@@ -7,7 +7,6 @@ summary.json. No torch is imported.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -16,7 +15,7 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope import registry
-from shardscope.numbers import read_json
+from shardscope.rundir import SUMMARY, load_summary
 from shardscope.profiling import explain
 
 
@@ -34,10 +33,10 @@ def explain_dir(out_dir: str, strategy: str | None, run_name: str | None) -> dic
 
     try:
         comparison = fold.load_comparison(out_dir)
-        summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
+        summary = load_summary(out_dir)
     except (OSError, ValueError) as err:
         raise explain.ExplainError(f"{out_dir}: not a finished shardscope run directory ({err}); "
-                                   f"`shardscope report {out_dir}` writes summary.json") from None
+                                   f"`shardscope report {out_dir}` writes {SUMMARY}") from None
     if run_name is None:
         mine = [r.name for r in comparison.runs if r.strategy == strategy]
         if not mine:

@@ -9,10 +9,9 @@ a finished directory never loads it.
 from __future__ import annotations
 
 import json
-import os
 import socket
 
-IDENTITY_FILE = "orchestrator.json"  # <out>/orchestrator.json: host, pid, create_time of the orchestrator
+from shardscope.rundir import RunDir
 
 
 def process_alive(pid: int, create_time: float) -> bool:
@@ -32,7 +31,7 @@ def orchestrator_state(out_dir: str) -> str:
     Unknown: no identity file (an older directory), or it was written on another host.
     """
     try:
-        with open(os.path.join(out_dir, IDENTITY_FILE), encoding="utf-8") as fh:
+        with open(RunDir(out_dir).identity, encoding="utf-8") as fh:
             info = json.load(fh)
         pid, created, host = int(info["pid"]), float(info["create_time"]), str(info["host"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -26,6 +26,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from shardscope.rundir import RunDir
+
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system"}
 
@@ -123,7 +125,7 @@ class Spare:
     so that the verdicts and the summary still fit."""
 
     def __init__(self, out_dir: str) -> None:
-        self.path = os.path.join(out_dir, ".shardscope-spare")
+        self.path = RunDir(out_dir).spare
 
     def reserve(self) -> None:
         """Write the spare file (silently skipped when even that does not fit)."""

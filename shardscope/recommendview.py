@@ -5,13 +5,12 @@ The figures come from ``profiling.recommend``; this module only prints. No torch
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import click
 
-from shardscope.numbers import read_json
+from shardscope.rundir import RunDir, load_summary
 from shardscope.sizes import parse_size
 
 
@@ -43,13 +42,13 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
 
     try:
         comparison = fold.load_comparison(out_dir)
-        summary = read_json(os.path.join(out_dir, "summary.json"))
+        summary = load_summary(out_dir)
     except (OSError, ValueError):
         return None
     summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary,
                                                   device_memory_bytes)
-    dump_json(os.path.join(out_dir, "summary.json"), summary)
-    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as fh:
+    dump_json(RunDir(out_dir).summary, summary)
+    with open(RunDir(out_dir).report, "w", encoding="utf-8") as fh:
         fh.write(render_markdown(summary))
     return summary
 
@@ -78,7 +77,7 @@ def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
     limit = parse_device_memory(device_memory)
     try:
         comparison = fold.load_comparison(out_dir)
-        summary = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
+        summary = load_summary(out_dir)
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
     summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary, limit)

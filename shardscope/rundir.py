@@ -4,16 +4,18 @@ Layout (DESIGN.md "run directory")::
 
     <out>/comparison.json        the validated Comparison, written before any run starts
     <out>/init.safetensors       the shared initial weights (init.log: the subprocess that wrote them)
-    <out>/orchestrator.json      the orchestrator's identity (liveness.IDENTITY_FILE)
+    <out>/orchestrator.json      the orchestrator's identity (host, pid, start time; liveness reads it)
     <out>/devices.jsonl          device samples (devices.node<N>.jsonl from other nodes)
     <out>/nodes/node<N>.json     heartbeats of nodes other than 0
-    <out>/summary.json  report.md  plots/  diff/
+    <out>/summary.json  report.md  plots/<name>.png  diff/  merged_trace.json (every run's traces in one
+                                 Perfetto timeline)  shardscope-dashboard.svg (the app's export)
+    <out>/.shardscope-spare      disk space held back for the verdicts, freed when the disk fills
     <out>/<run>/spec.json        what the ranks run
     <out>/<run>/status.json      the orchestrator's verdict
     <out>/<run>/console.log      torchrun's output (console.node<N>.log from other nodes)
     <out>/<run>/metrics/rank<R>.jsonl   records, one file per global rank
-    <out>/<run>/traces/          profiler traces (traces/tb: the TensorBoard plugin's layout,
-                                 traces/merged_trace.json: every rank in one Perfetto trace)
+    <out>/<run>/traces/rank<R>.trace.json   profiler traces (traces/tb: the TensorBoard plugin's layout,
+                                 rank<R>.*.pt.trace.json, named by torch's handler)
 
 Everything else reads and writes these through ``RunDir`` / ``RunFiles`` and the readers here.
 Torch-free and psutil-free: the app, ``report`` and ``open`` use it.
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from shardscope.console_noise import clean
-from shardscope.liveness import IDENTITY_FILE
 from shardscope.numbers import read_json
 
 COMPARISON = "comparison.json"
@@ -43,6 +45,49 @@ METRICS = "metrics"
 TRACES = "traces"
 TB = "tb"
 MERGED_TRACE = "merged_trace.json"
+IDENTITY = "orchestrator.json"
+NODES = "nodes"
+SCREENSHOT = "shardscope-dashboard.svg"
+SPARE = ".shardscope-spare"
+PLOT_SUFFIX = ".png"
+RECORDS_SUFFIX = ".jsonl"
+CHROME_SUFFIX = ".trace.json"
+TB_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's files: <worker>.<id>.pt.trace.json
+
+
+def console_name(node_rank: int = 0) -> str:
+    """The file name of node ``node_rank``'s torchrun console log in a run directory (``console.log`` on node 0)."""
+    return "console.log" if node_rank == 0 else f"console.node{node_rank}.log"
+
+
+def devices_name(node_rank: int = 0) -> str:
+    """The file name of node ``node_rank``'s device samples in ``<out>`` (``devices.jsonl`` on node 0)."""
+    return "devices" + RECORDS_SUFFIX if node_rank == 0 else f"devices.node{node_rank}{RECORDS_SUFFIX}"
+
+
+_RANK_FILE = re.compile(r"rank(\d+)" + re.escape(RECORDS_SUFFIX) + "$")
+
+
+def record_file_rank(path: str) -> int | None:
+    """The global rank of a record file (``.../rank3.jsonl`` -> 3), None when it is not one."""
+    match = _RANK_FILE.search(path)
+    return int(match.group(1)) if match else None
+
+
+def rank_record_files(metrics_dir: str) -> list[str]:
+    """Every rank's record file (``rank<R>.jsonl``) present in a ``metrics`` directory, in rank order."""
+    found = [p for p in glob.glob(os.path.join(metrics_dir, "rank*" + RECORDS_SUFFIX)) if record_file_rank(p) is not None]
+    return sorted(found, key=lambda p: record_file_rank(p) or 0)
+
+
+def plot_file(plots_dir: str, name: str) -> str:
+    """The PNG file of plot ``name`` in ``plots_dir``."""
+    return os.path.join(plots_dir, name + PLOT_SUFFIX)
+
+
+def tb_worker(rank: int) -> str:
+    """The worker name a rank gives torch's TensorBoard trace handler (its files start with it)."""
+    return f"rank{rank}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +113,7 @@ class RunFiles:
 
     def console(self, node_rank: int = 0) -> str:
         """torchrun's output on node ``node_rank`` (``console.log`` on node 0)."""
-        return os.path.join(self.path, "console.log" if node_rank == 0 else f"console.node{node_rank}.log")
+        return os.path.join(self.path, console_name(node_rank))
 
     @property
     def metrics(self) -> str:
@@ -77,11 +122,11 @@ class RunFiles:
 
     def rank_file(self, rank: int) -> str:
         """``metrics/rank<R>.jsonl``."""
-        return os.path.join(self.metrics, f"rank{rank}.jsonl")
+        return os.path.join(self.metrics, f"rank{rank}{RECORDS_SUFFIX}")
 
     def rank_files(self) -> list[str]:
-        """Every rank's record file present, sorted by name."""
-        return sorted(glob.glob(os.path.join(self.metrics, "rank*.jsonl")))
+        """Every rank's record file present, in rank order."""
+        return rank_record_files(self.metrics)
 
     @property
     def traces(self) -> str:
@@ -93,10 +138,27 @@ class RunFiles:
         """``traces/tb``: the TensorBoard profiler plugin's layout."""
         return os.path.join(self.traces, TB)
 
-    @property
-    def merged_trace(self) -> str:
-        """``traces/merged_trace.json``: every rank's trace in one Perfetto timeline."""
-        return os.path.join(self.traces, MERGED_TRACE)
+    def chrome_trace(self, rank: int) -> str:
+        """``traces/rank<R>.trace.json``: rank R's Chrome/Perfetto trace."""
+        return os.path.join(self.traces, f"rank{rank}{CHROME_SUFFIX}")
+
+    def chrome_traces(self) -> list[str]:
+        """Every rank's Chrome trace present (``.trace.json`` or ``.trace.json.gz``), unsorted."""
+        pattern = os.path.join(self.traces, "rank*" + CHROME_SUFFIX)
+        return glob.glob(pattern) + glob.glob(pattern + ".gz")
+
+    def tb_files(self, rank: int | None = None) -> list[str]:
+        """The TensorBoard plugin's trace files (of ``rank`` only, when given), sorted by name."""
+        worker = "*" if rank is None else tb_worker(rank) + ".*"
+        return sorted(glob.glob(os.path.join(self.tb, worker + TB_SUFFIX)))
+
+    def tb_partials(self, rank: int) -> list[str]:
+        """Half-written temporary traces torch's handler left for ``rank`` (``<file>.tmp``)."""
+        return glob.glob(os.path.join(self.tb, tb_worker(rank) + ".*.tmp"))
+
+    def trace_files(self) -> list[str]:
+        """Every file under ``traces/`` (TensorBoard's included), sorted."""
+        return sorted(glob.glob(os.path.join(self.traces, "**", "*.*"), recursive=True))
 
 
 @dataclass(frozen=True)
@@ -129,6 +191,24 @@ class RunDir:
         """The directory of report plots."""
         return os.path.join(self.path, PLOTS)
 
+    def plot(self, name: str) -> str:
+        """``plots/<name>.png``."""
+        return plot_file(self.plots, name)
+
+    def plot_files(self) -> list[str]:
+        """Every report plot present, sorted."""
+        return sorted(glob.glob(plot_file(self.plots, "*")))
+
+    @property
+    def merged_trace(self) -> str:
+        """``merged_trace.json``: every run's traces in one Perfetto timeline."""
+        return os.path.join(self.path, MERGED_TRACE)
+
+    @property
+    def spare(self) -> str:
+        """``.shardscope-spare``: the space kept free for the verdicts and the summary (outspace.Spare)."""
+        return os.path.join(self.path, SPARE)
+
     @property
     def diff(self) -> str:
         """The directory ``shardscope diff`` writes its plots to."""
@@ -147,15 +227,15 @@ class RunDir:
     @property
     def identity(self) -> str:
         """``orchestrator.json``: the orchestrator's host, pid and start time."""
-        return os.path.join(self.path, IDENTITY_FILE)
+        return os.path.join(self.path, IDENTITY)
 
     def devices(self, node_rank: int = 0) -> str:
         """Device samples of node ``node_rank`` (``devices.jsonl`` on node 0)."""
-        return os.path.join(self.path, "devices.jsonl" if node_rank == 0 else f"devices.node{node_rank}.jsonl")
+        return os.path.join(self.path, devices_name(node_rank))
 
     def heartbeat(self, node_rank: int) -> str:
         """``nodes/node<N>.json``: node N's heartbeat (nodes other than 0)."""
-        return os.path.join(self.path, "nodes", f"node{node_rank}.json")
+        return os.path.join(self.path, NODES, f"node{node_rank}.json")
 
     def holds_comparison(self) -> bool:
         """True when a comparison was already written here."""
@@ -181,3 +261,20 @@ def tail_text(path: str, max_lines: int = 40) -> str:
     except OSError:
         return ""
     return "\n".join(clean(text).splitlines()[-max_lines:])
+
+
+def load_summary(out_dir: str) -> dict[str, Any]:
+    """Return ``<out_dir>/summary.json`` (non-finite figures restored); raises OSError when it cannot be
+    read and ValueError when it is not JSON or not a comparison summary (an object with a ``runs`` list)."""
+    data = read_json(RunDir(out_dir).summary)
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{RunDir(out_dir).summary}: not a comparison summary (no list of runs)")
+    return data
+
+
+def read_summary(out_dir: str) -> dict[str, Any] | None:
+    """Return ``<out_dir>/summary.json`` as ``load_summary`` does, or None when missing or unreadable."""
+    try:
+        return load_summary(out_dir)
+    except (OSError, ValueError):
+        return None

@@ -9,7 +9,6 @@ stopped right after its last step; ``close()`` stops it if training ended inside
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from shardscope.outspace import filesystem_problem
+from shardscope.rundir import RunFiles, tb_worker
 
 
 class ProfilerWindow:
@@ -79,23 +79,22 @@ class ProfilerWindow:
         try:
             self._write(prof)
         except Exception as err:  # torch reports a full disk as a bare RuntimeError: name the true cause
-            partial = glob.glob(os.path.join(self.run_dir, "traces", "tb", f"rank{self.rank}.*.tmp"))
+            files = RunFiles(self.run_dir)
+            partial = files.tb_partials(self.rank)
             for path in partial:  # torch's half-written temporary traces
                 os.remove(path)
-            problem = filesystem_problem(partial[0][:-len(".tmp")] if partial else os.path.join(self.run_dir, "traces"))
+            problem = filesystem_problem(os.path.splitext(partial[0])[0] if partial else files.traces)
             if problem is not None:
                 raise problem from err
             raise
 
     def _write(self, prof: profile) -> None:
         steps = [self.start, self.stop - 1]
-        traces = os.path.join(self.run_dir, "traces")
-        tb_dir = os.path.join(traces, "tb")
-        os.makedirs(tb_dir, exist_ok=True)
-        worker = f"rank{self.rank}"
-        tensorboard_trace_handler(tb_dir, worker_name=worker)(prof)
-        written = sorted(glob.glob(os.path.join(tb_dir, f"{worker}.*.pt.trace.json")), key=os.path.getmtime)
-        chrome = os.path.join(traces, f"rank{self.rank}.trace.json")
+        files = RunFiles(self.run_dir)
+        os.makedirs(files.tb, exist_ok=True)
+        tensorboard_trace_handler(files.tb, worker_name=tb_worker(self.rank))(prof)
+        written = sorted(files.tb_files(self.rank), key=os.path.getmtime)
+        chrome = files.chrome_trace(self.rank)
         if written:  # same Chrome-format content: a hard link (a copy where links fail) rather than a second export
             try:
                 if os.path.exists(chrome):

@@ -42,6 +42,7 @@ from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
+from shardscope.rundir import RunFiles
 
 EXIT_FAILED, EXIT_STOPPED = 1, 143
 SPARE_BYTES = 64 << 10  # room for the last records (error + end with a traceback) on a full disk
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     watch = OrchestratorWatch()
     watch.start(exit_code=EXIT_STOPPED)  # a rank never outlives its orchestrator
-    writer = events.RecordWriter(os.path.join(spec["run_dir"], "metrics", f"rank{rank}.jsonl"), spec["run"]["name"],
+    writer = events.RecordWriter(RunFiles(spec["run_dir"]).rank_file(rank), spec["run"]["name"],
                                  rank, spare_bytes=SPARE_BYTES)
     code = 0
     cfg = LoopConfig(global_batch=0, tokens_per_sample=0, min_lr_ratio=0.0)  # filled in by run_rank

@@ -30,7 +30,7 @@ import psutil
 
 from shardscope.config import dump_json
 from shardscope.events import ORCHESTRATOR_ENV
-from shardscope.liveness import IDENTITY_FILE
+from shardscope.rundir import RunDir
 
 _PR_SET_PDEATHSIG = 1
 
@@ -80,5 +80,5 @@ def rank_env() -> dict[str, str]:
 def write_identity(out_dir: str) -> None:
     """Record this orchestrator (host, pid, start time) in ``<out>/orchestrator.json``."""
     pid = os.getpid()
-    dump_json(os.path.join(out_dir, IDENTITY_FILE),
+    dump_json(RunDir(out_dir).identity,
               {"host": socket.gethostname(), "pid": pid, "create_time": psutil.Process(pid).create_time()})

@@ -1,9 +1,9 @@
 """Which node owns which file of a run directory shared by several nodes.
 
-Node 0 owns the verdict: ``<run>/status.json``, ``<run>/console.log``, ``devices.jsonl``, the summary and
-the reports. Every other node writes files of its own beside them (``<run>/console.node<N>.log``,
-``devices.node<N>.jsonl``), so no node overwrites or interleaves another's; rank record files are already
-one per global rank. ``NodeWatch`` lets node 0 notice a lost node.
+Node 0 owns the verdict: the runs' status and console files, the device samples, the summary and the
+reports. Every other node writes files of its own beside them (``rundir.console_name(N)``,
+``rundir.devices_name(N)``, its heartbeat ``RunDir.heartbeat(N)``), so no node overwrites or interleaves
+another's; rank record files are already one per global rank. ``NodeWatch`` lets node 0 notice a lost node.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import threading
 import time
 
 from shardscope.config import LaunchSpec, dump_json
+# Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
+from shardscope.rundir import RunDir, console_name, devices_name  # noqa: F401
 
 
 def owns_verdict(node_rank: int) -> bool:
@@ -22,24 +24,9 @@ def owns_verdict(node_rank: int) -> bool:
     return node_rank == 0
 
 
-def console_name(node_rank: int) -> str:
-    """Return the file name of this node's torchrun console log inside a run directory."""
-    return "console.log" if owns_verdict(node_rank) else f"console.node{node_rank}.log"
-
-
-def devices_name(node_rank: int) -> str:
-    """Return the file name of this node's device samples inside the comparison directory."""
-    return "devices.jsonl" if owns_verdict(node_rank) else f"devices.node{node_rank}.jsonl"
-
-
 def node_label(node_rank: int, nnodes: int) -> str:
     """Return ``"node N (host)"`` on several nodes, ``""`` on one (labels stay as they were)."""
     return f"node {node_rank} ({socket.gethostname()})" if nnodes > 1 else ""
-
-
-def heartbeat_path(out_dir: str, node_rank: int) -> str:
-    """Return the path of node ``node_rank``'s heartbeat file (shared filesystem)."""
-    return os.path.join(out_dir, "nodes", f"node{node_rank}.json")
 
 
 class NodeWatch:
@@ -80,8 +67,9 @@ class NodeWatch:
             self._stop.wait(1.0)
 
     def _write(self, done: bool) -> None:
-        os.makedirs(os.path.dirname(heartbeat_path(self.out_dir, self.node_rank)), exist_ok=True)
-        dump_json(heartbeat_path(self.out_dir, self.node_rank),
+        path = RunDir(self.out_dir).heartbeat(self.node_rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        dump_json(path,
                   {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
                    "done": done})
 
@@ -99,7 +87,7 @@ class NodeWatch:
         beats = {}
         for node in range(1, self.nnodes):
             try:
-                with open(heartbeat_path(self.out_dir, node), encoding="utf-8") as fh:
+                with open(RunDir(self.out_dir).heartbeat(node), encoding="utf-8") as fh:
                     beats[node] = json.load(fh)
             except (OSError, ValueError):
                 beats[node] = {"t": None, "done": False}  # no beat yet

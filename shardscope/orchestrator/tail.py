@@ -6,15 +6,13 @@ Reads only appended bytes (a file offset per file). A torn last line waits for i
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 from typing import Any
 
 from shardscope.events import LineDecoder
 from shardscope.console_noise import ConsoleFilter
+from shardscope.rundir import rank_record_files, record_file_rank
 
-_RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 MAX_READ = 4 << 20  # bytes read from one file per poll, so one huge burst cannot stall the others
 
 
@@ -56,8 +54,8 @@ class MetricsTailer:
 
     def poll(self) -> list[dict[str, Any]]:
         """Return the complete records appended since the last poll, rank file by rank file."""
-        for path in glob.glob(os.path.join(self.metrics_dir, "rank*.jsonl")):
-            if _RANK_FILE.search(path) and path not in self._files:
+        for path in rank_record_files(self.metrics_dir):
+            if path not in self._files:
                 self._files[path] = (FileFollower(path), LineDecoder())
         records: list[dict[str, Any]] = []
         for path in sorted(self._files, key=_rank_of):
@@ -69,8 +67,8 @@ class MetricsTailer:
 
 
 def _rank_of(path: str) -> int:
-    match = _RANK_FILE.search(path)
-    return int(match.group(1)) if match else 1 << 30
+    rank = record_file_rank(path)
+    return 1 << 30 if rank is None else rank
 
 
 class ConsoleTailer:

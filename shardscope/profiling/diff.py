@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.numbers import read_json
 from shardscope.profiling import fold
 from shardscope.profiling.state import OK, RunState
 from shardscope.profiling import summary, traces
+from shardscope.rundir import COMPARISON, RunDir, read_summary
 
 DEFAULT_LOSS_TOL = 1e-4  # |Δloss| at any common step
 DEFAULT_SPEED_TOL = 0.10  # new median throughput more than 10% below old (and outside the noise band)
@@ -63,18 +63,13 @@ class Side:
 
 def load_side(out_dir: str) -> Side:
     """Read a comparison directory; raises DiffInputError when it is not one."""
-    if not os.path.isfile(os.path.join(out_dir, "comparison.json")):
-        raise DiffInputError(f"{out_dir}: not a shardscope run directory (no comparison.json)")
+    if not RunDir(out_dir).holds_comparison():
+        raise DiffInputError(f"{out_dir}: not a shardscope run directory (no {COMPARISON})")
     try:
         comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError, TypeError) as err:
-        raise DiffInputError(f"{out_dir}/comparison.json: unreadable ({err})") from None
-    data = None
-    try:
-        data = read_json(os.path.join(out_dir, "summary.json"))  # non-finite figures restored
-    except (OSError, ValueError):
-        pass
-    return Side(out_dir, comparison, fold.replay_states(out_dir), data if isinstance(data, dict) else None)
+        raise DiffInputError(f"{RunDir(out_dir).comparison}: unreadable ({err})") from None
+    return Side(out_dir, comparison, fold.replay_states(out_dir), read_summary(out_dir))
 
 
 def parse_map(items: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:

@@ -16,13 +16,12 @@ Pure Python; the orchestrator and ``shardscope report`` call it.
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 from typing import Any
 
 from shardscope.events import read_records
 from shardscope.profiling.summary import loss_difference
+from shardscope.rundir import RunFiles
 
 DEFAULT_LAYER_RTOL = 1e-4  # fp32: different reduction orders stay well below this
 LOW_PRECISION_LAYER_RTOL = 1e-2  # bf16/fp16 compute
@@ -142,7 +141,7 @@ def first_layer_divergence(base: dict[int, dict[str, Any]], run: dict[int, dict[
 def read_layers(run_dir: str) -> dict[int, dict[str, Any]]:
     """Return step -> ``layers`` record from a run's rank files (rank 0 first; norms are global)."""
     out: dict[int, dict[str, Any]] = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "metrics", "rank*.jsonl"))):
+    for path in RunFiles(run_dir).rank_files():
         records, _ = read_records(path)
         for r in records:
             if r.get("kind") == "layers" and "step" in r:

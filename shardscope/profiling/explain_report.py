@@ -6,12 +6,12 @@ same entries, so their numbers are summary.json's. Pure Python, no torch.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
 from shardscope.profiling import comm_theory, explain, phases, traces
+from shardscope.rundir import RunDir
 
 
 def section(c: Comparison, data: dict[str, Any], out_dir: str) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def section(c: Comparison, data: dict[str, Any], out_dir: str) -> dict[str, Any]
             comm = comm_runs.get(run.name) or {}
             theory = comm.get("theory") or comm_theory.expected_comm(
                 config.run_spec_payload(c, run, out_dir=out_dir, device="cpu"))
-            paths = traces.rank_trace_paths(os.path.join(out_dir, run.name))
+            paths = traces.rank_trace_paths(RunDir(out_dir).run(run.name).path)
             steps = phases.run_phases(c, run, theory, paths[0] if paths else None)
             memory = mem_runs.get(run.name) or {}
             out[run.name] = explain.run_entry(c, run, {} if "error" in memory else memory, comm, steps)

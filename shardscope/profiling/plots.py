@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from shardscope.profiling.estimate import fmt_bytes
+from shardscope.rundir import plot_file
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "gathered": "#8172b3",
@@ -201,7 +202,7 @@ def write_plots(summary: dict[str, Any], losses: dict[str, list[tuple[int, float
         ("memory", memory_plot, (summary.get("memory", {}),)),
         ("communication", comm_plot, (summary.get("communication", {}),)),
     ):
-        path = fn(*args, os.path.join(plots_dir, f"{name}.png"))  # type: ignore[operator]
+        path = fn(*args, plot_file(plots_dir, name))  # type: ignore[operator]
         if path:
             out[name] = path
     return out

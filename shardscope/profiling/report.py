@@ -17,7 +17,7 @@ from shardscope.profiling import fold
 from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
 from shardscope.outspace import describe, disk_error
-from shardscope.rundir import RunDir
+from shardscope.rundir import CHROME_SUFFIX, TB, TRACES, RunDir, RunFiles
 from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.profiling.estimate import fmt_bytes
 from shardscope.profiling.summary import throughput_unit
@@ -92,7 +92,7 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
     except (KeyError, ValueError):
         pass
     for run in c.runs:
-        run_dir = os.path.join(out_dir, run.name)
+        run_dir = RunDir(out_dir).run(run.name).path
         analysis = traces.analyse_run(run_dir)
         st = states.get(run.name)
         if not analysis:  # nothing was measured: say why instead of showing zeros
@@ -117,19 +117,19 @@ def comm_not_measured_reason(c: Comparison, st: RunState | None, run_dir: str) -
         return "profiling off: profile.enabled = false"
     if st is not None and st.steps_completed <= c.profile.start_step + c.profile.steps:
         return f"the run ended before its profiler window (steps {c.profile.start_step}+{c.profile.steps}) closed"
-    return f"no traces found under {os.path.join(os.path.basename(run_dir), 'traces')}"
+    return f"no traces found under {os.path.join(RunFiles(run_dir).name, TRACES)}"
 
 
 def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
     """Paths of every run's traces: Chrome JSON per rank and the TensorBoard folder."""
     out = {}
     for run in c.runs:
-        run_dir = os.path.join(out_dir, run.name)
-        chrome = traces.rank_trace_paths(run_dir)
-        tb = os.path.join(run_dir, "traces", "tb")
-        tb_files = sorted(f for f in os.listdir(tb) if f.endswith(".pt.trace.json")) if os.path.isdir(tb) else []
+        files = RunDir(out_dir).run(run.name)
+        chrome = traces.rank_trace_paths(files.path)
+        tb_files = [os.path.basename(f) for f in files.tb_files()]
         if chrome or tb_files:
-            out[run.name] = {"chrome": chrome, "tensorboard_dir": tb if tb_files else None, "tensorboard_files": tb_files}
+            out[run.name] = {"chrome": chrome, "tensorboard_dir": files.tb if tb_files else None,
+                             "tensorboard_files": tb_files}
     return out
 
 
@@ -167,22 +167,22 @@ def _full_reports(out_dir: str) -> dict[str, str]:
     data = summary.build_summary(c, states, out_dir)
     data["memory"] = memory_section(c, states)
     data["communication"] = communication_section(c, states, out_dir)
-    layers = {name: divergence.read_layers(os.path.join(out_dir, name)) for name in states}
+    layers = {name: divergence.read_layers(RunDir(out_dir).run(name).path) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
     data["stragglers"] = straggler_report.section(states)
     data["explain"] = explain_report.section(c, data, out_dir)
     data["recommendation"] = recommend.section(c, states, data)
-    paths = {"summary": os.path.join(out_dir, "summary.json"), "report": os.path.join(out_dir, "report.md"),
-             "plots": os.path.join(out_dir, "plots")}
+    out = RunDir(out_dir)
+    paths = {"summary": out.summary, "report": out.report, "plots": out.plots}
     if data["traces"]:
         merged = traces.write_merged_trace({n: t["chrome"] for n, t in data["traces"].items() if t["chrome"]},
-                                           os.path.join(out_dir, "merged_trace.json"))
+                                           out.merged_trace)
         data["merged_trace"] = merged
         paths["merged_trace"] = merged
     losses = {name: st.losses for name, st in states.items()}
     made = plots.write_plots(data, losses, paths["plots"])
-    timing = straggler_report.plot(states, os.path.join(paths["plots"], "rank_timing.png"))
+    timing = straggler_report.plot(states, out.plot("rank_timing"))
     made.update({"rank_timing": timing} if timing else {})
     data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
     dump_json(paths["summary"], data)
@@ -355,7 +355,7 @@ def _traces_md(s: dict[str, Any]) -> str:
         chrome = [os.path.relpath(p, s["out_dir"]) for p in paths["chrome"]]
         line = f"- {name}: "
         if len(chrome) > 1:
-            line += f"{len(chrome)} rank traces `{os.path.dirname(chrome[0])}/rank<R>.trace.json`"
+            line += f"{len(chrome)} rank traces `{os.path.dirname(chrome[0])}/rank<R>{CHROME_SUFFIX}`"
         elif chrome:
             line += f"`{chrome[0]}`"
         if paths.get("tensorboard_dir"):
@@ -366,6 +366,6 @@ def _traces_md(s: dict[str, Any]) -> str:
                      f"profiled step): `{os.path.relpath(s['merged_trace'], s['out_dir'])}`. Open it, or any rank's "
                      f"trace, at https://ui.perfetto.dev (Open trace file) or chrome://tracing.")
     lines.append(f"\nTensorBoard's profiler plugin (`pip install torch-tb-profiler`): `tensorboard --logdir "
-                 f"{s['out_dir']}` lists every run's `traces/tb` folder as a run (or give one run's folder), then "
+                 f"{s['out_dir']}` lists every run's `{TRACES}/{TB}` folder as a run (or give one run's folder), then "
                  f"open the PYTORCH_PROFILER tab; each rank is a worker.")
     return "\n".join(lines) + "\n"

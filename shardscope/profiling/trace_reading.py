@@ -22,7 +22,6 @@ parsed with ``json`` instead. Only collective events have their ``args`` decoded
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
@@ -40,6 +39,7 @@ from shardscope.profiling.collectives import (
 )
 from shardscope.profiling.collectives import launches as collective_launches
 from shardscope.profiling.intervals import subtract, union
+from shardscope.rundir import RunFiles
 
 _X_EVENT = re.compile(
     rb'"ph":\s*"X",\s*"cat":\s*"([^"]*)",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*("?[^,"]*"?),'
@@ -298,7 +298,5 @@ def _is_comm_op(name: str) -> bool:
 
 def rank_trace_paths(run_dir: str) -> list[str]:
     """Chrome traces of a run directory, ``traces/rank<R>.trace.json[.gz]``, in rank order."""
-    paths = glob.glob(os.path.join(run_dir, "traces", "rank*.trace.json")) + glob.glob(
-        os.path.join(run_dir, "traces", "rank*.trace.json.gz"))
-    return sorted(paths, key=rank_from_path)
+    return sorted(RunFiles(run_dir).chrome_traces(), key=rank_from_path)
 

@@ -31,8 +31,6 @@ parsed with ``json`` instead. Only collective events have their ``args`` decoded
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from collections import Counter
 from typing import Any
@@ -40,6 +38,7 @@ from typing import Any
 from shardscope.profiling.collectives import dtype_bytes
 from shardscope.profiling.intervals import clip, length, overlap, union
 from shardscope.profiling.trace_merge import write_merged_trace
+from shardscope.rundir import RunFiles, read_json_or_none
 from shardscope.profiling.trace_reading import (
     RankTrace,
     load_rank_trace,
@@ -205,14 +204,7 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
     the observed bytes per step with theory (``theory``: bytes, basis, ``ratio`` observed/theory)
     and to compute MFU where the device's peak is known. Returns ``{}`` when the run has no traces.
     """
-    spec = None
-    spec_path = os.path.join(run_dir, "spec.json")
-    if os.path.isfile(spec_path):
-        try:
-            with open(spec_path, encoding="utf-8") as fh:
-                spec = json.load(fh)
-        except (OSError, ValueError):
-            spec = None
+    spec = read_json_or_none(RunFiles(run_dir).spec)
     window = int(((spec or {}).get("comparison", {}).get("profile", {}) or {}).get("steps", 1) or 1)
     out = analyse_traces(rank_trace_paths(run_dir), window)
     if not out:

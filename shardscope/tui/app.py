@@ -32,6 +32,7 @@ from shardscope.config import Comparison, ConfigError, load_preset
 from shardscope.orchestrator.preflight import check_space
 from shardscope.orchestrator.replay import used_out_dir_error
 from shardscope.profiling.state import Update
+from shardscope.rundir import SCREENSHOT, RunDir
 from shardscope.tui import source as sources
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path
@@ -268,11 +269,11 @@ class ShardscopeApp(App):
         lines = [os.path.abspath(self.out_dir)]
         try:
             os.makedirs(self.out_dir, exist_ok=True)
-            lines.append(self.save_screenshot("shardscope-dashboard.svg", path=self.out_dir))
+            lines.append(self.save_screenshot(SCREENSHOT, path=self.out_dir))
         except OSError as err:
             self.notify(f"Cannot write the screenshot: {err}", severity="error")
-        for name in ("summary.json", "report.md", "plots"):
-            path = os.path.join(self.out_dir, name)
+        out = RunDir(self.out_dir)
+        for path in (out.summary, out.report, out.plots):
             if os.path.exists(path):
                 lines.append(os.path.abspath(path))
         self.copy_to_clipboard("\n".join(lines))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from textual.app import ComposeResult
@@ -14,20 +12,15 @@ from textual.widgets import Markdown
 
 from shardscope.config import Comparison
 from shardscope.profiling import explain
+from shardscope.rundir import read_summary
 
 
 def explanation_for(comparison: Comparison, run: str, out_dir: str | None) -> dict[str, Any]:
     """The run's explanation: predicted beside measured once ``out_dir`` has a summary.json with the run,
     else the memory model's and the communication theory's figures. Raises ExplainError for an unknown run."""
-    path = os.path.join(out_dir or "", "summary.json")
-    if out_dir and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                summary = json.load(fh)
-        except (OSError, ValueError):
-            summary = {}
-        if any(r.get("name") == run for r in summary.get("runs", [])):
-            return explain.explain_summary(comparison, summary, run)
+    summary = read_summary(out_dir) if out_dir else None
+    if summary is not None and any(isinstance(r, dict) and r.get("name") == run for r in summary["runs"]):
+        return explain.explain_summary(comparison, summary, run)
     strategy = next((r.strategy for r in comparison.runs if r.name == run), "")
     return explain.explain_preset(comparison, strategy, run)
 

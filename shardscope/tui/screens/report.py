@@ -6,7 +6,6 @@ the live run states instead and says so.
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
@@ -17,9 +16,10 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from shardscope.numbers import fmt_sig, read_json
+from shardscope.numbers import fmt_sig
 from shardscope.profiling import recommend
 from shardscope.profiling.summary import throughput_unit
+from shardscope.rundir import SUMMARY, RunDir, read_summary
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
@@ -31,15 +31,6 @@ def columns(summary: dict[str, Any]) -> tuple[str, ...]:
     """Return the table's headers, the throughput one in the runs' unit (tokens/s or samples/s)."""
     unit = throughput_unit([r for r in summary.get("runs", []) if isinstance(r, dict)])
     return tuple(c.format(unit=unit) for c in COLUMNS)
-
-
-def read_summary(out_dir: str) -> dict[str, Any] | None:
-    """Return ``<out>/summary.json`` as a dict, or None if missing or unreadable."""
-    try:
-        data = read_json(os.path.join(out_dir, "summary.json"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("runs"), list) else None
 
 
 def live_summary(board: Board) -> dict[str, Any]:
@@ -77,18 +68,20 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
 def artefacts(out_dir: str, run_names: list[str]) -> list[str]:
     """Return lines naming the files written for a comparison (missing ones said so)."""
     lines = []
-    for name in ("summary.json", "report.md", "comparison.json", "merged_trace.json"):
-        path = os.path.join(out_dir, name)
-        if os.path.exists(path) or name != "merged_trace.json":
+    out = RunDir(out_dir)
+    for path in (out.summary, out.report, out.comparison, out.merged_trace):
+        if os.path.exists(path) or path != out.merged_trace:
+            name = os.path.basename(path)
             lines.append(f"{name:<17} {display_path(path) if os.path.exists(path) else '(not written yet)'}")
-    plots = sorted(glob.glob(os.path.join(out_dir, "plots", "*.png")))
-    lines.append(f"{'plots':<17} " + (", ".join(os.path.basename(p) for p in plots) + f"  in {display_path(os.path.join(out_dir, 'plots'))}"
+    plots = out.plot_files()
+    lines.append(f"{'plots':<17} " + (", ".join(os.path.basename(p) for p in plots) + f"  in {display_path(out.plots)}"
                                       if plots else "(none yet)"))
     for run in run_names:
-        traces = sorted(glob.glob(os.path.join(out_dir, run, "traces", "**", "*.*"), recursive=True))
-        where = display_path(os.path.join(out_dir, run, "traces"))
+        files = out.run(run)
+        traces = files.trace_files()
+        where = display_path(files.traces)
         lines.append(f"{run + ' traces':<17} " + (f"{len(traces)} file(s) in {where}" if traces else "(none)"))
-        lines.append(f"{run + ' console':<17} {display_path(os.path.join(out_dir, run, 'console.log'))}")
+        lines.append(f"{run + ' console':<17} {display_path(files.console())}")
     return lines
 
 
@@ -121,10 +114,10 @@ class ReportScreen(Screen):
         summary = read_summary(self.out_dir)
         if summary is None:
             summary = live_summary(self.board)
-            note = ("[yellow]summary.json is not written yet[/yellow] — live figures; differences, speedup and "
+            note = (f"[yellow]{SUMMARY} is not written yet[/yellow] — live figures; differences, speedup and "
                     "memory ratio appear when the comparison finishes.")
         else:
-            note = f"From {display_path(os.path.join(self.out_dir, 'summary.json'))}."
+            note = f"From {display_path(RunDir(self.out_dir).summary)}."
         baseline = summary.get("baseline") or self.board.baseline
         self.query_one("#title", Static).update(
             f"[b]shardscope[/b] · report · {summary.get('preset', '')} · baseline [b]{baseline}[/b]")
