@@ -16,7 +16,7 @@ from rich.table import Table
 
 from shardscope.headless import fmt_bytes, fmt_num
 from shardscope.profiling import diff, plots
-from shardscope.rundir import RunDir, plot_file
+from shardscope.rundir import COMPARISON, RunDir, plot_file
 
 NOT_MEASURED = "not measured"
 
@@ -72,7 +72,7 @@ def differs_table(result: dict[str, Any]) -> Table | None:
     rows = [(r["old_run"], d) for r in result["runs"] for d in r["differs"]]
     if not rows:
         return None
-    table = Table(title="what differs (start records, comparison.json)")
+    table = Table(title=f"what differs (start records, {COMPARISON})")
     for col in ("run", "key", "old", "new"):
         table.add_column(col, overflow="fold")
     for run, d in rows:

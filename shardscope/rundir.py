@@ -49,6 +49,7 @@ IDENTITY = "orchestrator.json"
 NODES = "nodes"
 SCREENSHOT = "shardscope-dashboard.svg"
 SPARE = ".shardscope-spare"
+PARTIAL_SUFFIX = ".tmp"  # a file being written (torch's trace handler, the initial weights' atomic write)
 PLOT_SUFFIX = ".png"
 RECORDS_SUFFIX = ".jsonl"
 CHROME_SUFFIX = ".trace.json"
@@ -154,7 +155,7 @@ class RunFiles:
 
     def tb_partials(self, rank: int) -> list[str]:
         """Half-written temporary traces torch's handler left for ``rank`` (``<file>.tmp``)."""
-        return glob.glob(os.path.join(self.tb, tb_worker(rank) + ".*.tmp"))
+        return glob.glob(os.path.join(self.tb, tb_worker(rank) + ".*" + PARTIAL_SUFFIX))
 
     def trace_files(self) -> list[str]:
         """Every file under ``traces/`` (TensorBoard's included), sorted."""

@@ -18,13 +18,14 @@ from safetensors.torch import load_model, save_model
 
 from shardscope.config import Comparison
 from shardscope.engines.model import build_model
+from shardscope.rundir import COMPARISON, INIT_WEIGHTS, PARTIAL_SUFFIX
 
 
 def write_init(comparison: Comparison, path: str) -> int:
     """Build the model for ``comparison`` and save its weights to ``path``; return the parameter count."""
     model = build_model(comparison.model, comparison.seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
+    tmp = path + PARTIAL_SUFFIX
     save_model(model, tmp, metadata={"seed": str(comparison.seed), "model_kind": comparison.model.kind})
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     return sum(p.numel() for p in model.parameters())
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry; returns the exit code (2 on bad usage)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m shardscope.engines.init_weights <comparison.json> <init.safetensors>", file=sys.stderr)
+        print(f"usage: python -m shardscope.engines.init_weights <{COMPARISON}> <{INIT_WEIGHTS}>", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as fh:
         comparison = Comparison.from_dict(json.load(fh))

@@ -42,7 +42,7 @@ from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
-from shardscope.rundir import RunFiles
+from shardscope.rundir import SPEC, RunFiles
 
 EXIT_FAILED, EXIT_STOPPED = 1, 143
 SPARE_BYTES = 64 << 10  # room for the last records (error + end with a traceback) on a full disk
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one rank; return its exit code (0 ok, 1 failed, 143 stopped, 2 bad usage)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: torchrun ... -m shardscope.engines.worker <run_dir>/spec.json", file=sys.stderr)
+        print(f"usage: torchrun ... -m shardscope.engines.worker <run_dir>/{SPEC}", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as fh:
         spec = json.load(fh)

@@ -25,6 +25,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from shardscope.rundir import SUMMARY
+
 # Ports of a job: 21000 + 32 * (job id mod 300), below Linux's ephemeral range (32768+). The first is kept
 # for node 0's record server (records over TCP, not built yet); run i's rendezvous uses the next plus i.
 PORT_BASE, PORT_SLOTS, PORTS_PER_JOB = 21000, 300, 32
@@ -114,7 +116,7 @@ CMD=(
   {command}
 )
 echo "shardscope: $SLURM_JOB_NUM_NODES nodes, rendezvous at $HEAD_ADDR from port $((PORT + 1)), run directory $OUT"
-# Each orchestrator exits 0 when it finished (the runs' verdicts are in $OUT/summary.json); only one that
+# Each orchestrator exits 0 when it finished (the runs' verdicts are in $OUT/{SUMMARY}); only one that
 # crashed exits non-zero, and then srun stops the other nodes rather than leave them at a rendezvous.
 srun --kill-on-bad-exit=1 --label --cpus-per-task={shape.cpus_per_task} "${{CMD[@]}}"
 """

@@ -21,6 +21,7 @@ from shardscope.config import Comparison, RunSpec
 from shardscope import registry
 from shardscope.profiling import comm_theory, memory_model, phases
 from shardscope.profiling.estimate import fmt_bytes
+from shardscope.rundir import SUMMARY
 
 PLACEHOLDERS = {
     "run": "the run's name and where its numbers come from",
@@ -153,7 +154,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         measured: Any = NOT_RUN
     else:
         measured = ((memory.get("measured") or {}).get("model_state_bytes")
-                    or "not measured (summary.json has no memory record of this run: it failed or stopped before its first "
+                    or f"not measured ({SUMMARY} has no memory record of this run: it failed or stopped before its first "
                        "step, or the summary was written before memory records existed)")
     theory = (comm or {}).get("theory") or comm_theory.expected_comm(
         config.run_spec_payload(c, run, out_dir=".", device="cpu"))
