@@ -10,7 +10,7 @@ Layout (DESIGN.md "run directory")::
     <out>/summary.json  report.md  plots/<name>.png  diff/  merged_trace.json (every run's traces in one
                                  Perfetto timeline)  shardscope-dashboard.svg (the app's export)
     <out>/.shardscope-spare      disk space held back for the verdicts, freed when the disk fills
-    <out>/<run>/spec.json        what the ranks run
+    <out>/<run>/spec.json        what the ranks run (<out>/<run>.attempt<k>/: a restarted run's earlier attempt)
     <out>/<run>/status.json      the orchestrator's verdict
     <out>/<run>/console.log      torchrun's output (console.node<N>.log from other nodes)
     <out>/<run>/metrics/rank<R>.jsonl   records, one file per global rank
@@ -171,6 +171,10 @@ class RunDir:
     def run(self, name: str) -> RunFiles:
         """The files of run ``name``."""
         return RunFiles(os.path.join(self.path, name))
+
+    def attempt(self, name: str, k: int) -> str:
+        """``<name>.attempt<k>``: where a restarted run's earlier attempt ``k`` is kept."""
+        return os.path.join(self.path, f"{name}.attempt{k}")
 
     @property
     def comparison(self) -> str:

@@ -25,7 +25,7 @@ ALLOWED = {"rundir.py", "config.py", "cli.py", "orchestrator/session.py", "engin
 FILE_NAME = re.compile(
     r"\b(comparison|summary|spec|status|orchestrator|merged_trace)\.json\b|\breport\.md\b"
     r"|\binit\.(safetensors|log)\b|\bconsole\.(log|node)|\bdevices\.(jsonl|node)|\.jsonl\b|\.png\b"
-    r"|\.trace\.json|\.tmp\b|shardscope-dashboard\.svg|\.shardscope-spare"
+    r"|\.trace\.json|\.tmp\b|\.attempt\b|shardscope-dashboard\.svg|\.shardscope-spare"
     r"|\b(metrics|traces|plots|nodes)/|\btraces/tb\b")
 # A folder under <out>: flagged when it is a piece of a path (an argument of a join or a glob).
 FOLDERS = {"metrics", "traces", "plots", "tb", "diff", "nodes"}
@@ -137,6 +137,7 @@ def test_run_dir_paths(tmp_path):
     assert out.devices() == os.path.join(p, "devices.jsonl")
     assert out.devices(2) == os.path.join(p, "devices.node2.jsonl")
     assert out.heartbeat(3) == os.path.join(p, "nodes", "node3.json")
+    assert out.attempt("ddp", 2) == os.path.join(p, "ddp.attempt2")
     assert not out.holds_comparison()
     (tmp_path / "comparison.json").write_text("{}")
     assert out.holds_comparison()
