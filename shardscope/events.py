@@ -166,11 +166,6 @@ class LineDecoder:
             else:
                 yield record
 
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of a torn last line still waiting for a newline."""
-        return len(self._pending)
-
 
 def decode_line(raw: bytes | str) -> dict[str, Any] | None:
     """Return the record in one line, or None when it is not a JSON object with a ``kind``."""
