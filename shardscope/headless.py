@@ -1,6 +1,7 @@
 """The headless view: a live progress table while runs go, then the comparison table.
 
-Consumes the same update stream as the Textual app (``orchestrator.state``). On a terminal it
+Consumes the same update stream as the Textual app (``profiling/state.py``'s updates, from the
+session's thread and the device sampler's). On a terminal it
 draws a rich ``Live`` table; elsewhere (CI logs, pipes) it prints one line per status change and
 per tenth of progress, so logs stay readable.
 """
