@@ -27,7 +27,7 @@ STEP = "step"  # step, loss, grad_norm, lr, step_time_s, tokens, tokens_per_s, s
 MEMORY = "memory"  # param_bytes, grad_bytes, optim_bytes, model_state_bytes, mem_*_bytes, rss_bytes
 TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "tensorboard"), steps
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
-COMM = "comm"  # collective summary computed in-rank, optional
+COMM = "comm"  # bytes and calls per collective counted in-rank over the profiled window (profile.count_collectives)
 ERROR = "error"  # message, traceback
 END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
 #              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
@@ -186,11 +186,6 @@ class LineDecoder:
                 self.invalid += 1
             else:
                 yield record
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of a torn last line still waiting for a newline."""
-        return len(self._pending)
 
 
 def decode_line(raw: bytes | str) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ import math
 import os
 from typing import Any
 
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes
 from shardscope.rundir import plot_file
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
