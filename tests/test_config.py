@@ -143,3 +143,15 @@ def test_cpu_overrides_apply_only_on_cpu_and_user_set_wins(tmp_path):
     assert config.load_preset(str(p), ["steps=7"], host=HOST).steps == 7
     gpu = config.load_preset(str(p), host=HostInfo("cuda", 8, "8 GPUs", True))
     assert (gpu.steps, gpu.model.d_model, gpu.size_profile) == (100, 768, "full")
+
+
+def test_validate_is_pure_and_returns_the_validated_comparison():
+    """validate() leaves its argument as it was and returns a new value with the baseline filled in."""
+    runs = [config.RunSpec("a", "ddp"), config.RunSpec("b", "fsdp2", options={"reshard_after_forward": False})]
+    c = config.Comparison(name="pure", runs=runs, world_size=2, global_batch=4)
+    before = c.to_dict()
+    v = config.validate(c, host=HOST)
+    assert c.to_dict() == before and c.baseline == ""
+    assert v is not c and v.baseline == "a" and v.run("b").options == {"reshard_after_forward": False}
+    with pytest.raises(ConfigError, match="baseline = 'zzz'"):
+        config.validate(config.Comparison(name="pure", runs=runs, baseline="zzz"))
