@@ -155,3 +155,14 @@ def test_validate_is_pure_and_returns_the_validated_comparison():
     assert v is not c and v.baseline == "a" and v.run("b").options == {"reshard_after_forward": False}
     with pytest.raises(ConfigError, match="baseline = 'zzz'"):
         config.validate(config.Comparison(name="pure", runs=runs, baseline="zzz"))
+
+
+def test_check_parity_without_headless_is_refused_in_one_line(tmp_path):
+    """The app path has no exit code to gate on: --check-parity there is refused (exit 2), not silently ignored."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--check-parity",
+                           "--out", str(out)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardscope: error:")]
+    assert errors == [errors[0]] and "--check-parity needs --headless" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
