@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 
 from shardscope import config, events  # noqa: E402  (torch-free)
 from shardscope import registry  # noqa: E402
-from shardscope.profiling.estimate import fmt_bytes  # noqa: E402  (torch-free; rich only inside functions)
+from shardscope.numbers import fmt_bytes, median_rate  # noqa: E402  (torch-free; rich only inside functions)
 
 NOT = "not measured"
 
@@ -126,7 +126,7 @@ def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: st
             traced: dict[str, Any]) -> dict[str, Any]:
     """One table row for a finished run, from its rank 0 records, traces and the predictions."""
     from shardscope.profiling.state import RecordsArrived, RunState
-    from shardscope.profiling import memory_model, summary, traces
+    from shardscope.profiling import memory_model, traces
 
     path = os.path.join(run_dir, "metrics", "rank0.jsonl")
     records = events.read_records(path)[0] if os.path.isfile(path) else []
@@ -138,7 +138,7 @@ def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: st
     memory = [r for r in records if r.get("kind") == "memory"]
     row: dict[str, Any] = {"run": run.name, "status": ends[-1].get("status") if ends else "no end record",
                            "error": str(errors[0].get("message", ""))[:120] if errors else ""}
-    row["tokens_per_s"] = summary.median_rate(st)
+    row["tokens_per_s"] = median_rate(st.throughput)
     row["mfu"] = (traces.mfu(memory_model.flops_per_token(c.model), row["tokens_per_s"], c.world_size,
                              str(start.get("device_name", ""))) if row["tokens_per_s"] else None)
     last = memory[-1] if memory else {}

@@ -14,7 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardscope.headless import fmt_bytes, fmt_num
+from shardscope.headless import fmt_num
+from shardscope.numbers import fmt_bytes
 from shardscope.profiling import diff, plots
 
 NOT_MEASURED = "not measured"

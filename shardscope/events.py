@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -26,7 +27,7 @@ STEP = "step"  # step, loss, grad_norm, lr, step_time_s, tokens, tokens_per_s, s
 MEMORY = "memory"  # param_bytes, grad_bytes, optim_bytes, model_state_bytes, mem_*_bytes, rss_bytes
 TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "tensorboard"), steps
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
-COMM = "comm"  # collective summary computed in-rank, optional
+COMM = "comm"  # bytes and calls per collective counted in-rank over the profiled window (profile.count_collectives)
 ERROR = "error"  # message, traceback
 END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
 #              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
@@ -92,6 +93,7 @@ class RecordWriter:
         self.run = run
         self.rank = rank
         self._injected: int | None = None
+        self.forward: Any = None  # a record_wire.RecordSender once forward_to() was called
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)
         self.spare_path = self.path + ".spare"
@@ -107,9 +109,24 @@ class RecordWriter:
         record = make_record(kind, self.run, self.rank, **fields)
         if self._injected is not None:
             raise OSError(self._injected, os.strerror(self._injected), self.path)
-        self._file.write(encode(record))
+        line = encode(record)
+        self._file.write(line)
         self._file.flush()
+        if self.forward is not None:  # another node: node 0 gets the line too (record_wire)
+            self.forward.send(line)
         return record
+
+    def forward_to(self, endpoint: str, connect_timeout_s: float = 30.0) -> None:
+        """Also send every record to node 0's record server at ``endpoint`` (no shared filesystem).
+
+        Waits for the first connection; raises ``record_wire.Unreachable`` (one clear line) when node 0
+        cannot be reached within ``connect_timeout_s``.
+        """
+        from shardscope.record_wire import RecordSender
+
+        sender = RecordSender(endpoint, self.run, self.rank, connect_timeout_s=connect_timeout_s)
+        sender.wait_connected()
+        self.forward = sender
 
     def inject_error(self, err: int) -> None:
         """Fault injection: make every write fail with OSError(``err``) until ``release_spare``."""
@@ -125,7 +142,11 @@ class RecordWriter:
 
     def close(self) -> None:
         """Close the file (a failing flush of a full disk is ignored: the rank has recorded why);
-        the spare goes too. Further writes raise ValueError."""
+        the spare goes too. Records sent to node 0 are flushed first (up to 30 s). Further writes raise
+        ValueError."""
+        if self.forward is not None and not self.forward.close():
+            print(f"shardscope: records not all delivered to node 0 ({self.forward.error or 'timed out'}); "
+                  f"this node's file keeps them: {self.path}", file=sys.stderr)
         try:
             self._file.close()
         except OSError:
@@ -165,11 +186,6 @@ class LineDecoder:
                 self.invalid += 1
             else:
                 yield record
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of a torn last line still waiting for a newline."""
-        return len(self._pending)
 
 
 def decode_line(raw: bytes | str) -> dict[str, Any] | None:

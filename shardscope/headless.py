@@ -1,6 +1,7 @@
 """The headless view: a live progress table while runs go, then the comparison table.
 
-Consumes the same update stream as the Textual app (``orchestrator.state``). On a terminal it
+Consumes the same update stream as the Textual app (``profiling/state.py``'s updates, from the
+session's thread and the device sampler's). On a terminal it
 draws a rich ``Live`` table; elsewhere (CI logs, pipes) it prints one line per status change and
 per tenth of progress, so logs stay readable.
 """
@@ -14,21 +15,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from shardscope.numbers import fmt_bytes
 from shardscope.profiling import state
 from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.profiling import straggler_report, stragglers
 from shardscope.profiling.summary import throughput_unit
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Return bytes in binary units (``1.5 GiB``), or ``-``."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return "-"
 
 
 def fmt_num(x: float | None, spec: str = ".4f") -> str:

@@ -1,12 +1,19 @@
-"""How shardscope writes numbers that are not ordinary: non-finite values, tiny differences and
-figures that were never measured. One place, so summary.json, report.md, the headless tables, the
-plots and the app say the same thing. Pure Python (no torch, no textual).
+"""The numbers every layer shares, computed and written one way.
+
+How shardscope writes numbers that are not ordinary (non-finite values, tiny differences, figures
+never measured, byte sizes), and the few sums that the rank side and the analysis both make: the
+median throughput (the loop's end record, summary.json, the app's live table, ``diff``) and the loss
+difference at common steps (summary, divergence, ``diff``, the app's difference chart). One place,
+so summary.json, report.md, the headless tables, the plots and the app say the same thing. Pure
+Python (no torch, no textual): the schema layer, importable from the ranks and the views alike.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Iterable
 from typing import Any
 
 NOT_MEASURED = "not measured"
@@ -73,3 +80,52 @@ def read_json(path: str) -> Any:
     floats restored; raises OSError or ValueError."""
     with open(path, encoding="utf-8") as fh:
         return from_json(json.load(fh))
+
+
+def fmt_bytes(n: float | None, sig: int | None = None, missing: str = "-") -> str:
+    """Return ``n`` bytes in binary units: ``"512 B"``, ``"1.5 GiB"`` (one decimal), or with ``sig``
+    significant digits (``"1.502 MiB"``, where predicted and measured sizes must be told apart);
+    ``missing`` for None."""
+    if n is None:
+        return missing
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.{sig}g} {unit}" if sig else f"{value:.1f} {unit}"
+
+
+def timed_rates(points: Iterable[tuple[int, float]]) -> list[float]:
+    """Return the rates of (step, rate) points that count towards the median throughput: every step
+    but step 0 (warm-up: one-off set-up costs), or step 0 alone when no later step was timed."""
+    pts = list(points)
+    return [rate for step, rate in pts if step > 0] or [rate for _, rate in pts]
+
+
+def median_rate(points: Iterable[tuple[int, float]]) -> float | None:
+    """Return the median throughput of (step, tokens/s or samples/s) points over ``timed_rates``
+    (the lower and upper middle averaged for an even count); None without points. Callers pass the
+    steps outside the profiler window only (profiled steps run slower)."""
+    rates = timed_rates(points)
+    return statistics.median(rates) if rates else None
+
+
+def common_steps(run: Iterable[tuple[int, float]],
+                 base: Iterable[tuple[int, float]]) -> list[tuple[int, float, float]]:
+    """Return (step, run value, base value) for every step of ``run`` that ``base`` also has, in
+    ``run``'s order (a step ``base`` repeats takes its last value)."""
+    base_at = dict(base)
+    return [(step, value, base_at[step]) for step, value in run if step in base_at]
+
+
+def loss_difference(a: float, b: float) -> float:
+    """Return |a - b|, or inf when either side is non-finite: a NaN or an inf is never "equal"."""
+    return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
+def loss_differences(run: Iterable[tuple[int, float]], base: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Return (step, ``loss_difference``) at the common steps of two (step, loss) series, in ``run``'s order."""
+    return [(step, loss_difference(a, b)) for step, a, b in common_steps(run, base)]

@@ -7,7 +7,7 @@ Layers (docs/ARCHITECTURE.md), arrows pointing down only:
     orchestrator  orchestrator/
     analysis      profiling/                      rank side   engines/
     schema        config, registry, events, rundir, numbers, sizes, hf_archs, batch_follow,
-                  outspace, liveness, console_noise, presets/
+                  outspace, liveness, console_noise, record_wire, presets/
 
 The analysis and the rank side sit side by side: neither imports the other.
 """
@@ -26,7 +26,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 VIEWS = {"cli", "cli_common", "headless_run", "report_commands", "headless", "diffview", "explainview",
          "recommendview", "tui", "__main__"}
 SCHEMA = {"config", "registry", "events", "rundir", "numbers", "sizes", "hf_archs", "batch_follow", "outspace",
-          "liveness", "console_noise", "presets", "__init__"}
+          "liveness", "console_noise", "record_wire", "presets", "__init__"}
 # What each layer may import (besides itself).
 ALLOWED = {
     "schema": {"schema"},

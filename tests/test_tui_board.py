@@ -75,3 +75,12 @@ def test_collectives_read_both_record_shapes():
     assert [c[0] for c in collectives(analysis)] == ["reduce_scatter", "all_gather"]
     assert collectives({"collectives": [{"op": "broadcast", "time_ms": 5}]}) == [("broadcast", 0.005, None, None)]
     assert collectives({"collectives": 3}) == []
+
+
+def test_collectives_of_a_counted_window_are_per_step():
+    """A ``comm`` record from ``profile.count_collectives`` (engines/comm_count.py) over a 2-step window:
+    its ``count`` and ``size_bytes`` cover the window, the panel shows the per-step figures (no time)."""
+    record = {"kind": "comm", "steps": [3, 4], "window_steps": 2,
+              "collectives": {"all_reduce": {"count": 4, "size_bytes": 800, "count_per_step": 2.0,
+                                             "bytes_per_step": 400.0}}}
+    assert collectives(record) == [("all_reduce", None, 2.0, 400.0)]

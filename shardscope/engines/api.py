@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -77,7 +76,6 @@ class TrainSettings:
     compile: bool
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _nullcontext() -> ContextManager[None]:
@@ -130,10 +128,3 @@ class Prepared:
                     group["lr"] = lr
 
             self.set_lr = _set_lr
-
-
-def all_reduce_mean(value: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Return the mean of ``value`` over ``group`` (a new tensor; the input is untouched)."""
-    out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out / dist.get_world_size(group)

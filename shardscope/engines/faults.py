@@ -13,6 +13,8 @@ At the start of the given step, on the given rank:
   cgroup can be made;
 - ``nospace``: from this step on the rank's record writer fails with ENOSPC, as on a full disk,
   until the rank frees its reserved spare (what it does to write its last records);
+- ``netdrop``: the rank's TCP connection to node 0's record server (no shared filesystem) drops; the
+  rank reconnects and resends from the last acknowledged record;
 - ``slow`` (``kind=slow,ms=50``): the rank is busy ``ms`` more milliseconds in every step from the
   given one on, like a slower device: it spins rather than sleeps, because a slow device computes
   (a rank that only slept would look like one waiting in a collective).
@@ -62,6 +64,11 @@ class Fault:
                     pass
             return
         if rank != self.rank or step != self.step:
+            return
+        if self.kind == "netdrop":
+            if self.writer is None or self.writer.forward is None:
+                raise RuntimeError("netdrop: this rank sends no records over TCP (launch.records_endpoint unset)")
+            self.writer.forward.drop_connection()
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from shardscope.engines import tp_plan
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.fsdp2 import dp_mesh, fsdp2_prepared, mixed_precision, shard_model
+from shardscope.engines.global_grad import clip_coefficient, full_value
 from shardscope.engines.parallelize import blocks_of, parallelize
 
 
@@ -40,8 +41,7 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for mesh_params in _by_mesh(p.grad for p in params if p.grad is not None).values():
         sq = torch.stack([g.detach().float().pow(2).sum() for g in mesh_params]).sum()
-        full = getattr(sq, "full_tensor", None)
-        total += (full() if callable(full) else sq).double().cpu()
+        total += full_value(sq).double().cpu()
     return total.sqrt()
 
 
@@ -59,7 +59,7 @@ def clip_and_step_fn(params: list[torch.Tensor], optimizer: torch.optim.Optimize
     def clip_and_step(max_norm: float) -> float:
         norm = float(global_grad_norm(params))
         if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))  # torch's clip_grad_norm_ formula
+            coef = clip_coefficient(max_norm, norm)
             if coef < 1.0:
                 for p in params:
                     if p.grad is not None:
@@ -80,7 +80,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     names = tuple(getattr(ctx.mesh, "mesh_dim_names", None) or ())
     if names != ("dp", "tp") or ctx.tp_size != tp:
         raise ValueError(f"FSDP2 with tensor parallelism needs a ('dp', 'tp') mesh with tp = {tp}; got dims {names} and tp_size {ctx.tp_size}")
-    kind = settings.extra.get("model_kind") or tp_plan.kind_of(model)
+    kind = tp_plan.kind_of(model)
     mp = mixed_precision({}, settings.precision)
     reshard = bool(options.get("reshard_after_forward", True))
     sharded = parallelize(

@@ -47,6 +47,7 @@ from torch import nn
 
 from shardscope.engines import memory_accounting, norms
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
+from shardscope.engines.global_grad import clip_coefficient
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import blocks_of, parallelize
 
@@ -220,7 +221,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         dist.all_reduce(local_sq, group=group)
         norm = local_sq.sqrt()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the same rule as torch's clip_grad_norm_
+            coef = clip_coefficient(max_norm, norm)  # a tensor: no host sync before the step
             for s in shards:
                 if s.grad is not None:
                     s.grad.mul_(coef)

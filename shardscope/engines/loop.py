@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import resource
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from shardscope import events
+from shardscope.numbers import median_rate
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.data import Batch
 from shardscope.engines.faults import Fault
@@ -90,7 +90,7 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     scaled = settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision
     scaler = LossScaler() if scaled else None
     tokens = cfg.global_batch * cfg.tokens_per_sample
-    rates: list[float] = []
+    rates: list[tuple[int, float]] = []  # (step, rate) outside the profiler window
     diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
     clock = StepClock(ctx.device.type == "cpu")
     for step in range(settings.steps):
@@ -133,8 +133,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if counted is not None:
             writer.write(events.COMM, **counted)
         rate = (tokens or cfg.global_batch) / dt
-        if not profiled and (step > 0 or settings.steps == 1):  # step 0 pays one-off set-up costs
-            rates.append(rate)
+        if not profiled:  # profiled steps run slower; median_rate leaves out step 0 (set-up costs)
+            rates.append((step, rate))
         # The loss is reduced over dp and the norm is global, so every rank sees the same verdict and
         # all of them stop at the same step: none is left waiting in a collective.
         nonfinite = events.nonfinite_fields({"loss": loss, "grad_norm": grad_norm, "skipped": skipped})
@@ -164,8 +164,8 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
     extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
     writer.write(events.END, status="diverged" if diverged else "ok", steps_completed=cfg.steps_completed,
                  **diverged, **extra,
-                 median_tokens_per_s=statistics.median(rates) if rates and tokens else None,
-                 median_samples_per_s=statistics.median(rates) if rates and not tokens else None)
+                 median_tokens_per_s=median_rate(rates) if tokens else None,
+                 median_samples_per_s=median_rate(rates) if not tokens else None)
     return cfg.steps_completed
 
 

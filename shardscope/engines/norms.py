@@ -12,6 +12,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from shardscope.engines.global_grad import full_value
+
 _WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
@@ -26,9 +28,7 @@ def layer_key(name: str) -> str:
 
 
 def _square_sum(t: torch.Tensor) -> torch.Tensor:
-    sq = t.detach().float().pow(2).sum()
-    full = getattr(sq, "full_tensor", None)  # DTensor: reduce partial sums across the mesh
-    return full() if callable(full) else sq
+    return full_value(t.detach().float().pow(2).sum())  # DTensor: reduce partial sums across the mesh
 
 
 def layer_norms(named: Iterable[tuple[str, torch.Tensor | None]], *, shard_group: Any = None,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardscope.engines.api import TrainSettings
+from shardscope.engines.global_grad import full_value
 
 
 def make_optimizer(params: Iterable[torch.Tensor], settings: TrainSettings) -> torch.optim.AdamW:
@@ -36,17 +37,12 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _as_float(norm: torch.Tensor) -> torch.Tensor:
-    full = getattr(norm, "full_tensor", None)  # DTensor norms (FSDP2, TP) are partial until reduced
-    return full() if callable(full) else norm
-
-
 def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the gradients of ``params`` to ``max_norm`` (0 = no clipping) by their global norm and
     return that norm (a plain tensor). Correct for replicated tensors (DDP) and for DTensors (FSDP2,
     TP), whose per-shard norms are reduced across the mesh by ``full_tensor``."""
     with_grads = [p for p in params if p.grad is not None]
-    norm = _as_float(torch.nn.utils.get_total_norm([p.grad for p in with_grads], 2.0))
+    norm = full_value(torch.nn.utils.get_total_norm([p.grad for p in with_grads], 2.0))
     if max_norm > 0:
         # Takes the parameters (it scales their .grad), not the gradient tensors.
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardscope import events
+from shardscope import events, record_wire
 from shardscope.config import Comparison
 from shardscope import registry
 from shardscope.engines.api import RankContext, TrainSettings
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     cfg = LoopConfig(global_batch=0, tokens_per_sample=0, min_lr_ratio=0.0)  # filled in by run_rank
     try:
+        if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
+            writer.forward_to(os.environ[record_wire.ENV])
         ctx = init_distributed(spec)
         run_rank(spec, ctx, writer, cfg)
     except (Stopped, KeyboardInterrupt):  # SIGTERM from the orchestrator or torchrun; Ctrl-C in a terminal

@@ -1,5 +1,7 @@
 """Device sampling for a session: NVML (or process RSS) samples, published live and appended to
-``<out>/devices.jsonl``. A full disk stops the file, never the samples."""
+``<out>/devices.jsonl``. A full disk stops the file, never the samples. Samples are published from
+the sampler's own thread, not the session's: subscribers must be thread-safe (the app posts a
+message, the headless view takes a lock)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ read from the runs' ``start`` records and ``comparison.json``. A run present on 
 listed, never an error.
 
 Run states come from the same fold every view uses (``fold.replay_states``); medians from
-``summary.median_rate``. Pure Python, no torch.
+``numbers.median_rate``. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.numbers import read_json
+from shardscope.numbers import common_steps, median_rate, read_json, timed_rates
 from shardscope.profiling import fold
 from shardscope.profiling.state import OK, RunState
-from shardscope.profiling import summary, traces
+from shardscope.profiling import traces
 
 DEFAULT_LOSS_TOL = 1e-4  # |Δloss| at any common step
 DEFAULT_SPEED_TOL = 0.10  # new median throughput more than 10% below old (and outside the noise band)
@@ -116,16 +116,11 @@ def loss_diff(old: list[tuple[int, float]], new: list[tuple[int, float]], tol: f
     """Compare losses at common steps. A step where either side is non-finite (and they are not the
     same infinity) counts as beyond tolerance and is listed in ``nonfinite_steps``; max/mean |Δ| are
     over the finite steps (None when there are none)."""
-    a = dict(old)
     diffs: list[float] = []
     nonfinite: list[int] = []
     first: dict[str, Any] | None = None
-    common = 0
-    for step, value in sorted(new):
-        if step not in a:
-            continue
-        common += 1
-        base = a[step]
+    pairs = common_steps(sorted(new), old)
+    for step, value, base in pairs:
         if _finite(value) and _finite(base):
             d = abs(value - base)
             diffs.append(d)
@@ -137,14 +132,9 @@ def loss_diff(old: list[tuple[int, float]], new: list[tuple[int, float]], tol: f
             d = math.inf
         if beyond and first is None:
             first = {"step": step, "old": base, "new": value, "abs_diff": d}
-    return {"steps_compared": common, "max_abs_diff": max(diffs) if diffs else None,
+    return {"steps_compared": len(pairs), "max_abs_diff": max(diffs) if diffs else None,
             "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None, "nonfinite_steps": nonfinite,
             "first_beyond": first, "tolerance": tol}
-
-
-def _rates(st: RunState) -> list[float]:
-    # The same steps summary.median_rate uses: step 0 (warm-up) left out when there are more.
-    return [r for s, r in st.throughput if s > 0] or [r for _, r in st.throughput]
 
 
 def relative_spread(rates: list[float]) -> float | None:
@@ -159,8 +149,8 @@ def relative_spread(rates: list[float]) -> float | None:
 def speed_diff(old: RunState, new: RunState) -> dict[str, Any]:
     """Median throughput of each side, their ratio (new/old) and a noise band: the two runs' own
     relative spreads added (a ratio within 1 ± band is indistinguishable from noise)."""
-    a, b = summary.median_rate(old), summary.median_rate(new)
-    sa, sb = relative_spread(_rates(old)), relative_spread(_rates(new))
+    a, b = median_rate(old.throughput), median_rate(new.throughput)
+    sa, sb = relative_spread(timed_rates(old.throughput)), relative_spread(timed_rates(new.throughput))
     out: dict[str, Any] = {"unit": new.unit, "old": a, "new": b, "ratio": b / a if a and b else None,
                            "noise_band": sa + sb if sa is not None and sb is not None else None}
     if out["ratio"] is None:

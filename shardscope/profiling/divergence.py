@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from shardscope.events import read_records
-from shardscope.profiling.summary import loss_difference
+from shardscope.numbers import common_steps, loss_difference
 
 DEFAULT_LAYER_RTOL = 1e-4  # fp32: different reduction orders stay well below this
 LOW_PRECISION_LAYER_RTOL = 1e-2  # bf16/fp16 compute
@@ -90,11 +90,10 @@ def likely_causes(base_start: dict[str, Any], run_start: dict[str, Any]) -> list
 def first_loss_divergence(base: list[tuple[int, float]], run: list[tuple[int, float]],
                           tolerance: float) -> dict[str, Any] | None:
     """First common step where |loss - baseline loss| > tolerance: ``{step, loss, baseline_loss, abs_diff}``."""
-    base_at = dict(base)
-    for step, loss in sorted(run):
-        diff = loss_difference(loss, base_at[step]) if step in base_at else 0.0  # a NaN is never "equal"
+    for step, loss, base_loss in common_steps(sorted(run), base):
+        diff = loss_difference(loss, base_loss)  # a NaN is never "equal"
         if diff > tolerance:
-            return {"step": step, "loss": loss, "baseline_loss": base_at[step], "abs_diff": diff}
+            return {"step": step, "loss": loss, "baseline_loss": base_loss, "abs_diff": diff}
     return None
 
 

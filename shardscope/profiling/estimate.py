@@ -14,21 +14,10 @@ import tempfile
 from typing import Any
 
 from shardscope import config
+from shardscope.numbers import fmt_bytes
 from shardscope.config import Comparison
 from shardscope import registry
 from shardscope.profiling import memory_model
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Human-readable bytes in binary units ("1.5 GiB"); "-" for None."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def estimate_table(comparison: Comparison, world_size: int, device_memory_bytes: int | None = None) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from shardscope import config
 from shardscope.config import Comparison, RunSpec
 from shardscope import registry
 from shardscope.profiling import comm_theory, memory_model, phases
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes
 
 PLACEHOLDERS = {
     "run": "the run's name and where its numbers come from",

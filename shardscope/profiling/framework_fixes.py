@@ -14,7 +14,7 @@ from typing import Any
 from shardscope.config import Comparison, RunSpec, resolved_options
 from shardscope import registry
 from shardscope.profiling import memory_model
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes
 
 
 def fixes_on(run: RunSpec) -> list[str]:

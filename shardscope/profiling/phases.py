@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from shardscope.events import PHASE_MARKERS
+from shardscope.numbers import fmt_bytes
 
 PHASES = ("forward", "backward", "step")
 _LAYER = re.compile(rb"layers\.(\d+)")
@@ -200,12 +201,7 @@ def measured_phases(trace_path: str) -> dict[str, Any]:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:.0f} B"
+    return fmt_bytes(n, sig=4, missing="?")  # four digits: predicted and measured sizes side by side
 
 
 def _count(kind: str, count: int | None) -> str:

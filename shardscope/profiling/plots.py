@@ -11,7 +11,7 @@ import math
 import os
 from typing import Any
 
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "gathered": "#8172b3",
@@ -170,7 +170,9 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     width = 0.8 / (len(kinds) + 1)
     for j, kind in enumerate(kinds):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
-        ms = [c["collectives"].get(kind, {}).get("time_per_step_s", 0.0) * 1e3 for _, c in runs]
+        # A run without this collective type gets no bar (NaN), not a 0 ms bar.
+        ms = [(c["collectives"][kind].get("time_per_step_s") if kind in c["collectives"] else None) for _, c in runs]
+        ms = [math.nan if v is None else v * 1e3 for v in ms]
         bars = ax.bar(xs, ms, width, label=kind.replace("_", "-"), color=COLORS[j % len(COLORS)])
         for bar, (_, c) in zip(bars, runs):
             row = c["collectives"].get(kind)
@@ -179,9 +181,13 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
                 ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                             fontsize=7)
     xs = [i - 0.4 + width * (len(kinds) + 0.5) for i in range(len(runs))]
-    exposed = [((c.get("per_step") or {}).get("exposed_comm_s") or 0.0) * 1e3 for _, c in runs]
-    ax.bar(xs, exposed, width, label="exposed (not overlapped), all types", color="white", edgecolor="black",
-           hatch="//")
+    exposed = [(c.get("per_step") or {}).get("exposed_comm_s") for _, c in runs]
+    bars = ax.bar(xs, [math.nan if v is None else v * 1e3 for v in exposed], width,
+                  label="exposed (not overlapped), all types", color="white", edgecolor="black", hatch="//")
+    for bar, value in zip(bars, exposed):
+        if value is None:  # not measured: say so where the bar would be, never draw 0
+            ax.annotate("exposed:\nnot measured", (bar.get_x() + bar.get_width() / 2, 0), ha="center",
+                        va="bottom", fontsize=7)
     ax.set_xticks(range(len(runs)), [name for name, _ in runs])
     ax.set_ylabel("ms per step (mean over ranks)")
     ax.set_title("Communication per step by collective (labels: count and bytes per step)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes
 
 GPU_CAVEAT = ("these runs used gloo on CPU: their timings do not predict GPU (NCCL) behaviour — the memory "
               "figures of model states carry over, the throughput ranking may not")

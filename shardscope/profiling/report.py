@@ -19,7 +19,7 @@ from shardscope.numbers import not_measured
 from shardscope.outspace import describe, disk_error
 from shardscope.rundir import RunDir
 from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
-from shardscope.profiling.estimate import fmt_bytes
+from shardscope.numbers import fmt_bytes, median_rate
 from shardscope.profiling.summary import throughput_unit
 
 
@@ -100,7 +100,7 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
         if st is not None:
             start = st.start.get(0) or {}
             device = analysis.get("device") or str(start.get("device_name") or start.get("device", ""))
-            rate = summary.median_rate(st) if st.unit == "tokens/s" else None
+            rate = median_rate(st.throughput) if st.unit == "tokens/s" else None
             value = traces.mfu(fpt, rate, st.world_size, device) if fpt and rate else None
             analysis["mfu"] = value
             analysis["mfu_note"] = "" if value is not None else f"no MFU: peak FLOP/s unknown for device {device or '?'}"

@@ -1,9 +1,11 @@
 """Run state and the updates the orchestrator publishes.
 
 The orchestrator (or a replay of a run directory) publishes batches of ``Update`` objects to
-subscribers. Each view keeps its own ``RunState`` per run and folds updates into it with
-``RunState.apply`` — the same fold for the headless printer, the Textual app and the report,
-so they can never disagree. Nothing here imports torch or textual.
+subscribers: the session from its own thread, device samples from the sampler's thread, a replay
+from its thread. Each view keeps its own ``RunState`` per run and folds updates into it with
+``fold`` (``RunState.apply`` per update) — the same fold for the headless printer, the Textual app
+and the report (``profiling/fold.py`` after the fact), so they can never disagree. Nothing here
+imports torch or textual.
 """
 
 from __future__ import annotations

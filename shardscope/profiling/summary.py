@@ -7,21 +7,15 @@ Keys named in DESIGN.md keep their names and meaning; other modules add sections
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
+from shardscope.numbers import loss_difference, loss_differences, median_rate
 from shardscope.profiling.state import FINISHED, STOPPED, RunState
 
 SUMMARY_VERSION = 1
-
-
-def median_rate(state: RunState) -> float | None:
-    """Median tokens/s (or samples/s) over steps, leaving out step 0 (warm-up) when there are more."""
-    rates = [rate for step, rate in state.throughput if step > 0] or [rate for _, rate in state.throughput]
-    return statistics.median(rates) if rates else None
 
 
 def throughput_unit(runs: list[dict[str, Any]]) -> str:
@@ -32,16 +26,10 @@ def throughput_unit(runs: list[dict[str, Any]]) -> str:
     return " or ".join(sorted(units)) if len(units) > 1 else (units.pop() if units else "tokens/s")
 
 
-def loss_difference(a: float, b: float) -> float:
-    """Return |a - b|, or inf when either side is non-finite: a NaN or an inf is never "equal"."""
-    return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
-
-
 def loss_diffs(run: RunState, base: RunState) -> tuple[float | None, float | None, int | None]:
     """Return (max |diff|, mean |diff|, number of common steps) of two runs' losses at common steps
     (None without common steps); a step where either loss is non-finite counts as an infinite difference."""
-    base_losses = dict(base.losses)
-    diffs = [loss_difference(loss, base_losses[step]) for step, loss in run.losses if step in base_losses]
+    diffs = [d for _, d in loss_differences(run.losses, base.losses)]
     if not diffs:
         return None, None, None
     return max(diffs), sum(diffs) / len(diffs), len(diffs)
@@ -52,10 +40,8 @@ def loss_stats(run: RunState, base: RunState) -> dict[str, Any]:
     its losses were non-finite, and its final |difference| from the baseline."""
     values = [loss for _, loss in run.losses]
     finite = [v for v in values if math.isfinite(v)]
-    base_losses = dict(base.losses)
-    last_common = [step for step, _ in run.losses if step in base_losses]
-    final_diff = (loss_difference(dict(run.losses)[last_common[-1]], base_losses[last_common[-1]])
-                  if last_common else None)
+    diffs = loss_differences(run.losses, base.losses)
+    final_diff = diffs[-1][1] if diffs else None
     return {
         "initial_loss": values[0] if values else None,
         "min_loss": min(finite) if finite else None,
@@ -94,7 +80,7 @@ def _start_value(state: RunState, key: str) -> Any:
 
 def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
     """Return the summary entry of one run (core keys plus error and fairness details)."""
-    rate, base_rate = median_rate(state), median_rate(base)
+    rate, base_rate = median_rate(state.throughput), median_rate(base.throughput)
     max_diff, mean_diff, common = loss_diffs(state, base)
     spec = next((r for r in c.runs if r.name == state.name), None)
     entry: dict[str, Any] = {

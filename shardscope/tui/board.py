@@ -136,10 +136,3 @@ class Board:
         out = [now - t for t in self.pending_t]
         self.pending_t = []
         return out
-
-    def clear_dirty(self) -> None:
-        """Forget what changed (after a redraw)."""
-        self.dirty_runs.clear()
-        self.dirty_consoles.clear()
-        self.dirty_devices = self.dirty_charts = self.dirty_comm = False
-        self.new_notices = []

@@ -15,7 +15,7 @@ from textual.containers import Horizontal, HorizontalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from shardscope.profiling.state import FAILED, STATUSES
+from shardscope.profiling.state import STATUSES
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, run_colour
 from shardscope.tui.messages import RunSelected
@@ -208,10 +208,3 @@ class DashboardScreen(Screen):
         """Show or hide the console pane."""
         log = self.log_pane
         log.display = not log.display
-
-    def select_first_failed(self, board: Board) -> None:
-        """Select the first failed run, if any (used when opening a finished comparison)."""
-        for name, state in board.states.items():
-            if state.status == FAILED:
-                self.select(name, board)
-                return

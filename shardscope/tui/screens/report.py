@@ -17,7 +17,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from shardscope.numbers import fmt_sig, read_json
+from shardscope.numbers import fmt_sig, median_rate, read_json
 from shardscope.profiling import recommend
 from shardscope.profiling.summary import throughput_unit
 from shardscope.tui.board import Board
@@ -46,10 +46,9 @@ def live_summary(board: Board) -> dict[str, Any]:
     """Return a summary-shaped dict from the live states (no diff or ratio figures)."""
     runs = []
     for name, s in board.states.items():
-        rates = sorted(v for _, v in s.throughput)
         runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
                      "steps_completed": s.steps_completed, "final_loss": s.loss,
-                     f"median_{s.unit.replace('/', '_per_')}": rates[len(rates) // 2] if rates else None,
+                     f"median_{s.unit.replace('/', '_per_')}": median_rate(s.throughput),
                      "peak_mem_bytes": s.peak_mem_bytes})
     return {"baseline": board.baseline, "runs": runs}
 

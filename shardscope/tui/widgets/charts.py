@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from textual_plotext import PlotextPlot
 
-from shardscope.numbers import fmt_sig
+from shardscope.numbers import common_steps, fmt_sig
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import rgb
 
@@ -47,9 +47,9 @@ def series_of(pairs: list[tuple[int, float]], label: str, colour: str, limit: in
 
 
 def loss_diff(run: RunState, base: RunState) -> list[tuple[int, float]]:
-    """Return (step, loss - baseline loss) at the steps both runs reported."""
-    base_at = dict(base.losses)
-    return [(step, loss - base_at[step]) for step, loss in run.losses if step in base_at]
+    """Return (step, loss - baseline loss) at the steps both runs reported (signed, for the chart;
+    nan where both are the same infinity, which ``diff_note`` flags as non-finite)."""
+    return [(step, loss - base_loss) for step, loss, base_loss in common_steps(run.losses, base.losses)]
 
 
 def y_ticks(ys: list[float], count: int = 5) -> list[float]:
@@ -78,10 +78,9 @@ class StepChart(PlotextPlot):
 
     DEFAULT_CSS = "StepChart { height: 1fr; width: 1fr; min-height: 5; }"
 
-    def __init__(self, title: str, ylabel: str = "", empty: str = "waiting for steps…", **kwargs) -> None:
+    def __init__(self, title: str, empty: str = "waiting for steps…", **kwargs) -> None:
         super().__init__(**kwargs)
         self.title = title
-        self.ylabel = ylabel
         self.empty = empty
         self.redraws = 0
         self.render_s = 0.0  # how long the last redraw took; the dashboard spaces redraws by it

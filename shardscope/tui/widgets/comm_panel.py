@@ -1,4 +1,9 @@
-"""Communication per run: time, count and bytes per collective, from ``comm`` records."""
+"""Communication per run: time, count and bytes per collective and per profiled step.
+
+Two sources: rank 0's ``comm`` record, written by the ranks when ``profile.count_collectives`` is on
+(bytes and calls counted in-rank over the profiler window; no times), else the run's trace analysis
+(``profiling.traces.analyse_run``, with times) once its profiler window has been recorded.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from textual.widgets import Static
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import human_bytes
 
-EMPTY = ("No communication records yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "
+EMPTY = ("No communication figures yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "
          "appear here once its profiler window has been recorded and analysed.")
 
 
@@ -24,11 +29,13 @@ def _first(figs: dict[str, Any], *keys: str) -> Any:
 
 
 def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
-    """Return (name, time in s, count, bytes) per collective, largest time first.
+    """Return (name, time in s, count, bytes) per collective and per step, largest time first.
 
-    Reads a ``comm`` record or ``profiling.traces.analyse_run``'s result: ``collectives`` maps a
-    name to figures (``time_s``/``time_per_step_s``/``time_ms``, ``count``/``count_per_step``,
-    ``bytes``/``bytes_per_step``), or is a list of dicts with ``name``/``op``. Other shapes give [].
+    Reads a ``comm`` record (``engines/comm_count.py``: ``count_per_step``, ``bytes_per_step``;
+    its ``count`` is the whole window's, so the per-step keys win) or ``profiling.traces.analyse_run``'s
+    result (``time_per_step_s`` too): ``collectives`` maps a name to figures, or is a list of dicts
+    with ``name``/``op``; plain ``time_s``/``time_ms``/``count``/``bytes`` are read when a source has
+    no per-step keys. A figure a source lacks is None; other shapes give [].
     """
     raw = record.get("collectives", {})
     if isinstance(raw, list):
@@ -39,11 +46,10 @@ def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float |
     for name, figs in items:
         if not isinstance(figs, dict):
             continue
-        t = _first(figs, "time_s", "total_time_s", "time_per_step_s")
+        t = _first(figs, "time_per_step_s", "time_s")
         if t is None and figs.get("time_ms") is not None:
             t = figs["time_ms"] / 1000
-        out.append((str(name), t, _first(figs, "count", "count_per_step"),
-                    _first(figs, "bytes", "total_bytes", "bytes_per_step")))
+        out.append((str(name), t, _first(figs, "count_per_step", "count"), _first(figs, "bytes_per_step", "bytes")))
     return sorted(out, key=lambda row: -(row[1] or 0))
 
 
@@ -56,7 +62,8 @@ class CommPanel(Static):
 
     def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]],
              finished: bool = False) -> None:
-        """Redraw from (state, colour) pairs: rank 0's ``comm`` record, else the run's trace analysis."""
+        """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
+        run's trace analysis."""
         table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False)
         table.add_column("collective", ratio=1, min_width=8, no_wrap=True, overflow="ellipsis", header_style="dim")
         for col in ("time", "count", "bytes"):
