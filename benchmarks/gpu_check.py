@@ -66,7 +66,7 @@ def build_comparison(strategies: list[str], *, world_size: int, steps: int, prec
         name="gpu-check", steps=steps, global_batch=8 * world_size, world_size=world_size, precision=precision,
         warmup_steps=2, profile=config.ProfileSpec(enabled=True, start_step=3, steps=2),
         launch=config.LaunchSpec(device="cuda"), runs=[config.RunSpec(s, s) for s in strategies])
-    config.validate(c, host=config.HostInfo("cuda", world_size, f"{world_size} GPU(s)", has_deepspeed=False))
+    c = config.validate(c, host=config.HostInfo("cuda", world_size, f"{world_size} GPU(s)", has_deepspeed=False))
     return c
 
 

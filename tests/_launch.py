@@ -39,7 +39,7 @@ def tiny_comparison(runs: list[RunSpec], **overrides: Any) -> Comparison:
     )
     fields.update(overrides)
     comparison = Comparison(runs=runs, **fields)
-    config.validate(comparison)
+    comparison = config.validate(comparison)
     return comparison
 
 

@@ -20,7 +20,7 @@ def _theory(run: RunSpec, tmp_path, precision: str = "fp32", ws: int = 2, model:
             accum: int = 1) -> dict:
     c = config.Comparison(name="t", model=model, runs=[run], world_size=ws, global_batch=8, precision=precision,
                           grad_accum=accum, profile=config.ProfileSpec(enabled=False))
-    config.validate(c)
+    c = config.validate(c)
     return comm_theory.expected_comm(config.run_spec_payload(c, c.runs[0], out_dir=str(tmp_path), device="cpu"))
 
 

@@ -143,3 +143,26 @@ def test_cpu_overrides_apply_only_on_cpu_and_user_set_wins(tmp_path):
     assert config.load_preset(str(p), ["steps=7"], host=HOST).steps == 7
     gpu = config.load_preset(str(p), host=HostInfo("cuda", 8, "8 GPUs", True))
     assert (gpu.steps, gpu.model.d_model, gpu.size_profile) == (100, 768, "full")
+
+
+def test_validate_is_pure_and_returns_the_validated_comparison():
+    """validate() leaves its argument as it was and returns a new value with the baseline filled in."""
+    runs = [config.RunSpec("a", "ddp"), config.RunSpec("b", "fsdp2", options={"reshard_after_forward": False})]
+    c = config.Comparison(name="pure", runs=runs, world_size=2, global_batch=4)
+    before = c.to_dict()
+    v = config.validate(c, host=HOST)
+    assert c.to_dict() == before and c.baseline == ""
+    assert v is not c and v.baseline == "a" and v.run("b").options == {"reshard_after_forward": False}
+    with pytest.raises(ConfigError, match="baseline = 'zzz'"):
+        config.validate(config.Comparison(name="pure", runs=runs, baseline="zzz"))
+
+
+def test_check_parity_without_headless_is_refused_in_one_line(tmp_path):
+    """The app path has no exit code to gate on: --check-parity there is refused (exit 2), not silently ignored."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--check-parity",
+                           "--out", str(out)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardscope: error:")]
+    assert errors == [errors[0]] and "--check-parity needs --headless" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()

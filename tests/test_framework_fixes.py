@@ -16,7 +16,7 @@ def _comparison(*runs: RunSpec) -> config.Comparison:
     c = config.Comparison(name="t", runs=list(runs), world_size=2, global_batch=8,
                           model=config.ModelSpec(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256,
                                                  seq_len=32))
-    config.validate(c)
+    c = config.validate(c)
     return c
 
 

@@ -2,7 +2,8 @@
 
 Layers (docs/ARCHITECTURE.md), arrows pointing down only:
 
-    views         cli, headless, diffview, explainview, recommendview, tui/
+    views         cli, cli_common, headless_run, report_commands, headless, diffview, explainview,
+                  recommendview, tui/
     orchestrator  orchestrator/
     analysis      profiling/                      rank side   engines/
     schema        config, registry, events, rundir, numbers, sizes, hf_archs, batch_follow,
@@ -22,7 +23,8 @@ from collections import defaultdict
 import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
-VIEWS = {"cli", "headless", "diffview", "explainview", "recommendview", "tui", "__main__"}
+VIEWS = {"cli", "cli_common", "headless_run", "report_commands", "headless", "diffview", "explainview",
+         "recommendview", "tui", "__main__"}
 SCHEMA = {"config", "registry", "events", "rundir", "numbers", "sizes", "hf_archs", "batch_follow", "outspace",
           "liveness", "console_noise", "record_wire", "presets", "__init__"}
 # What each layer may import (besides itself).
@@ -178,3 +180,17 @@ def test_report_loads_no_torch_psutil_or_launcher(tmp_path, command):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "LOADED []" in proc.stdout, proc.stdout[-2000:]
+
+
+MAX_LINES = 400
+
+
+def test_no_source_file_over_400_lines():
+    """Every module of the package stays under MAX_LINES lines (split along a real seam instead of growing)."""
+    long = {}
+    for path in modules().values():
+        with open(path, encoding="utf-8") as fh:
+            n = sum(1 for _ in fh)
+        if n > MAX_LINES:
+            long[os.path.relpath(path, PKG)] = n
+    assert long == {}, f"files over {MAX_LINES} lines: {long}"

@@ -20,7 +20,7 @@ UNEVEN = ModelSpec(vocab_size=250, d_model=36, n_layers=2, n_heads=4, d_ff=100, 
 def _comparison(model: ModelSpec, *runs: RunSpec, ws: int = 2) -> config.Comparison:
     c = config.Comparison(name="t", model=model, runs=list(runs), world_size=ws, global_batch=8,
                           profile=config.ProfileSpec(enabled=False))
-    config.validate(c)
+    c = config.validate(c)
     return c
 
 

@@ -25,7 +25,7 @@ def make_run_dir(tmp_path: Path) -> Path:
     """A finished two-run comparison written the way ranks and the orchestrator write it."""
     c = config.Comparison(name="fake", runs=[RunSpec("ddp", "ddp"), RunSpec("fsdp2", "fsdp2")], model=MODEL,
                           steps=4, global_batch=4, parity=True, profile=ProfileSpec(start_step=1, steps=2))
-    config.validate(c)
+    c = config.validate(c)
     out = tmp_path / "out"
     out.mkdir()
     config.dump_json(out / "comparison.json", c.to_dict())

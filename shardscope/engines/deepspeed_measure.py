@@ -1,0 +1,174 @@
+"""What shardscope measures inside a DeepSpeed engine: per-layer norms right after the gradient
+reduction, and this rank's model-state bytes counted from the engine's real tensors.
+
+Shared by ZeRO (``deepspeed_zero``) and AutoTP (through ``deepspeed_zero.prepare_engine``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shardscope.engines import norms
+from shardscope.engines.comm_count import instrumentation
+
+
+def layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[str, dict[str, float]]]:
+    """Return a ``Prepared.layer_norms`` for a DeepSpeed engine.
+
+    In unmanaged accumulation DeepSpeed reduces gradients inside ``engine.step()`` (stages 0/1:
+    ``engine.allreduce_gradients``; stages 2/3: ``optimizer.finalize_gradient_accumulation_boundary``)
+    and clips right after, with no hook in between. Before step, ZeRO-1 holds each rank's own
+    unreduced gradients and ZeRO-2 has not built its partitions yet, so the norms must be read
+    inside step: those two methods are wrapped on this engine instance to compute the norms right
+    after the reduction (before clipping, as for every other strategy). ``layer_norms()`` (called
+    by the loop between backward and step) arms the capture and returns the dict that step fills.
+    """
+    captured: dict[str, dict[str, float]] = {}
+    armed = [False]
+    fp16 = bool(engine.fp16_enabled())
+
+    def after(reduce: Callable[..., Any]) -> Callable[..., Any]:
+        def reduce_then_capture(*args: Any, **kwargs: Any) -> Any:
+            out = reduce(*args, **kwargs)
+            if armed[0]:
+                armed[0] = False
+                with instrumentation():  # shardscope's own collectives, not the strategy's
+                    found = deepspeed_layer_norms(engine.module, tp_size)
+                if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
+                    inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
+                    found["grad"] = {k: v * inv for k, v in found["grad"].items()}
+                captured.update(found)
+            return out
+        return reduce_then_capture
+
+    engine.allreduce_gradients = after(engine.allreduce_gradients)
+    finalize = getattr(engine.optimizer, "finalize_gradient_accumulation_boundary", None)
+    if finalize is not None:
+        engine.optimizer.finalize_gradient_accumulation_boundary = after(finalize)
+
+    def layer_norms() -> dict[str, dict[str, float]]:
+        captured.clear()
+        armed[0] = True
+        return captured
+
+    return layer_norms
+
+
+def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict[str, float]]:
+    """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, on
+    full tensors: DeepSpeed's ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` gather ZeRO
+    partitions (collectives: every rank calls this in the same order, after backward and before
+    step). Parameters are the fp32 masters, as FSDP's sharded parameters are.
+
+    Under AutoTP (``tp_size`` > 1) a tensor-parallel shard's square sum is added over the TP group;
+    a replicated tensor is scaled by 1/sqrt(tp_size) first so that adding its tp identical copies
+    counts it once.
+    """
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
+
+    grads: list[tuple[str, torch.Tensor | None]] = []
+    params: list[tuple[str, torch.Tensor]] = []
+    for name, p in module.named_parameters():
+        g, w = safe_get_full_grad(p), safe_get_full_fp32_param(p)
+        w = p if w is None else w  # no ZeRO wrapper (AutoTP stage 0 in fp32): the parameter is the master
+        g = torch.zeros(0, device=w.device) if g is None else g  # keep the key on every rank
+        if tp_size > 1 and not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)):
+            g, w = g / tp_size**0.5, w / tp_size**0.5
+        grads.append((name, g))
+        params.append((name, w))
+    group = groups.get_tensor_model_parallel_group() if tp_size > 1 else None
+    return {"grad": norms.layer_norms(grads, shard_group=group, sharded=tp_size > 1),
+            "param": norms.layer_norms(params, shard_group=group, sharded=tp_size > 1)}
+
+
+# Attributes of DeepSpeed's ZeRO optimizers that hold gradient partitions or reduction buffers
+# (stage_1_and_2.py and stage3.py); read by name because DeepSpeed exposes no accounting API.
+_GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
+               "ipg_buffer")
+
+# ...and the fp32 master partitions (ZeRO-1/2, ZeRO-3, the stage-0 bf16 optimizer). ZeRO-3 swaps
+# them into the inner optimizer's param groups only while it steps, so they are read here.
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+class StateCounter:
+    """Counts this rank's model-state bytes from the engine's real tensors.
+
+    - ``param_bytes``: the module's parameters as stored on this rank (the ZeRO-3 partition
+      ``ds_tensor`` rather than the freed full tensor; ZeRO-1/2's flat buffers once).
+    - ``optim_bytes``: the inner AdamW's state (both moments, step) plus the fp32 master
+      partitions it updates, when they are separate tensors from the parameters.
+    - ``grad_bytes``: measured just before each ``step()``, the only moment gradients are
+      complete: ``.grad`` of parameters and masters plus the ZeRO gradient partitions and buffers.
+
+    Tensors are counted by their underlying storage, once each, so views into DeepSpeed's flat
+    buffers are not counted twice.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.grad_bytes = 0
+
+    def _param_storages(self) -> dict[int, int]:
+        seen: dict[int, int] = {}
+        for p in self.engine.module.parameters():
+            _add(seen, getattr(p, "ds_tensor", None))
+            _add(seen, p.data)
+        return seen
+
+    def snapshot_grads(self) -> None:
+        """Record the bytes of every gradient tensor alive now (called before ``step``)."""
+        params = self._param_storages()
+        seen: dict[int, int] = {}
+        for p in self.engine.module.parameters():
+            _add(seen, p.grad, skip=params)
+        opt = self.engine.optimizer
+        for p in _inner_params(opt):
+            _add(seen, p.grad, skip=params)
+        for name in _GRAD_ATTRS:
+            for t in _tensors(getattr(opt, name, None)):
+                _add(seen, t, skip=params)
+        self.grad_bytes = sum(seen.values())
+
+    def bytes(self) -> dict[str, int]:
+        """Return ``param_bytes``, ``grad_bytes`` (from the last step) and ``optim_bytes``."""
+        params = self._param_storages()
+        optim: dict[int, int] = {}
+        opt = self.engine.optimizer
+        for p in _inner_params(opt) + [t for name in _MASTER_ATTRS for t in _tensors(getattr(opt, name, None))]:
+            _add(optim, p.data, skip=params)
+        inner = getattr(opt, "optimizer", opt)
+        for state in inner.state.values():
+            for t in _tensors(state):
+                _add(optim, t, skip=params)
+        return {"param_bytes": sum(params.values()), "grad_bytes": self.grad_bytes,
+                "optim_bytes": sum(optim.values())}
+
+
+def _inner_params(opt: Any) -> list[torch.Tensor]:
+    inner = getattr(opt, "optimizer", opt)
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Return every tensor inside ``obj`` (a tensor, or lists/tuples/dicts of them)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _add(seen: dict[int, int], t: torch.Tensor | None, skip: dict[int, int] | None = None) -> None:
+    if t is None or not torch.is_tensor(t) or t.numel() == 0:
+        return
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    if key == 0 or (skip is not None and key in skip):
+        return
+    seen[key] = storage.nbytes()

@@ -1,0 +1,110 @@
+"""The two ends of a session: the shared initial weights before the first run, and device sampling
+and the reports around and after the last.
+
+``SessionEnds`` is a mixin of ``Session``. Device samples are published from the sampler's own
+thread (``DeviceLog``); everything else here runs on the session thread.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from shardscope import outspace
+from shardscope.orchestrator import nodes
+from shardscope.orchestrator.device_log import DeviceLog
+from shardscope.orchestrator.supervision import last_line
+from shardscope.profiling import state
+from shardscope.profiling.report import write_reports
+from shardscope.rundir import INIT_WEIGHTS, tail_text
+
+
+class SessionEnds:
+    """Mixin of ``Session``: the initial weights, the device sampler and the final reports."""
+
+    def _write_init_weights(self) -> bool:
+        """Materialise the shared initial weights once, in a torch subprocess (this process never imports torch)."""
+        init_path = self.rundir.init_weights
+        if os.path.exists(init_path):
+            return True
+        if self.comparison.launch.node_rank > 0:
+            return self._wait_for_file(init_path)
+        self._emit(state.Notice(f"writing shared initial weights ({INIT_WEIGHTS})"))
+        self._flush()
+        log_path = self.rundir.init_log
+        with open(log_path, "wb") as log:
+            proc = subprocess.run(
+                [self.python, "-m", "shardscope.engines.init_weights",
+                 self.rundir.comparison, init_path],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        if proc.returncode == 0:
+            return True
+        text = tail_text(log_path, 20)
+        message = f"writing initial weights failed (exit {proc.returncode}): {last_line(text)}"
+        self._emit(state.Notice(message, "error"))
+        for name in self.run_names:
+            self._emit(state.StatusChanged(name, state.FAILED, message, text))
+        return False
+
+    def _wait_for_file(self, path: str, timeout_s: float = 600.0) -> bool:
+        """Other nodes of a multi-node comparison wait for node 0's shared weights (shared filesystem)."""
+        self._emit(state.Notice(f"waiting for node 0 to write {path}"))
+        self._flush()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                return True
+            time.sleep(1.0)
+        for name in self.run_names:
+            self._emit(state.StatusChanged(name, state.FAILED, f"node 0 never wrote {path}"))
+        return False
+
+    # ---- device sampling and the end ----------------------------------------------------------
+
+    def _pids_by_run(self) -> dict[str, dict[int, int]]:
+        return {a.name: {rank: pid for pid, rank in a.ranks.items()} for a in list(self._active.values())}
+
+    def _start_sampler(self) -> None:
+        if not self.sample_devices:
+            return
+        launch = self.comparison.launch
+        self._sampler = DeviceLog(self.rundir.devices(launch.node_rank),
+                                  nodes.node_label(launch.node_rank, launch.nnodes))
+
+        def publish(sample: state.DeviceSample) -> None:
+            with self._lock:
+                subscribers = list(self._subscribers)
+            for callback in subscribers:
+                callback([sample])
+
+        why = self._sampler.start(publish, self._pids_by_run)
+        if why:
+            self._emit(state.Notice(why, "warning"))
+
+    def _stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+
+    def _finish(self) -> None:
+        statuses = [self.states[n].status for n in self.run_names]
+        self.exit_code = 0 if statuses and all(s == state.OK for s in statuses) else 1
+        summary_path = report_path = ""
+        if self.comparison.launch.node_rank > 0:  # node 0 writes the reports
+            self._emit(state.ComparisonFinished(self.out_dir, self.exit_code))
+            self._flush()
+            self._done.set()
+            return
+        self._spare.release()  # its room is for the summary
+        try:
+            self.paths = write_reports(self.out_dir, self.comparison, self.states)
+            summary_path, report_path = self.paths.get("summary", ""), self.paths.get("report", "")
+        except Exception as err:
+            disk = outspace.disk_error(err)
+            why = outspace.describe(disk) if disk is not None else repr(err)
+            self._emit(state.Notice(f"writing the reports failed: {why}", "error"))
+        self._emit(state.ComparisonFinished(self.out_dir, self.exit_code, summary_path, report_path))
+        self._flush()
+        self._done.set()
+

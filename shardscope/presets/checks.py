@@ -1,0 +1,234 @@
+"""Validation of a Comparison: cross-field rules, each run's layout, and what this host can run.
+
+``validate`` is pure: it returns a new, validated Comparison (baseline filled in, option values
+normalised) and leaves its argument as it was. Every error is a one-line ``ConfigError``. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardscope import registry
+from shardscope.presets.files import ConfigError
+from shardscope.presets.schema import (
+    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
+    RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
+)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """What the machine offers: the device kind chosen and how many ranks fit on one node."""
+
+    device: str  # "cpu" | "cuda"
+    max_ranks_per_node: int
+    detail: str = ""  # for messages: "2 CPU cores" or "8 GPUs"
+    has_deepspeed: bool = True
+    cpu_fp16: bool = False  # the CPU has AVX512-FP16 or AMX-FP16 (DeepSpeed's CPU accelerator needs one for fp16)
+
+
+def cpu_has_fp16_isa(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Return True when the CPU flags include AVX512-FP16 or AMX-FP16, the instructions oneDNN
+    needs for fp16 (DeepSpeed's CPU accelerator refuses fp16 without them). Read from the
+    kernel's flag list so that the orchestrator stays torch-free; False where unreadable."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            flags = {word for line in f if line.startswith("flags") for word in line.split()}
+    except OSError:
+        return False
+    return bool(flags & {"avx512_fp16", "amx_fp16"})
+
+
+def cpu_host() -> HostInfo:
+    """Host info for gloo on CPU: ranks may oversubscribe cores, up to max(4, 2 x cores)."""
+    cores = os.cpu_count() or 1
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    return HostInfo("cpu", max(4, 2 * cores), f"{cores} CPU cores", has_ds, cpu_has_fp16_isa())
+
+
+
+def _positive(src: str, key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{src}: {key} = {value!r}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _one_of(src: str, key: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{src}: {key} = {value!r}: allowed: {', '.join(map(str, allowed))}")
+
+
+def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
+    """Check cross-field rules and the layout of every run; return a new, validated Comparison.
+
+    The result has ``baseline`` filled in (the first run when empty) and integer values of float
+    options made floats; ``c`` itself is left unchanged. Raises ConfigError (one line).
+    """
+    src = c.source or "preset"
+    if not NAME_RE.match(c.name):
+        raise ConfigError(f"{src}: name = {c.name!r}: use letters, digits, '.', '_' or '-'")
+    for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
+        _positive(src, key, getattr(c, key))
+    for key in ("lr", "stall_timeout_s", "straggler_threshold"):
+        _positive(src, key, getattr(c, key))
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
+        _positive(src, key, getattr(c, key), allow_zero=True)
+    _one_of(src, "precision", c.precision, PRECISIONS)
+    _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
+    m = c.model
+    _one_of(src, "model.kind", m.kind, MODEL_KINDS)
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",
+                "image_size", "patch_size", "channels", "num_classes"):
+        _positive(src, f"model.{key}", getattr(m, key))
+    if m.kind == "transformer" and m.d_model % m.n_heads:
+        raise ConfigError(f"{src}: model.n_heads = {m.n_heads}: must divide model.d_model = {m.d_model}")
+    if m.kind == "hf":
+        _one_of(src, "model.hf_arch", m.hf_arch, HF_ARCHS)
+        arch_vocab = HF_ARCH_VALUES[m.hf_arch]["vocab_size"]
+        if c.data.kind == "synthetic" and m.vocab_size > arch_vocab:  # synthetic tokens are drawn below model.vocab_size
+            raise ConfigError(f"{src}: model.vocab_size = {m.vocab_size}: must be <= {m.hf_arch}'s vocabulary ({arch_vocab})")
+        if m.weights_dir and not Path(m.weights_dir).is_dir():
+            raise ConfigError(f"{src}: model.weights_dir = {m.weights_dir!r}: no such directory")
+    if m.kind == "vit" and m.image_size % m.patch_size:
+        raise ConfigError(f"{src}: model.patch_size = {m.patch_size}: must divide model.image_size = {m.image_size}")
+    _one_of(src, "data.kind", c.data.kind, DATA_KINDS)
+    if c.data.kind == "text" and not Path(c.data.path).is_file():
+        raise ConfigError(f"{src}: data.path = {c.data.path!r}: no such text file")
+    if (c.data.kind == "images") != (m.kind == "vit"):
+        raise ConfigError(f"{src}: data.kind = {c.data.kind!r}: model.kind {m.kind!r} needs "
+                          f"{'images' if m.kind == 'vit' else 'synthetic or text'}")
+    _positive(src, "profile.steps", c.profile.steps, allow_zero=True)
+    _positive(src, "profile.start_step", c.profile.start_step, allow_zero=True)
+    _one_of(src, "launch.device", c.launch.device, DEVICES)
+    _positive(src, "launch.nnodes", c.launch.nnodes)
+    _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
+    _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
+    _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
+    if not 0 <= c.launch.node_rank < c.launch.nnodes:
+        raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
+    names = [r.name for r in c.runs]
+    runs = [_validate_run(c, run, f"runs[{i}]", src, host) for i, run in enumerate(c.runs)]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise ConfigError(f"{src}: runs: duplicate run name {sorted(dupes)[0]!r}; names must be unique")
+    if c.baseline and c.baseline not in names:
+        raise ConfigError(f"{src}: baseline = {c.baseline!r}: not a run; runs: {', '.join(names)}")
+    return dataclasses.replace(c, runs=runs, baseline=c.baseline or names[0])
+
+
+def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostInfo | None) -> RunSpec:
+    """Check one run; return it with its option values normalised (a new RunSpec)."""
+    if not NAME_RE.match(run.name):
+        raise ConfigError(f"{src}: {where}.name = {run.name!r}: use letters, digits, '.', '_' or '-'")
+    where = f"runs.{run.name}"
+    try:
+        info = registry.get(run.strategy)
+    except KeyError as err:
+        raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: {err.args[0].split('; ')[1]}") from None
+    if run.world_size < 0:
+        raise ConfigError(f"{src}: {where}.world_size = {run.world_size}: must be >= 1")
+    if run.precision:
+        _one_of(src, f"{where}.precision", run.precision, PRECISIONS)
+    options = dict(run.options)
+    for key, value in run.options.items():
+        spec = info.options.get(key)
+        if spec is None:
+            allowed = ", ".join(sorted(info.options)) or "(none)"
+            raise ConfigError(f"{src}: {where}.options.{key}: unknown option of {run.strategy}; allowed: {allowed}")
+        ok = isinstance(value, spec.type) and not (spec.type is int and isinstance(value, bool))
+        if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, options[key] = True, float(value)
+        if not ok or (spec.choices is not None and value not in spec.choices) or (
+            spec.minimum is not None and value < spec.minimum
+        ):
+            raise ConfigError(f"{src}: {where}.options.{key} = {value!r}: allowed: {spec.describe()}")
+    run = dataclasses.replace(run, options=options)
+    if run.fault:
+        try:
+            parse_fault(run.fault)
+        except ValueError as err:
+            raise ConfigError(f"{src}: {where}.fault = {run.fault!r}: {err}") from None
+    ws = resolved_world_size(c, run)
+    if ws < 1:
+        raise ConfigError(f"{src}: {where}.world_size = {ws}: must be >= 1")
+    if ws % c.launch.nnodes:
+        raise ConfigError(f"{src}: {where}.world_size = {ws}: must be a multiple of launch.nnodes = {c.launch.nnodes}")
+    if ws < info.min_world_size:
+        raise ConfigError(f"{src}: {where}.world_size = {ws}: {run.strategy} needs at least {info.min_world_size} ranks")
+    if c.model.kind not in info.models:
+        raise ConfigError(f"{src}: model.kind = {c.model.kind!r}: {run.strategy} supports {', '.join(info.models)}")
+    if host is not None:
+        per_node = ws // c.launch.nnodes
+        if per_node > host.max_ranks_per_node:
+            raise ConfigError(
+                f"{src}: {where}.world_size = {ws}: {per_node} ranks per node but this machine hosts at most "
+                f"{host.max_ranks_per_node} ({host.detail})"
+            )
+        if info.gpu_only and host.device != "cuda":
+            raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: needs a GPU; this machine has {host.detail}")
+        if info.needs_deepspeed and not host.has_deepspeed:
+            raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: needs DeepSpeed (pip install deepspeed)")
+        if host.device != "cuda" and resolved_precision(c, run) == "fp16" and info.needs_deepspeed and not host.cpu_fp16:
+            # torch's CPU autocast runs fp16 anywhere; DeepSpeed's CPU accelerator refuses it without the ISA.
+            raise ConfigError(
+                f"{src}: {where}.precision = 'fp16': {run.strategy} runs fp16 on CPU only with AVX512-FP16 or "
+                f"AMX-FP16, which this CPU lacks; use fp32 or bf16-params here, or a GPU"
+            )
+    tp = info.tp_degree(resolved_options(run))
+    if ws % tp:
+        raise ConfigError(f"{src}: {where}: world_size {ws} is not dp x tp with tp = {tp} (dp would be {ws / tp:g})")
+    dp = ws // tp
+    if c.global_batch % (dp * c.grad_accum):
+        raise ConfigError(
+            f"{src}: global_batch = {c.global_batch}: must be divisible by dp ({dp}) x grad_accum ({c.grad_accum}) "
+            f"for run {run.name}"
+        )
+    for check in info.extra_checks:
+        message = LAYOUT_CHECKS[check](c, run, tp, dp)
+        if message:
+            raise ConfigError(f"{src}: {where}: {message}")
+    return run
+
+
+def _check_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
+    """Tensor parallel splits attention heads (and KV heads) across tp ranks."""
+    if c.model.kind == "transformer":
+        if c.model.n_heads % tp or c.model.d_ff % tp:
+            return f"tp = {tp} must divide model.n_heads = {c.model.n_heads} and model.d_ff = {c.model.d_ff}"
+    if c.model.kind == "hf":
+        from shardscope.hf_archs import ARCHS  # torch-free table
+
+        arch = ARCHS[c.model.hf_arch]
+        if arch["num_attention_heads"] % tp or arch["num_key_value_heads"] % tp:
+            return (f"tp = {tp} must divide {c.model.hf_arch}'s {arch['num_attention_heads']} query heads and "
+                    f"{arch['num_key_value_heads']} key/value heads")
+    return ""
+
+
+# Named layout checks a registry entry can ask for (extra_checks); each returns "" or a message.
+LAYOUT_CHECKS = {"heads_divisible_by_tp": _check_heads_divisible}
+
+
+def _check_autotp_zero_stage(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
+    """DeepSpeed AutoTP training combines with ZeRO stages 0-2 only (its AutoTP training tutorial)."""
+    stage = resolved_options(run).get("stage", 0)
+    if stage not in (0, 1, 2):
+        sharded_tp = ", ".join(s.name for s in registry.STRATEGIES.values() if s.tp_option and s.shards == "all")
+        return (f"options.stage = {stage}: DeepSpeed AutoTP (tp = {tp}, dp = {dp}) trains with ZeRO stage 0, 1 or 2; "
+                f"for sharded parameters with tensor parallelism use {sharded_tp}")
+    return ""
+
+
+def _check_vit_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
+    """The ViT's attention and MLP are split like the built-in transformer's."""
+    if c.model.kind == "vit" and (c.model.n_heads % tp or c.model.d_ff % tp):
+        return f"tp = {tp} must divide model.n_heads = {c.model.n_heads} and model.d_ff = {c.model.d_ff}"
+    return ""
+
+
+LAYOUT_CHECKS["autotp_zero_stage"] = _check_autotp_zero_stage
+LAYOUT_CHECKS["vit_heads_divisible_by_tp"] = _check_vit_heads_divisible

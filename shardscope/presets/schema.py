@@ -1,0 +1,189 @@
+"""The preset schema: the dataclasses a preset (TOML) becomes, the allowed values, and the
+resolved per-run settings (a run's own value or the comparison's).
+
+Torch-free; ``shardscope.config`` loads, overrides and validates presets into these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardscope import batch_follow
+from shardscope import registry
+from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
+
+PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
+MODEL_KINDS = ("transformer", "hf", "vit")
+DATA_KINDS = ("synthetic", "text", "images")
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "nospace")
+ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
+HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class ModelSpec:
+    """The model every run trains."""
+
+    kind: str = "transformer"
+    vocab_size: int = 32000
+    d_model: int = 768
+    n_layers: int = 6
+    n_heads: int = 12
+    d_ff: int = 3072
+    seq_len: int = 256
+    hf_arch: str = "qwen2.5-0.5b"  # kind = "hf": built-in architecture values
+    hf_layers: int = 2  # kind = "hf": number of decoder layers kept
+    weights_dir: str = ""  # kind = "hf": local directory with real weights (never downloaded)
+    image_size: int = 32  # kind = "vit"
+    patch_size: int = 4
+    channels: int = 3
+    num_classes: int = 10
+
+
+@dataclass
+class DataSpec:
+    """Where tokens (or images) come from. The global batch at step s is a pure function of (seed, s)."""
+
+    kind: str = "synthetic"
+    path: str = ""  # kind = "text": a UTF-8 text file, byte-level tokens
+
+
+@dataclass
+class ProfileSpec:
+    """The torch.profiler window recorded in each run."""
+
+    enabled: bool = True
+    start_step: int = 5
+    steps: int = 2
+    record_shapes: bool = True  # needed for collective sizes on gloo
+    profile_memory: bool = False  # allocation events in the trace (bigger traces)
+    count_collectives: bool = False  # in-rank byte count of every collective in the window (a `comm` record)
+
+
+@dataclass
+class LaunchSpec:
+    """How runs are started: device, nodes, order."""
+
+    device: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
+    node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
+    concurrent: bool = False
+    grace_period_s: float = 5.0
+    startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
+
+
+@dataclass
+class RunSpec:
+    """One strategy variant in a comparison."""
+
+    name: str
+    strategy: str
+    world_size: int = 0  # 0 = the comparison's world_size
+    precision: str = ""  # "" = the comparison's precision
+    activation_checkpointing: bool = False
+    compile: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
+
+
+@dataclass
+class Comparison:
+    """Shared settings plus the runs to compare. Built by ``load_preset``."""
+
+    name: str
+    description: str = ""
+    source: str = ""  # the preset file this came from
+    steps: int = 30
+    global_batch: int = batch_follow.DEFAULT_GLOBAL_BATCH  # sequences (or images) per optimizer step, over all data-parallel ranks
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 1234
+    precision: str = "fp32"
+    world_size: int = batch_follow.DEFAULT_WORLD_SIZE
+    baseline: str = ""  # a run name; "" = the first run
+    stall_timeout_s: float = 120.0
+    parity: bool = False  # record per-layer norms for the divergence locator
+    log_every: int = 1
+    loss_tolerance: float = 1e-5  # |loss - baseline loss| allowed, for checks and the locator
+    on_nonfinite: str = "stop"  # a non-finite loss or grad norm marks the run diverged; "continue" trains on
+    straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
+    straggler_window: int = 5  # ... for this many steps in a row is named a straggler
+    size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    profile: ProfileSpec = field(default_factory=ProfileSpec)
+    launch: LaunchSpec = field(default_factory=LaunchSpec)
+    runs: list[RunSpec] = field(default_factory=list)
+    adjustments: list[str] = field(default_factory=list)  # what load_preset changed for the user, one line each
+
+    def run(self, name: str) -> RunSpec:
+        """Return the run called ``name``; raises KeyError."""
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (``from_dict`` reverses it)."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Comparison":
+        """Rebuild a Comparison written by ``to_dict`` (no validation)."""
+        data = dict(data)
+        data["model"] = ModelSpec(**data.get("model", {}))
+        data["data"] = DataSpec(**data.get("data", {}))
+        data["profile"] = ProfileSpec(**data.get("profile", {}))
+        data["launch"] = LaunchSpec(**data.get("launch", {}))
+        data["runs"] = [RunSpec(**r) for r in data.get("runs", [])]
+        return Comparison(**data)
+
+
+
+def resolved_world_size(comparison: Comparison, run: RunSpec) -> int:
+    """Return the run's total world size (its own, or the comparison's)."""
+    return run.world_size or comparison.world_size
+
+
+def resolved_precision(comparison: Comparison, run: RunSpec) -> str:
+    """Return the run's precision policy (its own, or the comparison's)."""
+    return run.precision or comparison.precision
+
+
+def resolved_options(run: RunSpec) -> dict[str, Any]:
+    """Return the run's strategy options with registry defaults filled in."""
+    info = registry.get(run.strategy)
+    opts = {k: spec.default for k, spec in info.options.items()}
+    opts.update(run.options)
+    return opts
+
+
+def parse_fault(text: str) -> dict[str, Any]:
+    """Parse ``rank=1,step=3,kind=raise`` into a dict; raises ValueError on a bad spec."""
+    out: dict[str, Any] = {"rank": 0, "step": 0, "kind": "raise"}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, val = part.partition("=")
+        if key in ("rank", "step", "ms"):
+            if not val.isdigit():
+                raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
+            out[key] = int(val)
+        elif key == "kind":
+            if val not in FAULT_KINDS:
+                raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {val!r}")
+            out[key] = val
+        else:
+            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow)")
+    return out
+
