@@ -35,7 +35,7 @@ from shardscope.presets.schema import (  # noqa: F401
     DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
     resolved_world_size,
 )
-from shardscope.rundir import RunDir
+from shardscope.rundir import PARTIAL_SUFFIX, RunDir
 
 
 def load_preset(
@@ -94,7 +94,7 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
     """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
-    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"  # unique: several nodes may write the same file
+    tmp = f"{os.fspath(path)}.{os.getpid()}{PARTIAL_SUFFIX}"  # unique: several nodes may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(json_ready(data), fh, indent=2, default=str)
         fh.write("\n")

@@ -17,9 +17,8 @@ from shardscope.rundir import RunDir, RunFiles
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
 
-# Modules still allowed to spell file names under <out>: the split engineer (issue 11) moves their
-# literals to rundir and removes them from this list. Nothing else may join it.
-ALLOWED = {"rundir.py", "config.py", "cli.py", "orchestrator/session.py", "engines/deepspeed_zero.py"}
+# The one module allowed to spell file names under <out>. Nothing else may join it.
+ALLOWED = {"rundir.py"}
 
 # A file name under <out>, anywhere in a string (f-string pieces included).
 FILE_NAME = re.compile(
@@ -116,7 +115,7 @@ def test_every_name_rundir_spells_is_one_the_scan_knows():
 
 def test_allow_list_is_short_and_real():
     rels = {rel for rel, _ in _sources()}
-    assert ALLOWED <= rels and len(ALLOWED) <= 5
+    assert ALLOWED <= rels and len(ALLOWED) == 1
 
 
 # --- paths --------------------------------------------------------------------------------------

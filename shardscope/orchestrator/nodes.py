@@ -16,7 +16,7 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
-from shardscope.rundir import RunDir, console_name, devices_name  # noqa: F401
+from shardscope.rundir import RunDir
 
 
 def owns_verdict(node_rank: int) -> bool:

@@ -275,7 +275,7 @@ class Session(RunSupervision, SessionEnds, Completion):
         attempt = self._attempts.get(name, 0)
         if attempt and os.path.isdir(run_dir):
             # A restart starts afresh; the earlier attempt's files are kept beside it.
-            os.replace(run_dir, os.path.join(self.out_dir, f"{name}.attempt{attempt}"))
+            os.replace(run_dir, self.rundir.attempt(name, attempt))
             self._define(run)
         self._attempts[name] = attempt + 1
         plan = self._plan(run)
