@@ -75,6 +75,8 @@ def _open_app(**kwargs: Any) -> None:
 @click.option("--node-rank", type=int, default=None, help="This node's rank when --nnodes > 1.")
 @click.option("--rdzv-endpoint", default=None, help="host:port of node 0's rendezvous for several nodes "
               "(run i of the comparison uses port + i).")
+@click.option("--records-endpoint", default=None, help="Several nodes without a shared filesystem: host:port where "
+              "node 0 receives the other nodes' records over TCP (every node passes the same value).")
 @click.option("--rdzv-id", default=None, help="Prefix of each run's rendezvous id; unique per job (several nodes).")
 @click.option("--slurm-task", is_flag=True, help="One task of an sbatch job (`shardscope slurm`): node rank from "
               "SLURM_NODEID; exit 0 once this orchestrator finished, whatever the runs' verdicts.")
@@ -86,13 +88,14 @@ def _open_app(**kwargs: Any) -> None:
 @tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
-            rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
+            records_endpoint: str | None, rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
             loss_tol: float, speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
     limit = parse_device_memory(device_memory)
     if slurm_task:
         node_rank = headless_run.slurm_node_rank(node_rank)
-    all_overrides = list(overrides) + launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id)
+    all_overrides = list(overrides) + launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id,
+                                                       records_endpoint=records_endpoint)
     comparison, dev = resolve(preset, all_overrides)
     from shardscope.orchestrator.session import Session, default_out_dir
 

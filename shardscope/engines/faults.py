@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ class Fault:
             if self.writer is None or self.writer.forward is None:
                 raise RuntimeError("netdrop: this rank sends no records over TCP (launch.records_endpoint unset)")
             self.writer.forward.drop_connection()
+            print(f"shardscope: fault netdrop: rank {rank} dropped its record connection at step {step}",
+                  file=sys.stderr, flush=True)
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")

@@ -16,6 +16,7 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
+from shardscope.record_wire import send_beat
 from shardscope.rundir import RunDir
 
 
@@ -35,11 +36,13 @@ class NodeWatch:
     Every node other than 0 rewrites ``<out>/nodes/node<N>.json`` once a second from a thread of its own
     (so a busy or blocked session loop does not look like a death) and marks it ``done`` when it finishes.
     Node 0 calls ``lost()``: nodes whose last beat (or, before the first one, the watch's start) is older
-    than ``timeout_s``. On one node the watch does nothing.
+    than ``timeout_s``. On one node the watch does nothing. With ``records_endpoint`` (no shared
+    filesystem) the beats go over TCP to node 0's record server, which writes the same files there.
     """
 
-    def __init__(self, out_dir: str, node_rank: int, nnodes: int, timeout_s: float) -> None:
+    def __init__(self, out_dir: str, node_rank: int, nnodes: int, timeout_s: float, records_endpoint: str = "") -> None:
         self.out_dir, self.node_rank, self.nnodes, self.timeout_s = out_dir, node_rank, nnodes, timeout_s
+        self.records_endpoint = records_endpoint
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +59,10 @@ class NodeWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-            self._write(done=True)
+            try:
+                self._write(done=True)
+            except OSError:  # node 0 gone or the disk full: node 0 judges from the silence
+                pass
 
     def _beat_forever(self) -> None:
         while not self._stop.is_set():
@@ -67,11 +73,14 @@ class NodeWatch:
             self._stop.wait(1.0)
 
     def _write(self, done: bool) -> None:
+        beat = {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
+                "done": done}
+        if self.records_endpoint:
+            send_beat(self.records_endpoint, self.node_rank, beat)
+            return
         path = RunDir(self.out_dir).heartbeat(self.node_rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        dump_json(path,
-                  {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
-                   "done": done})
+        dump_json(path, beat)
 
     def lost(self) -> list[int]:
         """Node 0: the nodes lost so far (a lost node stays lost); [] elsewhere or on one node."""

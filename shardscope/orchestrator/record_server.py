@@ -37,7 +37,10 @@ class RecordServer:
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         socketserver.ThreadingTCPServer.daemon_threads = True
-        self._server = socketserver.ThreadingTCPServer((host if host not in ("*", "") else "0.0.0.0", port), Handler)
+        # Every interface on the endpoint's port: the endpoint's host name is how *other* nodes reach this one
+        # (on many hosts it resolves locally to 127.0.1.1, which they could not reach).
+        del host
+        self._server = socketserver.ThreadingTCPServer(("", port), Handler)
         self._thread: threading.Thread | None = None
 
     @property

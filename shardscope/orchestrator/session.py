@@ -23,6 +23,8 @@ from typing import Callable
 
 from shardscope import config, outspace
 from shardscope.config import Comparison, dump_json
+from shardscope import record_wire
+from shardscope.orchestrator.record_server import RecordServer
 from shardscope.orchestrator import launcher, lifeline, nodes, verdict
 from shardscope.profiling import state
 from shardscope.orchestrator.completion import Completion
@@ -93,7 +95,10 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._sampler: DeviceLog | None = None
         self._spare = outspace.Spare(self.out_dir)  # freed on a disk fault, so the summary fits
         launch = comparison.launch
-        self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s)
+        self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s,
+                                      launch.records_endpoint)
+        # Several nodes without a shared filesystem: node 0 receives the others' records over TCP.
+        self._records: RecordServer | None = None
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -158,16 +163,20 @@ class Session(RunSupervision, SessionEnds, Completion):
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self._spare.reserve()
-            if self.comparison.launch.node_rank == 0:
+            launch = self.comparison.launch
+            if launch.node_rank == 0:
                 lifeline.write_identity(self.out_dir)
+                if launch.records_endpoint and launch.nnodes > 1:
+                    self._records = RecordServer(self.out_dir, launch.records_endpoint)
+                    self._records.start()
             self._watch.start()
             for run in self.comparison.runs:
                 self._define(run)
             self._queue.extend(self.run_names)
             self._flush()
-            if self.comparison.launch.node_rank == 0:
+            if launch.node_rank == 0 or launch.records_endpoint:  # node 0's, or this node's own directory
                 dump_json(self.rundir.comparison, self.comparison.to_dict())
-            if not self._write_init_weights():
+            if not (self._reach_node0() and self._write_init_weights()):
                 self._queue.clear()
             self._start_sampler()
             self._loop()
@@ -188,6 +197,8 @@ class Session(RunSupervision, SessionEnds, Completion):
             self._stop_sampler()
             self._watch.stop()
             self._finish()
+            if self._records is not None:
+                self._records.stop()
 
     def _define(self, run: config.RunSpec) -> None:
         self._emit(state.RunDefined(
@@ -265,7 +276,10 @@ class Session(RunSupervision, SessionEnds, Completion):
             rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
         )
-        return launcher.LaunchPlan(run.name, argv, launcher.worker_env(self.device),
+        env = launcher.worker_env(self.device)
+        if launch.records_endpoint and launch.node_rank != 0:  # no shared filesystem: records go to node 0
+            env[record_wire.ENV] = launch.records_endpoint
+        return launcher.LaunchPlan(run.name, argv, env,
                                    files.console(launch.node_rank), os.getcwd())
 
     def _launch(self, name: str) -> None:

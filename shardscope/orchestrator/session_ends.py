@@ -11,6 +11,7 @@ import os
 import subprocess
 import time
 
+from shardscope.record_wire import send_beat
 from shardscope import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog
@@ -28,8 +29,9 @@ class SessionEnds:
         init_path = self.rundir.init_weights
         if os.path.exists(init_path):
             return True
-        if self.comparison.launch.node_rank > 0:
-            return self._wait_for_file(init_path)
+        if self.comparison.launch.node_rank > 0 and not self.comparison.launch.records_endpoint:
+            return self._wait_for_file(init_path)  # a shared filesystem: node 0 writes them
+        # Node 0, or a node with a directory of its own (records over TCP): the same weights, from the seed.
         self._emit(state.Notice(f"writing shared initial weights ({INIT_WEIGHTS})"))
         self._flush()
         log_path = self.rundir.init_log
@@ -60,6 +62,28 @@ class SessionEnds:
         for name in self.run_names:
             self._emit(state.StatusChanged(name, state.FAILED, f"node 0 never wrote {path}"))
         return False
+
+    def _reach_node0(self) -> bool:
+        """Other nodes without a shared filesystem: make sure node 0's record server answers before any run
+        starts (up to ``launch.node_timeout_s``); else fail every run with one clear line."""
+        launch = self.comparison.launch
+        if not launch.records_endpoint or launch.node_rank == 0:
+            return True
+        deadline = time.monotonic() + launch.node_timeout_s
+        while True:
+            try:
+                send_beat(launch.records_endpoint, launch.node_rank, {"node": launch.node_rank, "t": time.time(),
+                                                                      "done": False})
+                return True
+            except OSError as err:
+                if time.monotonic() >= deadline:
+                    message = (f"records: node 0's orchestrator at {launch.records_endpoint} unreachable for "
+                               f"{launch.node_timeout_s:g} s ({err})")
+                    self._emit(state.Notice(message, "error"))
+                    for name in self.run_names:
+                        self._emit(state.StatusChanged(name, state.FAILED, message))
+                    return False
+                time.sleep(0.5)
 
     # ---- device sampling and the end ----------------------------------------------------------
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardscope.record_wire import parse_endpoint
 from shardscope import registry
 from shardscope.presets.files import ConfigError
 from shardscope.presets.schema import (
@@ -108,6 +109,11 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
     _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
+    if c.launch.records_endpoint:
+        try:
+            parse_endpoint(c.launch.records_endpoint)
+        except ValueError as err:
+            raise ConfigError(f"{src}: launch.records_endpoint = {c.launch.records_endpoint!r}: {err}") from None
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]

@@ -1,0 +1,74 @@
+"""Several nodes without a shared filesystem (issue 12): two orchestrators on this machine, each with its OWN
+output directory, as nodes 0 and 1 of every run. Node 1's ranks send their records to node 0 over TCP
+(``--records-endpoint``); one connection drops mid-run (fault ``netdrop``). Node 0's directory must hold
+every record of node 1's ranks exactly once, in order, and judge and report as on a shared filesystem."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardscope.orchestrator.launcher import free_port
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from test_cli_e2e import leftover_processes  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "shardscope.cli"]
+
+
+def _records(path):
+    with open(path, encoding="utf-8") as fh:
+        return [line for line in fh.read().splitlines() if line.strip()]
+
+
+def test_two_nodes_without_shared_files(tmp_path):
+    rdzv, records = free_port(), free_port()
+    common = ["run", "--preset", "smoke", "--headless", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
+              "--records-endpoint", f"127.0.0.1:{records}", "--set", "steps=8", "--set", "world_size=2",
+              "--set", "profile.enabled=false"]
+    outs = {n: tmp_path / f"node{n}" for n in (0, 1)}
+    procs = {n: subprocess.Popen([*CLI, *common, "--out", str(outs[n]), "--node-rank", str(n),
+                                  "--set", "runs.ddp.fault='rank=1,step=3,kind=netdrop'"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (1, 0)}
+    logs = {n: p.communicate(timeout=400)[0] for n, p in procs.items()}
+    assert procs[0].returncode == 0, logs[0][-3000:] + logs[1][-3000:]
+    assert procs[1].returncode == 0, logs[1][-3000:]
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert [r["status"] for r in summary["runs"]] == ["ok"] * len(summary["runs"])
+    for run in summary["runs"]:
+        name = run["name"]
+        sent = _records(outs[1] / name / "metrics" / "rank1.jsonl")  # node 1's own copy
+        got = _records(outs[0] / name / "metrics" / "rank1.jsonl")  # what reached node 0 over TCP
+        assert got == sent and len(got) > 8, name  # every record, once, in order
+        assert not (outs[1] / name / "metrics" / "rank0.jsonl").exists()  # node 1 holds only its own rank
+        assert any('"kind":"end"' in line for line in got)
+    assert (outs[0] / "nodes" / "node1.json").exists()  # heartbeats came over TCP too
+    console1 = (outs[1] / "ddp" / "console.node1.log").read_text()
+    assert "rank 1 dropped its record connection at step 3" in console1  # the drop did happen mid-run
+    assert not (outs[0] / "ddp" / "console.node1.log").exists()  # nothing of node 1's files on node 0
+    assert leftover_processes(str(tmp_path)) == []
+
+
+def test_node0_unreachable_is_one_clear_line(tmp_path):
+    """Node 1 alone: nobody listens on the records endpoint; every run fails with one line saying so, and no
+    rank is started."""
+    port = free_port()
+    proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(tmp_path / "n1"),
+                           "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                           "--records-endpoint", f"127.0.0.1:{port}", "--set", "world_size=2",
+                           "--set", "launch.node_timeout_s=2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"node 0's orchestrator at 127.0.0.1:{port} unreachable for 2 s" in proc.stdout + proc.stderr
+    assert not (tmp_path / "n1" / "ddp" / "metrics").exists()  # nothing was launched
+    assert leftover_processes(str(tmp_path)) == []
+
+
+def test_bad_records_endpoint_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--dry-run", "--records-endpoint", "node0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "launch.records_endpoint = 'node0'" in proc.stderr and "host:port" in proc.stderr
