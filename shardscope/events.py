@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from shardscope.rundir import RANK_SPARE_SUFFIX
+
 SCHEMA_VERSION = 1
 
 # Kinds of record, and what each carries beyond the common keys.
@@ -96,7 +98,7 @@ class RecordWriter:
         self.forward: Any = None  # a record_wire.RecordSender once forward_to() was called
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)
-        self.spare_path = self.path + ".spare"
+        self.spare_path = self.path + RANK_SPARE_SUFFIX
         if spare_bytes:
             try:
                 with open(self.spare_path, "wb") as fh:

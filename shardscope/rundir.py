@@ -49,6 +49,7 @@ IDENTITY = "orchestrator.json"
 NODES = "nodes"
 SCREENSHOT = "shardscope-dashboard.svg"
 SPARE = ".shardscope-spare"
+RANK_SPARE_SUFFIX = ".spare"  # metrics/rank<R>.jsonl.spare: room a rank keeps for its last records
 PARTIAL_SUFFIX = ".tmp"  # a file being written (torch's trace handler, the initial weights' atomic write)
 PLOT_SUFFIX = ".png"
 RECORDS_SUFFIX = ".jsonl"
@@ -128,6 +129,10 @@ class RunFiles:
     def rank_files(self) -> list[str]:
         """Every rank's record file present, in rank order."""
         return rank_record_files(self.metrics)
+
+    def rank_spares(self) -> list[str]:
+        """Spare files ranks keep beside their record files (``rank<R>.jsonl.spare``) that still exist."""
+        return sorted(glob.glob(os.path.join(self.metrics, "rank*.jsonl" + RANK_SPARE_SUFFIX)))
 
     @property
     def traces(self) -> str:

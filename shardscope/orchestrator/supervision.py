@@ -7,6 +7,7 @@ a kill, a full disk, a lost node, or the console's last line). It runs on the se
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -97,6 +98,11 @@ class RunSupervision:
 
     def _settle(self, active: _Active, code: int | None) -> None:
         del self._active[active.name]
+        for spare in self.rundir.run(active.name).rank_spares():  # a killed rank could not free its own
+            try:
+                os.remove(spare)
+            except OSError:
+                pass
         limit = self._stall_limit(active)
         if active.stop_reason == "stopped":
             update = state.StatusChanged(active.name, state.STOPPED, "stopped by the user")
