@@ -151,6 +151,12 @@ class LocalSlurm:
         out = self.run("squeue", "-h", "-j", job_id, "-o", "%T")
         return out.stdout.strip()
 
+    def job_end(self, job_id: str) -> tuple[str, str]:
+        """Return (JobState, ExitCode) of a finished job from ``scontrol show job`` (kept MinJobAge seconds)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        fields = dict(part.split("=", 1) for part in out.split() if "=" in part)
+        return fields.get("JobState", ""), fields.get("ExitCode", "")
+
     def wait_job(self, job_id: str, timeout_s: float) -> None:
         """Wait until the job has left the queue; raise TimeoutError (after scancel) if it has not."""
         deadline = time.monotonic() + timeout_s

@@ -93,6 +93,7 @@ def test_two_jobs_at_once_cpu_and_gpu_variants_odd_set_values_and_a_space_in_the
     for script, job in jobs:
         out, log = job_out(script, job), job_log(script, job)
         assert_clean_finish(log)
+        assert cluster.job_end(job) == ("COMPLETED", "0:0")  # every run ok: the job completed
         assert {n: r["status"] for n, r in runs_of(out).items()} == {"ddp": "ok", "fsdp2": "ok"}, log[-4000:]
         for run in ("ddp", "fsdp2"):
             # node 0 owns the run's console and verdict; node 1 keeps its own console beside it
@@ -117,6 +118,8 @@ def test_fault_on_a_rank_of_node_1_fails_that_run_with_its_own_error_and_the_nex
     assert runs["ddp"]["status"] == "failed", log[-4000:]
     assert runs["ddp"]["error"] == "RuntimeError: injected fault at step 2 on rank 1"
     assert runs["fsdp2"]["status"] == "ok"
+    # No node was cancelled, yet the job's own state says a run failed (after every node finished).
+    assert cluster.job_end(job) == ("FAILED", "1:0") and "shardscope: runs not ok: ddp failed" in log
     verdict = json.loads((out / "ddp" / "status.json").read_text())
     assert verdict["error"] == runs["ddp"]["error"] and verdict["traceback"].startswith("root cause on rank 1")
     rank1, _ = events.read_records(out / "ddp" / "metrics" / "rank1.jsonl")

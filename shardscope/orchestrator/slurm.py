@@ -119,7 +119,16 @@ echo "shardscope: $SLURM_JOB_NUM_NODES nodes, rendezvous at $HEAD_ADDR from port
 # Each orchestrator exits 0 when it finished (the runs' verdicts are in $OUT/{SUMMARY}); only one that
 # crashed exits non-zero, and then srun stops the other nodes rather than leave them at a rendezvous.
 srun --kill-on-bad-exit=1 --label --cpus-per-task={shape.cpus_per_task} "${{CMD[@]}}"
+# Every node has finished: the job's own state follows the comparison (FAILED when a run did not end ok).
+{shlex.quote(python)} -c {shlex.quote(_JOB_VERDICT)} "$OUT/{SUMMARY}"
 """
+
+
+# The job's exit status from summary.json: 0 when every run ended ok, else 1 with the runs named on stderr.
+_JOB_VERDICT = ('import json, sys; s = json.load(open(sys.argv[1])); '
+                'bad = [r["name"] + " " + r["status"] for r in s["runs"] if r["status"] != "ok"]; '
+                'bad and print("shardscope: runs not ok: " + ", ".join(bad), file=sys.stderr); '
+                'sys.exit(1 if bad else 0)')
 
 
 def _safe(name: str) -> str:
