@@ -174,8 +174,15 @@ class ShardscopeApp(App):
         self.post_message(CommAnalysed(run, analysis))
 
     def on_comm_analysed(self, message: CommAnalysed) -> None:
-        """Keep a run's communication analysis for the communication panel."""
-        self.board.analyses[message.run] = message.analysis
+        """Keep a run's communication analysis for the communication panel (with the reason when it has
+        no figures: profiling off, ended before its window, no traces)."""
+        analysis = message.analysis
+        state = self.board.states.get(message.run)
+        if not analysis.get("collectives") and self.comparison is not None and state is not None:
+            from shardscope.profiling.report import comm_not_measured_reason
+
+            analysis = {**analysis, "not_measured": comm_not_measured_reason(self.comparison, state, state.run_dir)}
+        self.board.analyses[message.run] = analysis
         self.board.dirty_comm = True
 
     def redraw(self, force: bool = False) -> None:

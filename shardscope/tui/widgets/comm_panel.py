@@ -69,12 +69,16 @@ class CommPanel(Static):
         for col in ("time", "count", "bytes"):
             table.add_column(col, justify="right", no_wrap=True, header_style="dim")
         any_rows = False
+        notes: list[Text] = []  # runs without figures, each with its reason
         for state, colour in states:
             if state.comm:
                 source = state.comm[0 if 0 in state.comm else min(state.comm)]
             elif analyses.get(state.name, {}).get("collectives"):
                 source = analyses[state.name]
             else:
+                reason = analyses.get(state.name, {}).get("not_measured")
+                if reason:
+                    notes.append(Text.assemble((f"■ {state.name}", f"bold {colour}"), (f" not measured: {reason}", "dim")))
                 continue
             per_step = source.get("per_step") or {}
             exposed = per_step.get("exposed_comm_s")
@@ -85,5 +89,9 @@ class CommPanel(Static):
                 any_rows = True
                 table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
-        self.update(Group(Text("collectives per profiled step", "dim italic"), table) if any_rows
-                    else Text(EMPTY_FINISHED if finished else EMPTY, "dim"))
+        if any_rows:
+            self.update(Group(Text("collectives per profiled step", "dim italic"), table, *notes))
+        elif notes:
+            self.update(Group(*notes))
+        else:
+            self.update(Text(EMPTY_FINISHED if finished else EMPTY, "dim"))
