@@ -169,7 +169,8 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
             shards=_shards,
-            comm_quirks=(("live-params-kept",) if _stage == 3 else ("grads-all-reduced",)) + ("fp32-grad-comm",),
+            comm_quirks=((("live-params-kept",) if _stage == 3 else ("grads-all-reduced",)) + ("fp32-grad-comm",)
+                         + (("reduces-per-micro-batch",) if _stage >= 2 else ())),
         )
     )
 

@@ -19,14 +19,18 @@ from shardscope.profiling import traces
 
 pytestmark = pytest.mark.slow
 
-PRECISIONS = ("fp32", "bf16-params")
+# Each precision policy, and gradient accumulation (ZeRO-2/3 reduce every micro-batch, ZeRO-3 gathers in
+# every micro-batch, DDP broadcasts its buffers once per step).
+SETTINGS = {"fp32": ["precision=fp32"], "bf16-params": ["precision=bf16-params"],
+            "fp32-accum2": ["precision=fp32", "grad_accum=2"]}
 
 
-@pytest.fixture(scope="module", params=PRECISIONS)
+@pytest.fixture(scope="module", params=list(SETTINGS))
 def parity_run(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp(f"comm-{request.param}") / "run")
+    settings = [arg for item in SETTINGS[request.param] for arg in ("--set", item)]
     cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", "parity", "--headless", "--out", out,
-           "--set", f"precision={request.param}", "--set", "steps=4", "--set", "profile.enabled=true",
+           *settings, "--set", "steps=4", "--set", "profile.enabled=true",
            "--set", "profile.start_step=2", "--set", "profile.steps=1", "--set", "profile.count_collectives=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

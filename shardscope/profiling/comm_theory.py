@@ -43,6 +43,10 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LOW_PARAM_POLICIES = ("bf16-params", "fp16")  # gathered parameters in the compute dtype
 
 
+_PER_MICRO = ("gradients are reduced after every micro-batch, as backward produces them: sharded gradients "
+              "keep no full buffer to accumulate into between micro-batches")
+
+
 def _pad(n: int, multiple: int) -> int:
     return -(-n // max(1, multiple)) * max(1, multiple)
 
@@ -96,17 +100,20 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             parts["all_reduce"] = local * reduce_bytes
             basis.append("all-reduce of every gradient")
             if "buffers-broadcast" in quirks and buffer_bytes(comp):
-                parts["broadcast"] = buffer_bytes(comp) * accum
-                reasons.append("DDP broadcasts the module's buffers from rank 0 before every forward "
-                               "(broadcast_buffers)")
+                parts["broadcast"] = buffer_bytes(comp)
+                reasons.append("DDP broadcasts the module's buffers from rank 0 before the first forward of "
+                               "every step (broadcast_buffers; not in forwards after a no_sync micro-batch)")
         elif layout.shards in ("optim", "grads"):
             flat = _pad(local, 2 * dp)  # DeepSpeed aligns its flat partitions (nccl_start_alignment_factor 2)
             parts["all_gather"] = flat * gather_bytes
             if "grads-all-reduced" in quirks:
-                parts["all_reduce"] = local * reduce_bytes
+                per_micro = accum if "reduces-per-micro-batch" in quirks else 1
+                parts["all_reduce"] = local * reduce_bytes * per_micro
                 basis.append("all-reduce of gradient buckets + all-gather of updated parameters")
                 reasons.append("DeepSpeed ZeRO-1/2 all-reduce each gradient bucket (each rank keeps its part), "
                                "not a reduce-scatter")
+                if per_micro > 1:
+                    reasons.append(_PER_MICRO)
             else:
                 parts["reduce_scatter"] = local * reduce_bytes
                 basis.append("reduce-scatter of gradients + all-gather of updated parameters")
@@ -114,18 +121,18 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             units = _units(params, layout)
             regather = reshards_after_forward(opts)
             live = int(opts.get("bucket_mb", 25)) * 2**20 // 4  # deepspeed_zero: stage3_max_live_parameters
+            gathers_per_step = accum if regather else 1
             if "live-params-kept" in quirks and local <= live:
-                regather = False
+                regather, gathers_per_step = False, accum  # kept within a micro-batch, gathered again in the next
                 reasons.append("ZeRO-3 keeps up to stage3_max_live_parameters (bucket_mb) gathered: a model "
                                "under that limit is gathered once per step")
             backward = {k: v for k, v in units.items() if not ("root-kept" in quirks and k == "root")}
             fwd, bwd = sum(units.values()), sum(backward.values()) if regather else 0
-            parts["all_gather"] = (fwd + bwd) * gather_bytes * (accum if regather else 1)
+            parts["all_gather"] = (fwd + bwd) * gather_bytes * gathers_per_step
             per_micro = accum if "reduces-per-micro-batch" in quirks else 1
             parts["reduce_scatter"] = fwd * reduce_bytes * per_micro
             if per_micro > 1:
-                reasons.append("gradients are reduce-scattered after every micro-batch (no_sync keeps no full "
-                               "gradients between micro-batches)")
+                reasons.append(_PER_MICRO)
             basis.append("all-gather in forward" + (" and backward" if regather else "")
                          + " + reduce-scatter of gradients")
             if regather and len(backward) < len(units):

@@ -86,11 +86,12 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     elif layout.dp > 1 and layout.shards == "all":
         # The theory says whether units are gathered again in backward, and whether the root is.
         regather = "and backward" in str(theory.get("basis", ""))
+        kept_per_micro = "live-params-kept" in quirks and not regather  # ZeRO-3: gathered in every micro-batch
         back = {k: n for k, n in units.items() if not ("root-kept" in quirks and k == "root")} if regather else {}
         gathers = by_type.get("all_gather", 0.0)
         fwd = gathers * sum(units.values()) / (sum(units.values()) + sum(back.values()))
         unit_text = f"one per unit: the root and {n_blocks} block(s)"
-        rep = accum if regather else 1
+        rep = accum if regather or kept_per_micro else 1
         rows.append(_row("forward", "all_gather", n_units * rep, fwd,
                          unit_text + (", kept until backward" if not regather else ", each freed after use"
                                       + ("; the root kept" if len(back) < n_units else ""))))
@@ -102,8 +103,8 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
                          by_type.get("reduce_scatter", 0.0),
                          "each unit's gradients as soon as they are computed; each rank keeps its shard"))
     if by_type.get("broadcast"):
-        rows.append(_row("forward", "broadcast", accum, by_type["broadcast"],
-                         "the module's buffers from rank 0, before every forward"))
+        rows.append(_row("forward", "broadcast", 1, by_type["broadcast"],
+                         "the module's buffers from rank 0, before the step's first forward"))
     if layout.dp > 1:
         rows.append({"phase": "step", "type": "all_reduce", "count": None, "bytes": None, "bytes_each": None,
                      "what": "the loss (one number) and, with clipping, the squared gradient norm: a few bytes, "
