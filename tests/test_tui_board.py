@@ -84,3 +84,12 @@ def test_collectives_of_a_counted_window_are_per_step():
               "collectives": {"all_reduce": {"count": 4, "size_bytes": 800, "count_per_step": 2.0,
                                              "bytes_per_step": 400.0}}}
     assert collectives(record) == [("all_reduce", None, 2.0, 400.0)]
+
+
+def test_comm_panel_shows_observed_over_theory_and_says_when_it_cannot():
+    from shardscope.tui.widgets.comm_panel import theory_text
+
+    assert theory_text(None).plain == ""  # not analysed yet
+    assert theory_text({"ratio": 1.0001, "bytes_per_step": 10}).plain == "1.00× th"
+    assert theory_text({"ratio": 0.333}).style == "yellow"  # off the theory: flagged, not hidden
+    assert theory_text({"error": "unknown strategy"}).plain == "th ?"  # never a made-up ratio

@@ -57,6 +57,18 @@ EMPTY_FINISHED = ("No communication figures: no run recorded a profiler window. 
                   "profile.start_step and profile.steps in the preset (it must start before the last step).")
 
 
+def theory_text(theory: dict[str, Any] | None) -> Text:
+    """Observed/theory bytes of a run's trace analysis (``1.00× th``); "" before the analysis, "th ?" when the
+    theory could not be computed or some sizes were unknown (the report says which)."""
+    if not theory:
+        return Text("")
+    ratio = theory.get("ratio")
+    if ratio is None:
+        return Text("th ?", "dim")
+    style = "green" if abs(ratio - 1) <= 0.02 else "yellow"
+    return Text(f"{ratio:.2f}× th", style)
+
+
 class CommPanel(Static):
     """Shows each run's collectives (rank 0's figures); the parent calls ``show``."""
 
@@ -84,7 +96,8 @@ class CommPanel(Static):
             exposed = per_step.get("exposed_comm_s")
             exposed_text = f"{exposed * 1000:.1f}ms" if isinstance(exposed, (int, float)) else ""
             table.add_row(Text(f"■ {state.name}", f"bold {colour}"), Text(exposed_text, "dim"),
-                          Text("exposed" if exposed_text else "", "dim"))
+                          Text("exposed" if exposed_text else "", "dim"),
+                          theory_text(analyses.get(state.name, {}).get("theory")))
             for name, t, count, nbytes in collectives(source):
                 any_rows = True
                 table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",
