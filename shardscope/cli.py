@@ -123,8 +123,10 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
         return
     session = Session(comparison, out, device=dev)
     # SIGTERM (a scheduler, `timeout`, `kill`) and SIGHUP take the same path as Ctrl-C: runs are
-    # stopped, marked stopped, and the summary is still written.
-    terminate_on((signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
+    # stopped, marked stopped, and the summary is still written. SIGINT too, explicitly: a process
+    # started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # `kill -INT` must still stop it cleanly.
+    terminate_on((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
     code = headless_run.run_headless(session, limit)
     summary = headless_run.load_summary(out)
     if check_parity and summary is not None and code == EXIT_OK:
