@@ -151,8 +151,8 @@ class RecordSender:
                 return sock
             except (OSError, ValueError, KeyError) as err:
                 with self._cv:
-                    if self._closing:
-                        raise
+                    if self._closing:  # closing with records undelivered: give up now, say so
+                        raise Unreachable(f"records: node 0 at {self.endpoint} lost while closing ({err})") from err
                 if time.monotonic() >= give_up:
                     raise Unreachable(f"records: node 0's orchestrator at {self.endpoint} unreachable for "
                                       f"{self.connect_timeout_s:g} s ({err})") from err

@@ -108,3 +108,19 @@ def test_senders_in_threads_do_not_interleave_lines(server, tmp_path):
     assert sender.close(timeout_s=60)
     got = _lines(RunDir(str(tmp_path)).run("t").rank_file(2))
     assert len(got) == 60 and all(len(r["pad"]) == 20000 for r in got)
+
+
+def test_close_gives_up_cleanly_when_node0_is_gone(tmp_path):
+    srv = RecordServer(str(tmp_path), f"127.0.0.1:{free_port()}")
+    srv.start()
+    sender = RecordSender(_endpoint(srv), "ddp", 1, connect_timeout_s=1.0)
+    sender.wait_connected()
+    srv.stop()  # node 0 goes away; what is sent now cannot be acknowledged
+    sender.drop_connection()
+    for i in range(3):
+        try:
+            sender.send(json.dumps({"i": i}))
+        except Unreachable:
+            break
+    assert sender.close(timeout_s=2) is False
+    assert not sender._thread.is_alive()  # the sender thread ended: no spinning, no hang at the rank's exit
