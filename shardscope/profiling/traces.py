@@ -24,9 +24,7 @@ Sizes follow nccl-tests: all-reduce and broadcast count the buffer, all-gather t
 output, reduce-scatter the full input; algbw = size / time, busbw = algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for broadcast/reduce.
 
-Parsing is a regular expression over the exporter's fixed key order (``ph, cat, name, pid, tid,
-ts, dur``), about ten times faster than ``json.loads``; a file the expression does not fit is
-parsed with ``json`` instead. Only collective events have their ``args`` decoded.
+Reading the trace files (and how fast) is ``trace_reading.py``'s; this module only analyses them.
 """
 
 from __future__ import annotations
