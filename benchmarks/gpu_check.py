@@ -24,6 +24,7 @@ import datetime
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,10 +153,28 @@ def run_row(c: config.Comparison, run: config.RunSpec, run_dir: str, *, nvml: st
     row["nccl_kernels"] = sum(nccl_kernels(p) for p in chrome) if chrome else None
     analysis = traces.analyse_run(run_dir)
     theory = analysis.get("theory") or {}
+    row["split"] = step_split(records)
     row["observed_bytes"] = analysis.get("comm_bytes_per_step")
     row["theory_bytes"] = theory.get("bytes_per_step")
     row["bytes_ratio"] = theory.get("ratio")
     return row
+
+
+SPLIT = ("time_data_s", "time_forward_s", "time_backward_s", "time_optimizer_s")
+
+
+def step_split(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median phase times (s) over unprofiled steps after step 0, and ``cover``: the median of (sum of the
+    phases) / (the step's wall time, taken after its sync): on CUDA the phases are stream times from CUDA
+    events, so ``cover`` checks them against the host's own clock (near 1, never above it by more than
+    timer noise). None when the records carry no split."""
+    steps = [r for r in records if r.get("kind") == "step" and r.get("step", 0) > 0 and not r.get("profiled")
+             and all(isinstance(r.get(k), (int, float)) for k in SPLIT) and r.get("step_time_s")]
+    if not steps:
+        return None
+    out = {k: statistics.median(r[k] for r in steps) for k in SPLIT}
+    out["cover"] = statistics.median(sum(r[k] for k in SPLIT) / r["step_time_s"] for r in steps)
+    return out
 
 
 # --- the table -------------------------------------------------------------------------------------
@@ -169,7 +188,8 @@ def render_table(rows: Iterable[dict[str, Any]]) -> str:
     """The markdown table of ``run_row`` rows."""
     header = ["run", "status", "tokens/s", "MFU", "CUDA alloc / reserved / peak (rank 0)",
               "predicted peak: analytic / traced",
-              "NVML peaks (run's ranks, GPUs)", "NCCL kernels in traces", "comm bytes/step observed / theory"]
+              "NVML peaks (run's ranks, GPUs)", "NCCL kernels in traces", "comm bytes/step observed / theory",
+              "step split ms: data / fwd / bwd / opt (sum / step time)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cuda = " / ".join(fmt_bytes(r[k]) if r.get(k) is not None else NOT
@@ -186,11 +206,14 @@ def render_table(rows: Iterable[dict[str, Any]]) -> str:
             ratio = f" = {r['bytes_ratio']:.3f}" if r.get("bytes_ratio") is not None else ""
             theory = fmt_bytes(r["theory_bytes"]) if r.get("theory_bytes") is not None else "unknown"
             comm = f"{fmt_bytes(r['observed_bytes'])} / {theory}{ratio}"
+        split = r.get("split")
+        split_cell = (" / ".join(f"{1000 * split[k]:.1f}" for k in SPLIT) + f" ({split['cover']:.2f}x)" if split
+                      else f"{NOT} (no step split in the records)")
         status = r["status"] + (f": {r['error']}" if r.get("error") else "")
         cells = [r["run"], status, _or_not(r.get("tokens_per_s"), "{:,.0f}", "no steps"),
                  _or_not(r.get("mfu"), "{:.1%}", "peak FLOP/s unknown for this device"), cuda,
                  f"{fmt_bytes(r['predicted_peak_bytes'])} / {traced}",
-                 r.get("nvml") or f"{NOT} (no NVML reading)", nccl, comm]
+                 r.get("nvml") or f"{NOT} (no NVML reading)", nccl, comm, split_cell]
         lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,16 +1,23 @@
 """How much does shardscope's instrumentation cost? Instrumented loop vs a bare loop, in one run.
 
 For each strategy asked (DDP and FSDP2 by default), launches one torchrun job (gloo on CPU, world
-size 2). Inside it, every rank builds the same model, strategy and batches as a shardscope run, then alternates blocks of
-steps: a bare loop that records nothing (forward, backward, clip, optimizer step) and shardscope's
-instrumented loop (``engines.loop.train``: records per step, global loss all-reduce, memory
-figures, grad-norm read-back). Both are timed from outside over whole blocks, warm-up block
-discarded, so the figures are measured the same way in the same process at the same time.
+size 2). Inside it, every rank builds the same model, strategy and batches as a shardscope run, then
+alternates single steps: a bare step that records nothing (forward, backward, clip, optimizer step)
+and a step of shardscope's loop (``engines.loop.Trainer.step``: a step record with the local loss,
+memory figures and the CPU timing split, grad-norm read-back), swapping which goes first in each
+pair. Interleaving step by step makes both sides see the same machine: on a shared 2-core VM the
+load drifts by 10-30% over seconds, which blocks of steps cannot cancel to 1%.
 
-    python benchmarks/overhead.py [--world-size 2] [--strategies ddp,fsdp2] [--blocks 31] [--steps 4]
+Each step is timed on rank 0 from the end of the previous step to the end of this one, where "end"
+is a barrier every rank leaves together: whatever any rank spends on a step (its record, a late
+start) lands in that step's time, not in its neighbour's. The barrier's own cost is in both sides
+(it is measured apart and printed). The ratio is total bare time over total instrumented time
+(instrumented tokens/s over bare tokens/s) after ``--warmup`` pairs, with a 95% bootstrap interval
+over pairs.
 
-Per strategy the last line is ``overhead_ratio <strategy>: R`` (instrumented tokens/s over bare
-tokens/s; target >= 0.99).
+    python benchmarks/overhead.py [--world-size 2] [--strategies ddp,fsdp2] [--pairs 600] [--save PREFIX]
+
+Per strategy the last line is ``overhead_ratio <strategy>: R`` (target >= 0.99).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
     from shardscope import config
     from shardscope.orchestrator import launcher
 
-    overrides = [f"world_size={args.world_size}", f"steps={args.steps}", "profile.enabled=false",
+    overrides = [f"world_size={args.world_size}", f"steps={2 * (args.pairs + args.warmup)}", "profile.enabled=false",
                  f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.seq_len={args.seq}",
                  f"global_batch={args.batch}", "model.vocab_size=1024", "model.n_heads=4", f"model.d_ff={4 * args.d_model}",
                  f"runs.ddp.strategy='{strategy}'"]
@@ -55,27 +62,34 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
         spec_path = os.path.join(out, run.name, "spec.json")
         config.dump_json(spec_path, config.run_spec_payload(comparison, run, out_dir=out, device="cpu"))
         argv = list(launcher.torchrun_argv(spec_path, nproc_per_node=args.world_size))
-        argv[argv.index("-m", 3):] = [__file__, "--inner", spec_path, "--blocks", str(args.blocks)]
+        argv[argv.index("-m", 3):] = [__file__, "--inner", spec_path, "--pairs", str(args.pairs),
+                                      "--warmup", str(args.warmup)]
         env = {**os.environ, **launcher.worker_env("cpu"), "PYTHONPATH": REPO}
         proc = subprocess.run(argv, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
             return proc.returncode
         result = json.loads(open(os.path.join(out, "result.json")).read())
+    if args.save:
+        with open(f"{args.save}.{strategy}.json", "w") as fh:
+            json.dump(result, fh, indent=1)
     print(f"machine: {os.cpu_count()} CPU cores, gloo, world size {args.world_size}, strategy {strategy}, "
           f"model d_model={args.d_model} layers={args.layers} seq={args.seq} global_batch={args.batch}")
-    print(f"blocks: {args.blocks} x {args.steps} steps each way, alternating order, first block discarded")
+    print(f"pairs: {args.pairs} bare + instrumented steps, interleaved, order swapped each pair, "
+          f"after {args.warmup} warm-up pairs")
     print(f"bare tokens/s:         {result['bare']:,.0f}")
     print(f"instrumented tokens/s: {result['instrumented']:,.0f}")
-    lo, hi = result["pair_ratio_iqr"]
-    print(f"ratio of medians:      {result['instrumented'] / result['bare']:.3f}")
-    print(f"paired block ratios:   median {result['pair_ratio']:.3f}, interquartile {lo:.3f}-{hi:.3f}")
-    print(f"overhead_ratio {strategy}: {result['pair_ratio']:.3f}")
+    lo, hi = result["ci95"]
+    print(f"barrier per step:      {1000 * result['barrier_s']:.2f} ms (in both sides; "
+          f"{100 * result['barrier_s'] / result['bare_step_s']:.1f}% of a bare step)")
+    print(f"paired step ratios:    median {result['pair_median']:.3f}")
+    print(f"ratio (total time):    {result['ratio']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
+    print(f"overhead_ratio {strategy}: {result['ratio']:.3f}")
     return 0
 
 
-def inner(spec_path: str, blocks: int) -> None:
-    """Inside torchrun: alternate bare and instrumented blocks; rank 0 writes result.json."""
+def inner(spec_path: str, pairs: int, warmup: int) -> None:
+    """Inside torchrun: interleave bare and instrumented steps; rank 0 writes result.json."""
     import torch
 
     from shardscope import events
@@ -96,59 +110,67 @@ def inner(spec_path: str, blocks: int) -> None:
                                                                  dict(spec["run"]["options"]))
     micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     tokens = comparison.global_batch * source.tokens_per_sample
-    steps = comparison.steps
 
-    def bare_block() -> float:
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        for step in range(steps):
-            prep.set_lr(settings.lr)
-            prep.zero_grad()
-            for inputs, targets in micro_batches(step):
-                loss = loop.loss_fn(prep.model(inputs), targets) / settings.grad_accum
-                prep.backward(loss)
-            prep.clip_and_step(settings.grad_clip)
-        torch.distributed.barrier()
-        return time.perf_counter() - t0
+    def bare_step(step: int) -> None:
+        prep.set_lr(settings.lr)
+        prep.zero_grad()
+        for inputs, targets in micro_batches(step):
+            loss = loop.loss_fn(prep.model(inputs), targets) / settings.grad_accum
+            prep.backward(loss)
+        prep.clip_and_step(settings.grad_clip)
 
     writer = events.RecordWriter(os.path.join(spec["run_dir"], "metrics", f"rank{ctx.rank}.jsonl"), "bench", ctx.rank)
-
-    def instrumented_block() -> float:
-        cfg = loop.LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
-                              min_lr_ratio=comparison.min_lr_ratio)
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        loop.train(prep, ctx, settings, cfg, micro_batches, writer)
-        torch.distributed.barrier()
-        return time.perf_counter() - t0
-
-    times = {"bare": [], "instrumented": []}
-    for block in range(blocks):
-        order = [("bare", bare_block), ("instrumented", instrumented_block)]
-        if block % 2:
-            order.reverse()  # alternate which goes first, so drift in machine load cancels out
-        for name, fn in order:
-            elapsed = fn()
-            if block > 0:
-                times[name].append(elapsed)
+    cfg = loop.LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
+                          min_lr_ratio=comparison.min_lr_ratio)
+    trainer = loop.Trainer(prep, ctx, settings, cfg, micro_batches, writer)
+    barrier = torch.distributed.barrier
+    times: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    barrier()
+    last = time.perf_counter()
+    for pair in range(warmup + pairs):
+        order = ["bare", "instrumented"] if pair % 2 == 0 else ["instrumented", "bare"]
+        for name in order:
+            step = 2 * pair + (order.index(name))
+            if name == "bare":
+                bare_step(step)
+            else:
+                trainer.step(step)
+            barrier()  # every rank's work on this step ends before the clock reads
+            now = time.perf_counter()
+            if pair >= warmup:
+                times[name].append(now - last)
+            last = now
+    trainer.finish()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        barrier()
+    barrier_s = (time.perf_counter() - t0) / 200
     writer.close()
     if ctx.rank == 0:
-        # The median block resists load spikes from other processes better than the mean.
-        result = {name: tokens * steps / statistics.median(ts) for name, ts in times.items()}
-        # Each bare block and the instrumented block beside it ran under the same machine load: the
-        # median of their ratios cancels slow drift that the medians of each side alone keep.
-        pairs = [b / i for b, i in zip(times["bare"], times["instrumented"])]
-        result["pair_ratio"] = statistics.median(pairs)
-        result["pair_ratio_iqr"] = _iqr(pairs)
-        result["blocks_s"] = times
+        bare, instr = times["bare"], times["instrumented"]
+        ratio = sum(bare) / sum(instr)
+        result = {"bare": tokens * len(bare) / sum(bare), "instrumented": tokens * len(instr) / sum(instr),
+                  "ratio": ratio, "ci95": _bootstrap(bare, instr), "barrier_s": barrier_s,
+                  "bare_step_s": statistics.median(bare),
+                  "pair_median": statistics.median(b / i for b, i in zip(bare, instr)), "steps_s": times}
         with open(os.path.join(spec["out_dir"], "result.json"), "w") as fh:
             json.dump(result, fh)
     torch.distributed.destroy_process_group()
 
 
-def _iqr(values: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
+def _bootstrap(bare: list[float], instr: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """95% interval of sum(bare)/sum(instr) resampling pairs (seeded: the same data gives the same interval)."""
+    import random
+
+    rng = random.Random(0)
+    n = len(bare)
+    ratios = []
+    for _ in range(rounds):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(bare[i] for i in idx) / sum(instr[i] for i in idx))
+    ratios.sort()
+    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
 def main() -> int:
@@ -157,17 +179,18 @@ def main() -> int:
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--strategies", default="ddp,fsdp2", help="comma-separated registry names")
-    parser.add_argument("--blocks", type=int, default=31)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=600, help="timed pairs of steps (one bare, one instrumented)")
+    parser.add_argument("--warmup", type=int, default=10, help="pairs run first and not timed")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--save", default="", help="also write every step's time to SAVE.<strategy>.json")
     args = parser.parse_args()
     if args.inner:
         from shardscope.engines.worker import exit_now  # skip finalization: see its docstring
 
-        inner(args.inner, args.blocks)
+        inner(args.inner, args.pairs, args.warmup)
         exit_now(0)
     return outer(args)
 

@@ -51,7 +51,7 @@ def write_run(run_dir: str, run: str, per_rank: int, go: "mp.Event", rate: float
             if ahead > 0:
                 time.sleep(ahead)
         for rank, writer in enumerate(writers):
-            writer.write(events.STEP, step=step, loss=4.0 / (1 + step * 1e-3) + 0.01 * rank, grad_norm=1.0,
+            writer.write(events.STEP, step=step, local_loss=4.0 / (1 + step * 1e-3) + 0.01 * rank, grad_norm=1.0,
                          lr=3e-4, step_time_s=0.01, tokens=2048, tokens_per_s=2e5 + step, mem_peak_bytes=2**30)
     for writer in writers:
         writer.close()

@@ -95,7 +95,18 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
     """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
     tmp = f"{os.fspath(path)}.{os.getpid()}{PARTIAL_SUFFIX}"  # unique: several nodes may write the same file
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(json_ready(data), fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(json_ready(data), fh, indent=2, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a bug: leave no half-written file behind
+        _remove_quietly(tmp)
+        raise
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

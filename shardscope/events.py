@@ -25,7 +25,9 @@ SCHEMA_VERSION = 1
 
 # Kinds of record, and what each carries beyond the common keys.
 START = "start"  # spec (resolved RunSpec dict), world_size, device, backend, versions, precision{...}
-STEP = "step"  # step, loss, grad_norm, lr, step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes
+STEP = "step"  # step, local_loss (this rank's mean; the run's loss is the mean over ranks, profiling/loss_fold.py),
+#               loss? (the global loss, only on steps whose verdict reduced it), grad_norm (global), lr,
+#               step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes; CPU: busy_s, idle_s, time_<phase>_s
 MEMORY = "memory"  # param_bytes, grad_bytes, optim_bytes, model_state_bytes, mem_*_bytes, rss_bytes
 TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "tensorboard"), steps
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
@@ -36,7 +38,7 @@ END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_complete
 #              "grad_norm") when diverged
 
 ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared
-# Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>" (engines/watchdog.py).
+# Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>:<tid>" (engines/watchdog.py).
 ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
 # Profiler ranges the training loop opens around each phase; the trace analysis reads them back.
 PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}

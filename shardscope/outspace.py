@@ -26,6 +26,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from shardscope.numbers import fmt_bytes
 from shardscope.rundir import RunDir
 
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -111,13 +112,10 @@ def shortfall(out_dir: str, needed: SpaceEstimate) -> str | None:
     free = shutil.disk_usage(probe).free
     if free >= needed.total:
         return None
-    return (f"--out {out_dir}: {_mib(free)} free, the comparison needs about {_mib(needed.total)} "
-            f"(traces {_mib(needed.traces)}, records {_mib(needed.records)}, initial weights {_mib(needed.weights)}, "
-            f"reports {_mib(needed.reports + SPARE_BYTES)}); free space or set profile.enabled=false")
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+    return (f"--out {out_dir}: {fmt_bytes(free)} free, the comparison needs about {fmt_bytes(needed.total)} "
+            f"(traces {fmt_bytes(needed.traces)}, records {fmt_bytes(needed.records)}, initial weights "
+            f"{fmt_bytes(needed.weights)}, reports {fmt_bytes(needed.reports + SPARE_BYTES)}); free space or set "
+            "profile.enabled=false")
 
 
 class Spare:

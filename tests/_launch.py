@@ -76,9 +76,21 @@ class LaunchResult:
         """Return rank's step records in order."""
         return self.of_kind(events.STEP, rank)
 
-    def losses(self, rank: int = 0) -> list[float]:
-        """Return rank's per-step losses."""
-        return [r["loss"] for r in self.steps(rank)]
+    def local_losses(self, rank: int = 0) -> list[float]:
+        """Return rank's per-step local losses (the mean over its own micro-batches)."""
+        return [r["local_loss"] for r in self.steps(rank)]
+
+    def losses(self) -> list[float]:
+        """Return the run's per-step loss: the global ``loss`` where the records carry it, else the mean
+        of every rank's local loss (computed here, independently of the fold's ``LossMean``)."""
+        ranks = sorted(self.records)
+        out = []
+        for i, record in enumerate(self.steps(0)):
+            if "loss" in record:
+                out.append(record["loss"])
+            else:
+                out.append(sum(self.steps(r)[i]["local_loss"] for r in ranks) / len(ranks))
+        return out
 
 
 def launch(out_dir: Path, comparison: Comparison, run_name: str, *, device: str = "cpu",

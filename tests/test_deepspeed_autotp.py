@@ -41,8 +41,8 @@ def test_autotp_matches_ddp(results, name):
     assert diff <= TOL
     assert max_abs_diff(grad_norms(tp), grad_norms(ddp)) <= 1e-5
     assert max(grad_norms(ddp)) > 1.0  # clipping was active
-    for rank in range(4):
-        assert tp.losses(rank) == tp.losses(0)
+    for rank in range(4):  # mesh (dp, tp): ranks 2k and 2k+1 are tensor-parallel peers of one dp rank
+        assert max_abs_diff(tp.local_losses(rank), tp.local_losses(rank - rank % 2)) <= 1e-6
 
 
 def test_autotp_shards_the_block_weights(results):

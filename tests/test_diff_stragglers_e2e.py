@@ -16,6 +16,13 @@ import pytest
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
+MODEL = """[model]
+vocab_size = 128
+d_model = 32
+n_layers = 2
+n_heads = 4
+d_ff = 64
+seq_len = 32"""
 PRESET = """
 description = "diff test"
 steps = 10
@@ -25,13 +32,7 @@ warmup_steps = 2
 world_size = 2
 stall_timeout_s = 90
 straggler_window = 4
-[model]
-vocab_size = 128
-d_model = 32
-n_layers = 2
-n_heads = 4
-d_ff = 64
-seq_len = 32
+{model}
 [profile]
 enabled = false
 [[runs]]
@@ -57,7 +58,7 @@ def cli(*args, timeout=400):
 
 def run_preset(tmp, name, *args, batch=8, lr=3e-3, extra=""):
     preset = tmp / f"{name}.toml"
-    preset.write_text(PRESET.format(batch=batch, lr=lr) + extra)
+    preset.write_text(PRESET.format(batch=batch, lr=lr, model=MODEL) + extra)
     out = tmp / name
     proc = cli("run", "--preset", str(preset), "--headless", "--out", str(out), *args)
     return out, proc
@@ -136,3 +137,69 @@ def test_diff_bad_input_exits_2(dirs, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no comparison.json" in proc.stderr
     proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--map", "ddp=nope")
     assert proc.returncode == 2 and "no run 'nope'" in proc.stderr
+
+
+def test_app_rank_timing_panel_names_the_straggler(dirs):
+    """The app, replaying the comparison: key t shows the selected run's per-rank timing with the slow rank."""
+    import asyncio
+    import os
+
+    from rich.console import Console
+
+    from shardscope.config import cpu_host
+    from shardscope.tui.app import build_app
+    from shardscope.tui.widgets.log_pane import LogPane
+    from shardscope.tui.widgets.rank_timing import RankTiming, render
+
+    def text(renderable) -> str:
+        console = Console(width=70, record=True, file=open(os.devnull, "w"))
+        console.print(renderable)
+        return console.export_text()
+
+    async def go():
+        app = build_app(replay_dir=str(dirs["new"]), host=cpu_host())
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(200):
+                if app.board.finished is not None:
+                    break
+                await pilot.pause(0.05)
+            await pilot.pause(0.2)
+            app.screen.select("slow", app.board)
+            await pilot.press("t")
+            await pilot.pause(0.2)
+            panel = app.screen.query_one(RankTiming)
+            assert panel.display and not app.screen.query_one(LogPane).display
+            assert panel.run == "slow" and "rank timing · slow" in str(panel.border_title)
+            shown = text(render(app.board.states["slow"]))
+            await pilot.press("t")  # back to the console
+            assert not panel.display and app.screen.query_one(LogPane).display
+            return shown, text(render(app.board.states["ddp"]))
+
+    slow, ddp = asyncio.run(go())
+    rows = [line.split() for line in slow.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1"] and rows[1][1] == "⚠" and rows[0][1] != "⚠", slow
+    assert "⚠ straggler: slow rank 1" in slow
+    ddp_rows = [line.split() for line in ddp.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in ddp_rows] == ["0", "1"] and all(r[1] != "⚠" for r in ddp_rows), ddp
+    assert "straggler:" not in ddp and "idle" in ddp
+
+
+def test_step_split_against_the_fault_and_the_step_clock(dirs):
+    """The per-rank split against independent counts: the `slow` fault does 60 ms of CPU work per step on rank 1 from
+    step 2 (its busy time holds it, and rank 0 waits that long off the CPU: idle), and the phases inside the timed
+    step add up to the step's own `step_time_s` (perf_counter around the whole step)."""
+    import statistics
+
+    from shardscope import events
+
+    steps = {}
+    for rank in (0, 1):
+        records, _ = events.read_records(dirs["new"] / "slow" / "metrics" / f"rank{rank}.jsonl")
+        steps[rank] = [r for r in records if r["kind"] == "step" and r["step"] >= 3]
+    busy = {rank: statistics.median(r["busy_s"] for r in rs) for rank, rs in steps.items()}
+    idle = {rank: statistics.median(r["idle_s"] for r in rs) for rank, rs in steps.items()}
+    assert busy[1] >= 0.06 > busy[0], busy
+    assert idle[0] >= 0.04 and idle[0] > idle[1], idle
+    for r in steps[0] + steps[1]:
+        inside = r["time_forward_s"] + r["time_backward_s"] + r["time_optimizer_s"]
+        assert abs(inside - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.002, r

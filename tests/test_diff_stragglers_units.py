@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from shardscope.profiling import diff
 from shardscope.profiling.stragglers import StragglerWatch
 
@@ -71,9 +73,81 @@ def test_watch_ignores_step_zero_and_records_without_busy_time():
     watch = StragglerWatch(threshold=1.5, window=1)
     _feed(watch, [lambda s: 0.01, lambda s: 1.0], [0])
     assert watch.flagged == {}
-    watch.add(0, 1, {"time_forward_s": 0.1}, 2)  # a GPU record: no busy time, nothing to judge
-    assert 1 not in watch.timing.get(0, {})
+    watch.add(0, 1, {"time_forward_s": 0.1}, 2)  # a CUDA record: the split is kept, nothing judged
+    watch.add(1, 1, {"time_forward_s": 9.0}, 2)
+    assert watch.timing[0][1] == {"time_forward_s": 0.1} and watch.flagged == {}
     watch.configure({"threshold": 2.0, "window": 4})
     assert (watch.threshold, watch.window) == (2.0, 4)
     watch.configure({"threshold": -1, "window": "x"})
     assert (watch.threshold, watch.window) == (2.0, 4)
+
+
+def test_cuda_split_is_shown_and_said_not_judged(tmp_path):
+    """CUDA step records (stream-time phases from CUDA events, no busy/idle): the report, headless table and
+    plot show the split, and say why no straggler is judged, instead of "No straggler"."""
+    from PIL import Image
+
+    from shardscope.headless import rank_timing_table
+    from shardscope.profiling import straggler_report
+    from shardscope.profiling.state import RecordsArrived, RunState
+
+    st = RunState("ddp", "ddp", 2, 6)
+    recs = [{"kind": "step", "run": "ddp", "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05,
+             "tokens": 8, "tokens_per_s": 160.0, "time_data_s": 0.001, "time_forward_s": 0.01 * (1 + r),
+             "time_backward_s": 0.02, "time_optimizer_s": 0.003} for s in range(6) for r in (0, 1)]
+    st.apply(RecordsArrived("ddp", tuple(recs), 0))
+    sec = straggler_report.section({"ddp": st})
+    entry = sec["ddp"]
+    assert entry["flagged"] == [] and entry["reason"] == straggler_report.NOT_JUDGED
+    assert entry["per_rank"]["1"]["time_forward_s"] == 0.02 and entry["per_rank"]["1"]["busy_s"] is None
+    assert straggler_report.rows(entry)[1][3:6] == ["-", "1.0", "20.0"]  # busy not measured; data, forward ms
+    md = straggler_report.markdown(sec, lambda header, rows: "|table|\n")
+    assert "No straggler" not in md and "not measured on CUDA" in md
+    assert "not measured on CUDA" in str(rank_timing_table({"stragglers": sec}).caption)
+    path = straggler_report.plot({"ddp": st}, str(tmp_path / "rank_timing.png"))
+    assert path and Image.open(path).size[0] > 0
+
+
+def test_trace_judgement_flags_compute_above_the_peers_median():
+    from shardscope.profiling import straggler_report
+    from shardscope.profiling.state import RunState
+
+    st = RunState("r", "ddp", 4, 6)
+    st.start[2] = {"host": "n1", "device": "cuda:0", "device_name": "NVIDIA H100"}
+    judged = straggler_report.from_traces("r", st, {"steps_profiled": 2, "compute_source": "gpu-kernels",
+                                                    "per_rank_compute_s": {"0": 0.010, "1": 0.011, "2": 0.030,
+                                                                           "3": 0.010}}, 1.5)
+    assert [f["rank"] for f in judged["flagged"]] == [2] and judged["flagged"][0]["ratio"] == pytest.approx(3.0)
+    assert judged["flagged"][0]["line"] == ("straggler (traces, 2 profiled steps): r rank 2 (n1, cuda:0, NVIDIA H100): "
+                                            "compute 3.00x its peers' median (threshold 1.5x)")
+    assert straggler_report.from_traces("r", st, {"per_rank_compute_s": {"0": 0.01}}, 1.5) is None
+    assert straggler_report.from_traces("r", st, {}, 1.5) is None
+    idle = straggler_report.from_traces("r", st, {"steps_profiled": 1, "compute_source": "gpu-kernels",
+                                                  "per_rank_compute_s": {"0": 0.0, "1": 0.0}}, 1.5)
+    assert idle["flagged"] == []  # nothing measured on either rank is no straggler
+    lines = straggler_report.trace_lines({"trace": judged})
+    assert "rank 2 30.0 ms ⚠" in lines[0] and lines[1].startswith("- **straggler (traces")
+
+
+def test_app_panel_shows_what_the_traces_say():
+    """The app's rank timing panel (key t) with a run's trace analysis: each rank's trace compute, and a GPU
+    straggler named from its kernels."""
+    from rich.console import Console
+
+    from shardscope.profiling.state import RecordsArrived, RunState
+    from shardscope.tui.widgets.rank_timing import render
+
+    st = RunState("fsdp2", "fsdp2", 2, 6)
+    st.apply(RecordsArrived("fsdp2", tuple(
+        {"kind": "step", "run": "fsdp2", "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05, "tokens": 8,
+         "tokens_per_s": 160.0, "time_data_s": 0.001, "time_forward_s": 0.01, "time_backward_s": 0.02,
+         "time_optimizer_s": 0.003} for s in range(4) for r in (0, 1)), 0))
+    analysis = {"steps_profiled": 2, "compute_source": "gpu-kernels", "per_rank_compute_s": {"0": 0.004, "1": 0.012}}
+    console = Console(width=100, record=True)
+    console.print(render(st, analysis))
+    text = console.export_text()
+    assert "trace compute ms/step by rank: 0 4.0 · 1 12.0" in text
+    assert "⚠ straggler (traces, 2 profiled steps): fsdp2 rank 1" in text and "3.00x" in text
+    console = Console(width=100, record=True)
+    console.print(render(st))
+    assert "trace compute" not in console.export_text()  # before the profiler window: nothing said

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from _launch import assert_matches, grad_norms, launch_all, tiny_comparison
+from _launch import assert_matches, grad_norms, launch_all, max_abs_diff, tiny_comparison
+from shardscope.profiling.fold import replay_states
 from shardscope.config import ProfileSpec, RunSpec
 
 pytestmark = pytest.mark.slow
@@ -24,6 +25,7 @@ def results(tmp_path_factory):
         RunSpec("ddp", "ddp"),
         RunSpec("fsdp2", "fsdp2", options={"reshard_after_forward": True}),
         RunSpec("fsdp2-keep", "fsdp2", options={"reshard_after_forward": False}),
+        RunSpec("ddp1", "ddp", world_size=1),  # one rank, the whole global batch: the independent loss
     ]
     comparison = tiny_comparison(runs, steps=8, parity=True, profile=ProfileSpec(enabled=True, start_step=3, steps=2))
     return launch_all(tmp_path_factory.mktemp("fsdp2"), comparison)
@@ -36,10 +38,18 @@ def test_fsdp2_matches_ddp(results, name):
     assert other.losses()[-1] < other.losses()[0]  # it trains
 
 
-def test_loss_is_the_global_mean_on_every_rank(results):
-    for result in results.values():
-        assert result.losses(0) == result.losses(1)
-        assert grad_norms(result, 0) == grad_norms(result, 1)
+def test_run_loss_is_the_mean_of_the_ranks_local_losses(results):
+    """No collective for the loss: each rank records its own; the fold's mean is the global loss, checked
+    against one rank training on the whole global batch (same samples, same weights)."""
+    single = results["ddp1"].losses()
+    for name in ("ddp", "fsdp2", "fsdp2-keep"):
+        result = results[name]
+        assert result.local_losses(0) != result.local_losses(1)  # different samples: different local losses
+        assert grad_norms(result, 0) == grad_norms(result, 1)  # the norm is global on every rank
+        assert "loss" not in result.steps(0)[0]  # no reduced loss on a normal step
+        assert max_abs_diff(result.losses(), single) <= TOL, name
+        states = replay_states(result.run_dir.parent)  # what every view shows: the fold of the records
+        assert [loss for _, loss in states[name].losses] == result.losses()
 
 
 def test_fsdp2_holds_about_half_the_model_state(results):

@@ -207,3 +207,18 @@ def test_loss_scaler_skips_overflow_and_backs_off() -> None:
     scaler.update(True)
     scaler.update(True)
     assert scaler.scale == 8.0  # grows after growth_interval finite steps
+
+
+def test_rss_reading_matches_psutil_and_follows_growth():
+    """The step record's RSS (one pread of /proc/self/statm) against psutil's independent reading."""
+    import psutil
+
+    from shardscope.engines.loop import rss_bytes
+
+    before = rss_bytes()
+    assert abs(before - psutil.Process().memory_info().rss) <= 4 * 1024 * 1024
+    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    grown = rss_bytes()
+    assert abs(grown - psutil.Process().memory_info().rss) <= 4 * 1024 * 1024
+    assert grown - before >= 48 * 1024 * 1024
+    del block

@@ -6,6 +6,8 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from shardscope import outspace
 from shardscope.engines.watchdog import OrchestratorWatch
@@ -57,3 +59,48 @@ def test_watchdog_tells_a_live_process_from_a_gone_one():
     child.wait()
     assert watch.lost()
     assert not OrchestratorWatch("").enabled and os.getpid()
+
+
+def test_watchdog_counts_the_launching_threads_exit_as_the_orchestrators_loss():
+    """torchrun's parent-death signal follows the launching thread, which may go before the process does."""
+    from shardscope.orchestrator import lifeline
+
+    release, named = threading.Event(), []
+
+    def launcher() -> None:
+        named.append(lifeline.identity())
+        release.wait()
+
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    while not named:
+        time.sleep(0.01)
+    pid, created, tid = named[0].split(":")
+    assert int(pid) == os.getpid() and int(tid) == thread.native_id != threading.get_native_id()
+    watch = OrchestratorWatch(named[0])
+    assert watch.tid == thread.native_id and not watch.lost()
+    release.set()
+    thread.join()  # Python's join returns before the kernel has finished the thread: wait for that
+    deadline = time.monotonic() + 10
+    while not watch.lost() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.lost()  # the process lives on, the thread that started torchrun does not
+    assert not OrchestratorWatch(f"{pid}:{created}").lost()  # an identity without a thread: the process alone
+
+
+def test_a_taken_rendezvous_port_is_read_from_torchruns_console():
+    console = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+               "address. port: 41001, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+    one = verdict.from_rendezvous(console, nnodes=1)
+    assert one.error == "rendezvous port 41001 already in use on this node" and one.cause == verdict.RENDEZVOUS
+    assert "port + the run's index" in verdict.from_rendezvous(console, nnodes=2).error
+    assert verdict.from_rendezvous("RuntimeError: injected fault at step 3 on rank 1", nnodes=2) is None
+
+
+def test_a_short_disk_names_each_part_in_a_unit_that_shows_it(tmp_path):
+    """A part of a few KiB reads "49.7 KiB", not "0.0 MiB" (a figure must not read as nothing)."""
+    needed = outspace.SpaceEstimate(traces=1 << 60, records=50_900, weights=548_000, reports=0)
+    line = outspace.shortfall(str(tmp_path / "out"), needed)
+    assert line is not None and line.startswith(f"--out {tmp_path / 'out'}: ")
+    assert "records 49.7 KiB" in line and "initial weights 535.2 KiB" in line and "traces 1024.0 PiB" not in line
+    assert " 0.0 " not in line

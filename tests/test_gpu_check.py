@@ -98,6 +98,24 @@ def test_row_from_a_real_run_directory_and_the_table_says_what_was_not_measured(
     assert line.startswith("| ddp | ok |") and "not measured (peak FLOP/s unknown" in line
     assert "not measured / not measured" in line and "not measured (not traceable)" in line
     assert "not measured (no NVML reading)" in line and "| no |" in line and " = 1.000 |" in line
+    assert row["split"] is None and line.endswith("| not measured (no step split in the records) |")  # old records
+
+
+def test_step_split_is_the_phases_median_and_their_cover_of_the_step():
+    def step(n, phases, wall, **extra):
+        return {"kind": "step", "step": n, "step_time_s": wall, **dict(zip(gpu_check.SPLIT, phases)), **extra}
+
+    records = [step(0, (9, 9, 9, 9), 40.0),  # set-up step: left out
+               step(1, (0.001, 0.010, 0.020, 0.004), 0.040),
+               step(2, (0.002, 0.011, 0.021, 0.005), 0.041, profiled=True),  # profiled: left out
+               step(3, (0.001, 0.012, 0.022, 0.005), 0.042),
+               step(4, (0.003, 0.014, 0.024, 0.006), 0.050),
+               {"kind": "step", "step": 5, "step_time_s": 0.04}]  # no split: left out
+    split = gpu_check.step_split(records)
+    assert split["time_forward_s"] == pytest.approx(0.012) and split["time_backward_s"] == pytest.approx(0.022)
+    assert split["cover"] == pytest.approx(statistics.median([0.035 / 0.040, 0.040 / 0.042, 0.047 / 0.050]))
+    line = gpu_check.render_table([{"run": "ddp", "status": "ok", "predicted_peak_bytes": 1, "split": split}])
+    assert line.splitlines()[2].endswith("| 1.0 / 12.0 / 22.0 / 5.0 (0.94x) |")
 
 
 def _run_without_app_packages(*args: str) -> subprocess.CompletedProcess:

@@ -57,6 +57,15 @@ def test_summary_json_is_strict_and_keeps_nonfinite(tmp_path):
     assert back["e"] == "x"
 
 
+def test_a_failed_json_write_leaves_no_partial_file(tmp_path):
+    """The write fails at the rename (the target is a folder, as a full disk fails the write): no .tmp left."""
+    target = tmp_path / "summary.json"
+    target.mkdir()
+    with pytest.raises(OSError):
+        config.dump_json(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
 # --- NaN-aware loss statistics and the diverged status ----------------------------------------------
 
 
@@ -214,10 +223,13 @@ def test_folder_does_not_shadow_a_builtin_but_a_file_does(tmp_path, monkeypatch)
 
 
 def _first_nonfinite(out, run):
-    records, _ = events.read_records(out / run / "metrics" / "rank0.jsonl")
-    steps = [r for r in records if r["kind"] == "step"]
-    bad = [r["step"] for r in steps if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))]
-    return (bad[0] if bad else None), [r["step"] for r in steps]
+    """First step where some rank's local loss or the global norm is inf/nan (the mean is then too), and
+    the steps rank 0 logged."""
+    by_rank = [[r for r in events.read_records(path)[0] if r["kind"] == "step"]
+               for path in sorted((out / run / "metrics").glob("rank*.jsonl"))]
+    bad = [rs[0]["step"] for rs in zip(*by_rank)
+           if not all(math.isfinite(r["local_loss"]) and math.isfinite(r["grad_norm"]) for r in rs)]
+    return (bad[0] if bad else None), [r["step"] for r in by_rank[0]]
 
 
 @pytest.mark.slow

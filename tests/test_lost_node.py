@@ -11,9 +11,8 @@ import time
 
 import psutil
 
-from shardscope.orchestrator.launcher import free_port
-
 sys.path.insert(0, os.path.dirname(__file__))
+from _ports import port_block  # noqa: E402
 from test_cli_e2e import leftover_processes  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -22,7 +21,7 @@ CLI = [sys.executable, "-m", "shardscope.cli"]
 def start_nodes(out):
     """Start node 1 then node 0 (one rank each, ddp then fsdp2, long enough to be killed mid-run)."""
     common = ["run", "--preset", "smoke", "--headless", "--out", str(out), "--nnodes", "2",
-              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--set", "steps=100000", "--set", "world_size=2",
+              "--rdzv-endpoint", f"127.0.0.1:{port_block(2)}", "--set", "steps=100000", "--set", "world_size=2",
               "--set", "profile.enabled=false", "--set", "launch.node_timeout_s=4"]
     nodes = {n: subprocess.Popen([*CLI, *common, "--node-rank", str(n)], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for n in (1, 0)}
@@ -47,10 +46,18 @@ def verdicts(out):
     return {r["name"]: (r["status"], r.get("error") or "") for r in runs}
 
 
+def consoles(path):
+    """The run's console files (every node's), last lines each: what to read when a run never started."""
+    text = ""
+    for console in sorted(path.parent.parent.glob("console*.log")):
+        text += f"\n--- {console.name}\n" + "\n".join(console.read_text(errors="replace").splitlines()[-20:])
+    return text
+
+
 def wait_for_step(path, node0):
     deadline = time.monotonic() + 180
     while not (path.exists() and b'"kind":"step"' in path.read_bytes()):
-        assert time.monotonic() < deadline and node0.poll() is None, node0.stdout.read()[-3000:]
+        assert time.monotonic() < deadline and node0.poll() is None, node0.stdout.read()[-3000:] + consoles(path)
         time.sleep(0.3)
 
 
@@ -75,3 +82,32 @@ def test_lost_ranks_fail_one_run_and_a_lost_orchestrator_fails_the_rest(tmp_path
     while leftover_processes(str(out)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert leftover_processes(str(out)) == []
+
+
+def test_a_taken_rendezvous_port_is_named(tmp_path):
+    """Node 0 of two, whose first run's rendezvous port is taken by an established connection (as an outgoing
+    connection takes an ephemeral port): that run fails naming the port and how ports are chosen, not a lost
+    node; node 1 never comes, so the next run fails "node 1 lost" once its heartbeat timeout passed."""
+    import socket
+
+    port = port_block(2)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.socket()
+    client.bind(("127.0.0.1", port))
+    client.connect(server.getsockname())
+    try:
+        out = tmp_path / "taken"
+        proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(out), "--nnodes", "2",
+                               "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--set", "world_size=2",
+                               "--set", "profile.enabled=false", "--set", "launch.node_timeout_s=15"],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        client.close()
+        server.close()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    got = verdicts(out)
+    assert got["ddp"][0] == "failed" and got["ddp"][1].startswith(f"rendezvous port {port} already in use"), got
+    assert "port + the run's index" in got["ddp"][1]
+    assert got["fsdp2"][0] == "failed" and got["fsdp2"][1].startswith("node 1 lost"), got

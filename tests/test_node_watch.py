@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from shardscope.orchestrator.nodes import NodeWatch
+from shardscope.config import LaunchSpec
+from shardscope.orchestrator.nodes import NodeWatch, silent_verdict
 
 
 def test_judge_tells_a_beating_node_from_a_silent_one(tmp_path):
@@ -25,3 +26,15 @@ def test_judge_tells_a_beating_node_from_a_silent_one(tmp_path):
 
 def test_one_node_judges_nothing(tmp_path):
     assert NodeWatch(str(tmp_path), node_rank=0, nnodes=1, timeout_s=3).judge() == []
+
+
+def test_silent_node_is_blamed_only_while_this_nodes_ranks_reported():
+    """Ranks 0-1 on node 0, 2-3 on node 1. Node 1 silent while node 0's ranks reported: node 1 lost. Nobody
+    reported (the run never started training, a rendezvous that failed): no node is blamed, the console is."""
+    launch = LaunchSpec(nnodes=2, node_rank=0)
+    assert silent_verdict({0, 1}, 4, launch).startswith("node 1 lost (every rank there ended")
+    assert silent_verdict({1}, 4, launch).startswith("node 1 lost")
+    assert silent_verdict(set(), 4, launch) == ""
+    assert silent_verdict({0, 2}, 4, launch) == ""
+    assert silent_verdict({2}, 4, LaunchSpec(nnodes=2, node_rank=1)).startswith("node 0 lost")  # seen from node 1
+    assert silent_verdict(set(), 4, LaunchSpec()) == ""  # one node

@@ -14,6 +14,7 @@ import pytest
 from shardscope.orchestrator.launcher import free_port
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from _ports import port_block  # noqa: E402
 from test_cli_e2e import leftover_processes  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,8 @@ def _records(path):
 
 
 def test_two_nodes_without_shared_files(tmp_path):
-    rdzv, records = free_port(), free_port()
+    rdzv = port_block(3)
+    records = rdzv + 2  # the runs rendezvous on rdzv and rdzv + 1
     common = ["run", "--preset", "smoke", "--headless", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
               "--records-endpoint", f"127.0.0.1:{records}", "--set", "steps=8", "--set", "world_size=2",
               "--set", "profile.enabled=false"]

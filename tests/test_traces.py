@@ -188,3 +188,30 @@ def test_real_gloo_traces_match_theory(tmp_path):
                                        str(tmp_path / "merged.json"))
     doc = json.loads(Path(merged).read_text())
     assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {"ddp", "fsdp2"}
+
+
+def test_gpu_traces_name_the_rank_whose_kernels_take_longer(tmp_path):
+    """GPU traces (kernel events): each rank's compute is its non-NCCL kernel time, so rank 0's long NCCL kernel
+    (it waits there for rank 1, whose gemm takes 3x longer) is not compute; the report's trace judgement names
+    rank 1. CPU traces give the figures but no judgement (operator wall time includes descheduling)."""
+    from shardscope.profiling import straggler_report
+    from shardscope.profiling.state import RunState
+
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    paths = []
+    for rank, gemm in ((0, 300), (1, 900)):
+        events = [_x("ProfilerStep#3", 0, 2000, cat="user_annotation"),
+                  _x("ampere_sgemm_128x64_tn", 100, gemm, cat="kernel", tid=8),
+                  _x(nccl, 100 + gemm, 1000 - gemm + 100, cat="kernel", tid=7)]  # both end at 1100
+        paths.append(str(write_trace(tmp_path / f"rank{rank}.trace.json", events, rank=rank)))
+    out = traces.analyse_traces(paths)
+    assert out["compute_source"] == "gpu-kernels"
+    assert out["per_rank_compute_s"] == {"0": pytest.approx(300e-6), "1": pytest.approx(900e-6)}
+    judged = straggler_report.from_traces("ddp", RunState("ddp", "ddp", 2, 4), out, 1.5)
+    assert [(f["rank"], round(f["ratio"], 3)) for f in judged["flagged"]] == [(1, 3.0)] and judged["note"] == ""
+
+    cpu = traces.analyse_traces([str(write_trace(tmp_path / f"cpu{r}.trace.json", ddp_like_events(), rank=r))
+                                 for r in (0, 1)])
+    assert cpu["compute_source"] == "cpu-operators" and len(cpu["per_rank_compute_s"]) == 2
+    judged = straggler_report.from_traces("ddp", RunState("ddp", "ddp", 2, 4), cpu, 1.5)
+    assert judged["flagged"] == [] and judged["note"] == straggler_report.CPU_TRACES

@@ -112,6 +112,6 @@ async def test_app_refuses_a_directory_short_of_space(tmp_path):
             await pilot.pause(0.3)
             assert isinstance(app.screen, PresetsScreen) and started == []
             message = str(app.screen.query_one("#preset-error").render())
-            assert "MiB free, the comparison needs about" in message, message
+            assert " free, the comparison needs about" in message, message
     finally:
         subprocess.run(["umount", str(point)], check=False)

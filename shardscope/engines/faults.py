@@ -15,9 +15,11 @@ At the start of the given step, on the given rank:
   until the rank frees its reserved spare (what it does to write its last records);
 - ``netdrop``: the rank's TCP connection to node 0's record server (no shared filesystem) drops; the
   rank reconnects and resends from the last acknowledged record;
-- ``slow`` (``kind=slow,ms=50``): the rank is busy ``ms`` more milliseconds in every step from the
-  given one on, like a slower device: it spins rather than sleeps, because a slow device computes
-  (a rank that only slept would look like one waiting in a collective).
+- ``slow`` (``kind=slow,ms=50``): the rank's device does ``ms`` more milliseconds of work in every
+  step from the given one on, like a slower device: matrix products on CPU (``ms`` of CPU time, and
+  operators the trace counts as compute; a rank that only slept would look like one waiting in a
+  collective), a spinning kernel on CUDA (``torch.cuda._sleep``, calibrated once with CUDA events, so
+  the host goes on launching and the GPU is the slow part, as with a slow GPU).
 """
 
 from __future__ import annotations
@@ -56,13 +58,11 @@ class Fault:
         spec = parse_fault(text)
         return Fault(spec["rank"], spec["step"], spec["kind"], spec.get("ms", 100), writer)
 
-    def maybe_fire(self, rank: int, step: int) -> None:
+    def maybe_fire(self, rank: int, step: int, device: torch.device | None = None) -> None:
         """Fire the fault if (rank, step) match (see the module docstring for each kind)."""
         if self.kind == "slow":
             if rank == self.rank and step >= self.step:
-                busy_until = time.perf_counter() + self.ms / 1000
-                while time.perf_counter() < busy_until:
-                    pass
+                _device_work(self.ms, device or torch.device("cpu"))
             return
         if rank != self.rank or step != self.step:
             return
@@ -93,6 +93,30 @@ class Fault:
             return
         while True:  # "hang": never returns; only a signal ends it
             time.sleep(3600)
+
+
+_SPIN_CYCLES_PER_MS: dict[int, float] = {}  # CUDA device index -> torch.cuda._sleep cycles per millisecond
+
+
+def _device_work(ms: int, device: torch.device) -> None:
+    """``ms`` milliseconds of work on ``device`` (the ``slow`` fault)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SPIN_CYCLES_PER_MS:  # once per process: one sync, in the fault's first step
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(50_000_000)
+            end.record()
+            end.synchronize()
+            _SPIN_CYCLES_PER_MS[index] = 50_000_000 / max(start.elapsed_time(end), 1e-3)
+        torch.cuda._sleep(int(_SPIN_CYCLES_PER_MS[index] * ms))
+        return
+    # A fixed amount of work (CPU time, not wall time): a slow device is slow by its own work, however
+    # busy the machine's other processes keep the cores.
+    a = torch.full((256, 256), 1.0 / 256)
+    until = time.process_time() + ms / 1000
+    while time.process_time() < until:
+        a = a @ a  # stays finite: a is doubly stochastic
 
 
 def _join_limited_cgroup(limit_bytes: int) -> None:

@@ -9,6 +9,7 @@ tensors and ``load_model`` restores them, so tied embeddings survive the round t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -26,8 +27,13 @@ def write_init(comparison: Comparison, path: str) -> int:
     model = build_model(comparison.model, comparison.seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + PARTIAL_SUFFIX
-    save_model(model, tmp, metadata={"seed": str(comparison.seed), "model_kind": comparison.model.kind})
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    try:
+        save_model(model, tmp, metadata={"seed": str(comparison.seed), "model_kind": comparison.model.kind})
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    except BaseException:  # a full disk: leave no half-written file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     return sum(p.numel() for p in model.parameters())
 
 

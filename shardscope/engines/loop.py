@@ -2,20 +2,27 @@
 handling and records, so a difference in results is a difference of strategy, not of loop.
 
 Per step: set the lr, run ``grad_accum`` micro-batches (``no_sync`` on all but the last; loss
-scaled by 1/grad_accum), start an async all-reduce of the loss over the data-parallel group,
-clip by the global norm and step (``Prepared.clip_and_step``), then write a ``step`` record.
-The loss all-reduce overlaps the optimizer step; reading the norm back (a float) is the one
-host sync per step, which the step time needs anyway.
+scaled by 1/grad_accum), clip by the global norm and step (``Prepared.clip_and_step``), then
+write a ``step`` record. Reading the norm back (a float) is the one host sync per step, which the
+step time needs anyway.
+
+No collective is added for the reported loss: each rank records ``local_loss`` (the mean over its
+own micro-batches) and the fold (``profiling/state.py``) averages the ranks' values into the
+run's loss. The stop-on-divergence verdict must be the same on every rank, so it reads only what
+every rank shares: the global gradient norm and whether the step was skipped. Only where those do
+not carry it (a step an fp16 loss scaler skipped, whose norm is inf by design, or a strategy that
+cannot measure the norm) is the loss all-reduced, and that record carries the global ``loss``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import psutil
 import torch
@@ -30,7 +37,7 @@ from shardscope.engines.data import Batch
 from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
-from shardscope.engines.step_clock import StepClock
+from shardscope.engines.step_clock import CudaStepClock, StepClock, step_clock
 from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.events import PHASE_MARKERS
@@ -66,8 +73,28 @@ def device_memory(device: torch.device) -> dict[str, int]:
             "mem_reserved_bytes": torch.cuda.memory_reserved(device),
         }
     # ru_maxrss is in KiB on Linux: the peak resident set of this process.
-    return {"rss_bytes": _this_process().memory_info().rss,
-            "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"rss_bytes": rss_bytes(), "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def rss_bytes() -> int:
+    """This process's resident set size. On Linux one ``pread`` of ``/proc/self/statm`` through a
+    descriptor opened once (psutil opens, reads and closes the file on every call: three system
+    calls on the step's path); elsewhere psutil."""
+    fd = _statm_fd(os.getpid())  # keyed by pid: a forked child must not read its parent's figures
+    if fd is None:
+        return int(_this_process().memory_info().rss)
+    return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@functools.lru_cache(maxsize=4)
+def _statm_fd(pid: int) -> int | None:
+    try:
+        return os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,45 +112,64 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
           micro_batches: Callable[[int], list[Batch]], writer: events.RecordWriter) -> int:
     """Train for ``settings.steps`` steps, writing step/memory/layers/trace records; return the
     number of steps completed. Exceptions propagate (the worker records them)."""
-    autocast_dtype = loop_autocast_dtype(settings.precision, prep.handles_precision)
-    # fp16 loss scaling in the loop, unless the strategy does its own (DeepSpeed) or has no torch optimizer.
-    scaled = settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision
-    scaler = LossScaler() if scaled else None
-    tokens = cfg.global_batch * cfg.tokens_per_sample
-    rates: list[tuple[int, float]] = []  # (step, rate) outside the profiler window
-    diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
-    clock = StepClock(ctx.device.type == "cpu")
+    trainer = Trainer(prep, ctx, settings, cfg, micro_batches, writer)
     for step in range(settings.steps):
+        if trainer.step(step):
+            break
+    return trainer.finish()
+
+
+class Trainer:
+    """The loop, one step at a time (``train`` runs it; ``benchmarks/overhead.py`` interleaves its steps
+    with a bare loop's). ``step(i)`` trains step ``i`` and returns True when the run must stop there;
+    ``finish()`` writes the end records and returns the number of steps completed."""
+
+    def __init__(self, prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopConfig,
+                 micro_batches: Callable[[int], list[Batch]], writer: events.RecordWriter) -> None:
+        self.prep, self.ctx, self.settings, self.cfg = prep, ctx, settings, cfg
+        self.micro_batches, self.writer = micro_batches, writer
+        self.autocast_dtype = loop_autocast_dtype(settings.precision, prep.handles_precision)
+        # fp16 loss scaling in the loop, unless the strategy does its own (DeepSpeed) or has no torch optimizer.
+        scaled = settings.precision.loss_scaling and prep.optimizer is not None and not prep.handles_precision
+        self.scaler = LossScaler() if scaled else None
+        self.tokens = cfg.global_batch * cfg.tokens_per_sample
+        self.rates: list[tuple[int, float]] = []  # (step, rate) outside the profiler window
+        self.diverged: dict[str, Any] = {}  # first_nonfinite_step and nonfinite, once a step's loss or norm is inf/nan
+        self.clock = step_clock(ctx.device)
+        assert prep.set_lr is not None and prep.zero_grad is not None
+
+    def step(self, step: int) -> bool:
+        """Train one step and write its records; return True when the run must stop (non-finite)."""
+        prep, ctx, settings, cfg, clock, writer = self.prep, self.ctx, self.settings, self.cfg, self.clock, self.writer
         clock.begin()
         profiled = cfg.profiler is not None and cfg.profiler.in_window(step)
         if cfg.profiler is not None:
             cfg.profiler.begin_step(step)
         if cfg.counter is not None:
             cfg.counter.begin_step(step)
-        micro = micro_batches(step)  # generated on CPU, outside the timed step
+        micro = self.micro_batches(step)  # generated on CPU, outside the timed step
         t0 = time.perf_counter()
         clock.lap("data")
         if cfg.fault is not None:  # inside the timed step: a "slow" rank's extra work is step time
-            cfg.fault.maybe_fire(ctx.rank, step)
+            cfg.fault.maybe_fire(ctx.rank, step, ctx.device)
         lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
                    min_lr_ratio=cfg.min_lr_ratio)
-        assert prep.set_lr is not None and prep.zero_grad is not None
-        prep.set_lr(lr)
-        prep.zero_grad()
-        loss_sum = _forward_backward(prep, ctx, micro, autocast_dtype, scaler, clock)
-        # Global mean loss: every dp rank holds the same number of samples, so the mean of means.
-        handle = dist.all_reduce(loss_sum, group=ctx.dp_group, async_op=True)
-        finite = _unscale(prep, scaler)  # before the layer norms, so that they are true gradients
-        with instrumentation():  # shardscope's own collectives, set apart from the strategy's
-            layer_record = prep.layer_norms() if cfg.parity and prep.layer_norms is not None else None
-        with record_function(PHASE_MARKERS["step"]):
+        prep.set_lr(lr)  # type: ignore[misc]  (checked in __init__)
+        prep.zero_grad()  # type: ignore[misc]
+        loss_sum = _forward_backward(prep, ctx, micro, self.autocast_dtype, self.scaler, clock, profiled)
+        finite = _unscale(prep, self.scaler)  # before the layer norms, so that they are true gradients
+        layer_record = None
+        if cfg.parity and prep.layer_norms is not None:
+            with instrumentation():  # shardscope's own collectives, set apart from the strategy's
+                layer_record = prep.layer_norms()
+        with _marker("step", profiled):
             grad_norm, skipped = (_norm(prep.clip_and_step(settings.grad_clip)), False) if finite else (float("inf"), True)
         # A strategy with its own fp16 loss scaler (DeepSpeed) says whether it skipped the step: not divergence.
         skipped = skipped or (prep.step_applied is not None and not prep.step_applied())
+        local_loss = loss_sum.item() / settings.grad_accum
+        # skipped and "norm not measured" are the same on every rank, so all of them take this branch or none.
+        loss = _global_loss(loss_sum, ctx, settings.grad_accum) if skipped or grad_norm is None else None
         clock.lap("optimizer")
-        handle.wait()
-        clock.lap("comm_wait")
-        loss = loss_sum.item() / (settings.grad_accum * ctx.dp_size)
         _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
         dt = time.perf_counter() - t0
         if cfg.profiler is not None:
@@ -132,19 +178,24 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         counted = cfg.counter.end_step(step) if cfg.counter is not None else None
         if counted is not None:
             writer.write(events.COMM, **counted)
-        rate = (tokens or cfg.global_batch) / dt
+        rate = (self.tokens or cfg.global_batch) / dt
         if not profiled:  # profiled steps run slower; median_rate leaves out step 0 (set-up costs)
-            rates.append((step, rate))
-        # The loss is reduced over dp and the norm is global, so every rank sees the same verdict and
-        # all of them stop at the same step: none is left waiting in a collective.
+            self.rates.append((step, rate))
+        # The verdict reads only values every rank shares (the global norm, skipped, the global loss
+        # where it was reduced), so all ranks stop at the same step: none is left waiting in a collective.
+        # A non-finite local loss makes non-finite gradients, hence a non-finite global norm.
         nonfinite = events.nonfinite_fields({"loss": loss, "grad_norm": grad_norm, "skipped": skipped})
-        if nonfinite and not diverged:
-            diverged = {"first_nonfinite_step": step, "nonfinite": nonfinite}
+        if nonfinite and not self.diverged:  # named with this rank's own loss too, when it was not reduced
+            named = events.nonfinite_fields({"loss": local_loss if loss is None else loss, "grad_norm": grad_norm,
+                                             "skipped": skipped})
+            self.diverged = {"first_nonfinite_step": step, "nonfinite": named}
         stop_now = bool(nonfinite) and cfg.stop_on_nonfinite
         if step % cfg.log_every == 0 or step == settings.steps - 1 or stop_now:
-            record: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
-            if tokens:
-                record.update(tokens=tokens, tokens_per_s=rate)
+            record: dict[str, Any] = {"local_loss": local_loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": dt}
+            if loss is not None:
+                record["loss"] = loss
+            if self.tokens:
+                record.update(tokens=self.tokens, tokens_per_s=rate)
             else:
                 record.update(samples=cfg.global_batch, samples_per_s=rate)
             if profiled:
@@ -158,15 +209,26 @@ def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopCo
         if step == 0:
             write_memory(prep, ctx, writer, step, "after_first_step")
         cfg.steps_completed = step + 1
-        if stop_now:
-            break
-    write_memory(prep, ctx, writer, cfg.steps_completed - 1, "end")
-    extra = {"compiled_graphs": compiled_graph_count()} if settings.compile else {}
-    writer.write(events.END, status="diverged" if diverged else "ok", steps_completed=cfg.steps_completed,
-                 **diverged, **extra,
-                 median_tokens_per_s=median_rate(rates) if tokens else None,
-                 median_samples_per_s=median_rate(rates) if not tokens else None)
-    return cfg.steps_completed
+        return stop_now
+
+    def finish(self) -> int:
+        """Write the end-of-run memory and ``end`` records; return the number of steps completed."""
+        cfg, rates = self.cfg, self.rates
+        write_memory(self.prep, self.ctx, self.writer, cfg.steps_completed - 1, "end")
+        extra = {"compiled_graphs": compiled_graph_count()} if self.settings.compile else {}
+        self.writer.write(events.END, status="diverged" if self.diverged else "ok", steps_completed=cfg.steps_completed,
+                          **self.diverged, **extra,
+                          median_tokens_per_s=median_rate(rates) if self.tokens else None,
+                          median_samples_per_s=median_rate(rates) if not self.tokens else None)
+        return cfg.steps_completed
+
+
+def _global_loss(loss_sum: torch.Tensor, ctx: RankContext, grad_accum: int) -> float:
+    """The mean loss over the data-parallel group (every dp rank holds the same number of samples, so
+    the mean of the ranks' means): one blocking all-reduce, only on steps whose verdict needs it."""
+    total = loss_sum.clone()
+    dist.all_reduce(total, group=ctx.dp_group)
+    return total.item() / (grad_accum * ctx.dp_size)
 
 
 def _norm(value: float | None) -> float | None:
@@ -183,8 +245,14 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _marker(phase: str, profiled: bool) -> ContextManager[Any]:
+    """The phase's profiler annotation in a profiled step (the trace analysis reads it); nothing otherwise,
+    since outside the profiler window an annotation is a dispatcher call per phase that nothing reads."""
+    return record_function(PHASE_MARKERS[phase]) if profiled else contextlib.nullcontext()
+
+
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
-                      scaler: LossScaler | None, clock: StepClock) -> torch.Tensor:
+                      scaler: LossScaler | None, clock: StepClock | CudaStepClock, profiled: bool) -> torch.Tensor:
     """Run every micro-batch forward and backward; return the detached sum of their losses."""
     loss_sum = torch.zeros(1, device=ctx.device)
     for i, (inputs, targets) in enumerate(micro):
@@ -195,13 +263,13 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
             autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                         else contextlib.nullcontext())
             # The phase markers let the trace analysis tell forward, backward and step collectives apart.
-            with record_function(PHASE_MARKERS["forward"]):
+            with _marker("forward", profiled):
                 with autocast:
                     logits = prep.model(inputs)
                 loss = loss_fn(logits, targets)
             clock.lap("forward")
             scaled = loss / len(micro)
-            with record_function(PHASE_MARKERS["backward"]):
+            with _marker("backward", profiled):
                 prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
             clock.lap("backward")
         loss_sum += loss.detach()

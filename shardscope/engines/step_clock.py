@@ -1,24 +1,32 @@
 """How one step's time splits on this rank, measured without a host sync.
 
 The loop calls ``begin()`` before it builds the step's batches and ``lap(phase)`` after each part:
-``data`` (batches built and moved), ``forward``, ``backward`` (summed over micro-batches),
-``optimizer`` (unscale, clip and step) and ``comm_wait`` (waiting for the loss all-reduce).
-``fields()`` returns them as ``time_<phase>_s`` plus ``busy_s``: the CPU time this process used
-during the step. A rank blocked in a collective waits without using CPU, so ``busy_s`` is the
-rank's own work; a straggler's stays above its peers' while every rank's wall-clock step time is
-the same (peers wait for it). Busy time is also immune to the rank being descheduled on a shared
-machine, where wall clock is not.
+``data`` (batches built and moved), ``forward``, ``backward`` (summed over micro-batches) and
+``optimizer`` (unscale, clip and step). ``fields()`` returns them as ``time_<phase>_s`` plus
+``busy_s``: the CPU time this process used during the step, and ``idle_s``: the step's wall time
+minus its busy time (floored at 0), the time the rank spent off the CPU. A rank blocked in a
+collective waits without using CPU, so ``busy_s`` is the rank's own work and ``idle_s`` its time
+waiting in collectives (or descheduled, on a shared machine); a straggler's busy time stays above
+its peers' while every rank's wall-clock step time is the same (peers wait for it, and their idle
+time grows). Busy time is also immune to the rank being descheduled, where wall clock is not.
 
-On CUDA, wall clock around asynchronous kernel launches measures launches, not work, so the
-split is not recorded there (no ``time_*`` keys: readers show "not measured"); reading CUDA events
-one step later is the way to add it.
+On CUDA, wall clock around asynchronous kernel launches measures launches, not work: ``CudaStepClock``
+records a CUDA event on the compute stream at each boundary instead (enqueued, no host sync) and reads
+the elapsed times once the step's own synchronisation (the one its step time already needs) has passed
+every event, so reading adds no sync; an event not yet reached leaves that step's split unrecorded
+rather than waiting. Those are stream times: a phase that waits for a collective (DDP's backward for its
+last all-reduce, FSDP's forward for an all-gather) includes the wait, and a GPU rank's own work cannot be
+told from its waiting by stream events, so ``busy_s`` and ``idle_s`` (the straggler signal) are not
+recorded on CUDA: the report says "not measured" with that reason.
 """
 
 from __future__ import annotations
 
 import time
 
-PHASES = ("data", "forward", "backward", "optimizer", "comm_wait")
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
 
 
 class StepClock:
@@ -50,4 +58,45 @@ class StepClock:
             return {}
         out = {f"time_{p}_s": t for p, t in self._times.items()}
         out["busy_s"] = time.process_time() - self._cpu0
+        out["idle_s"] = max(0.0, sum(self._times.values()) - out["busy_s"])
         return out
+
+
+class CudaStepClock:
+    """Per-step phase times from CUDA events on the current stream (CUDA devices); no busy/idle split."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._events: list[torch.cuda.Event] = []  # reused every step; grows to the laps of the longest step
+        self._laps: list[str] = []  # the phase each lap closes: lap i spans events i .. i + 1
+
+    def _record(self) -> None:
+        index = len(self._laps)
+        if index == len(self._events):
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        self._events[index].record(torch.cuda.current_stream(self.device))
+
+    def begin(self) -> None:
+        """Start a step: forget the last step's laps and mark the stream."""
+        self._laps = []
+        self._record()
+
+    def lap(self, phase: str) -> None:
+        """Mark the end of a part of ``phase`` on the stream."""
+        self._laps.append(phase)
+        self._record()
+
+    def fields(self) -> dict[str, float]:
+        """Return ``time_<phase>_s``: stream time in seconds between the step's events; {} while the stream
+        has not reached the step's last event (never waits for it)."""
+        if not self._laps or not self._events[len(self._laps)].query():
+            return {}
+        times = dict.fromkeys(PHASES, 0.0)
+        for i, phase in enumerate(self._laps):
+            times[phase] += self._events[i].elapsed_time(self._events[i + 1]) / 1000.0
+        return {f"time_{p}_s": t for p, t in times.items()}
+
+
+def step_clock(device: torch.device) -> StepClock | CudaStepClock:
+    """The step clock for ``device``: CUDA events on CUDA, wall and CPU time on CPU, none elsewhere."""
+    return CudaStepClock(device) if device.type == "cuda" else StepClock(device.type == "cpu")

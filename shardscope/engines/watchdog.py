@@ -2,8 +2,12 @@
 
 torchrun starts ranks in sessions of their own, so a SIGKILLed orchestrator (and torchrun killed
 with it) would leave them training. The orchestrator names itself in the rank's environment
-(``events.ORCHESTRATOR_ENV`` = ``"<pid>:<create_time>"``); this thread checks twice a second that
-the process is still there (same pid, same start time, not a zombie). When it is gone it sends
+(``events.ORCHESTRATOR_ENV`` = ``"<pid>:<create_time>:<tid>"``); this thread checks twice a second that
+the process is still there (same pid, same start time, not a zombie) and, on Linux, so is the thread
+that launched torchrun (``<tid>``). The thread matters for the reason a rank records: torchrun's
+parent-death SIGTERM is sent when that *thread* exits, and a SIGKILLed process's main thread can
+still be tearing down its memory (neither gone nor a zombie yet) when torchrun's SIGTERM reaches the
+rank; by then the launching thread is already gone from ``/proc/<pid>/task``. When it is gone it sends
 SIGTERM to its own rank (the worker writes ``end`` stopped, reason "orchestrator lost") and, if the
 rank has not left ``hard_exit_s`` later (blocked in a collective, say), ends it with ``os._exit``.
 Records already written stay: they are flushed per line.
@@ -20,14 +24,23 @@ from shardscope.events import ORCHESTRATOR_ENV
 from shardscope.liveness import process_alive
 
 
+def _thread_alive(pid: int, tid: int) -> bool:
+    """True while thread ``tid`` of process ``pid`` exists (always True where there is no ``/proc``)."""
+    if not os.path.isdir(f"/proc/{pid}/task"):
+        return not os.path.isdir("/proc/self/task")  # no procfs here: nothing to tell; procfs: pid gone
+    return os.path.isdir(f"/proc/{pid}/task/{tid}")
+
+
 class OrchestratorWatch:
     """Watches the orchestrator named in the environment; ``lost`` tells whether it disappeared."""
 
     def __init__(self, env: str | None = None) -> None:
         text = os.environ.get(ORCHESTRATOR_ENV, "") if env is None else env
-        pid, _, created = text.partition(":")
+        pid, _, rest = text.partition(":")
+        created, _, tid = rest.partition(":")
         self.pid = int(pid) if pid.isdigit() else None
         self.create_time = float(created) if self.pid is not None and created else 0.0
+        self.tid = int(tid) if self.pid is not None and tid.isdigit() else None
         self._lost = False
 
     @property
@@ -42,7 +55,9 @@ class OrchestratorWatch:
         return self._lost
 
     def _alive(self) -> bool:
-        return process_alive(self.pid, self.create_time)  # type: ignore[arg-type]
+        if not process_alive(self.pid, self.create_time):  # type: ignore[arg-type]
+            return False
+        return self.tid is None or _thread_alive(self.pid, self.tid)  # type: ignore[arg-type]
 
     def start(self, *, interval_s: float = 0.5, hard_exit_s: float = 3.0, exit_code: int = 143) -> None:
         """Start the daemon thread: on loss, SIGTERM this process, then ``os._exit`` after ``hard_exit_s``."""

@@ -7,8 +7,8 @@ with torchrun's process group):
   child between fork and exec). The kernel sends it when the *thread* that forked the child exits,
   so jobs must be started from a thread that lives as long as they do (the session thread does).
   torchrun forwards SIGTERM to its ranks.
-- **every rank** watches the orchestrator's pid (``engines/watchdog.py``), named in its environment
-  as ``events.ORCHESTRATOR_ENV`` = ``"<pid>:<create_time>"``, and stops itself when it is gone
+- **every rank** watches the orchestrator's pid and launching thread (``engines/watchdog.py``), named
+  in its environment as ``events.ORCHESTRATOR_ENV`` = ``"<pid>:<create_time>:<tid>"``, and stops itself when it is gone
   (including a SIGKILL of torchrun and orchestrator together). On several nodes each node's
   orchestrator names itself to its own ranks, so each node guards its own.
 
@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 import psutil
@@ -67,9 +68,13 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 
 
 def identity() -> str:
-    """Return this process's identity for ranks to watch: ``"<pid>:<create_time>"``."""
+    """Return this process and thread for ranks to watch: ``"<pid>:<create_time>:<tid>"``.
+
+    ``tid`` is the calling thread's native id: call it from the thread that starts torchrun, whose
+    exit sends torchrun its parent-death signal (``engines/watchdog.py`` says why ranks check it).
+    """
     pid = os.getpid()
-    return f"{pid}:{psutil.Process(pid).create_time():.3f}"
+    return f"{pid}:{psutil.Process(pid).create_time():.3f}:{threading.get_native_id()}"
 
 
 def rank_env() -> dict[str, str]:

@@ -135,10 +135,16 @@ def silent_nodes(reported: set[int], world_size: int, nnodes: int) -> list[int]:
 
 
 def silent_verdict(reported: set[int], world_size: int, launch: LaunchSpec) -> str:
-    """Return ``node N lost (...)`` when another node's ranks all ended without a record, else ""."""
+    """Return ``node N lost (...)`` when another node's ranks all ended without a record, else "".
+
+    Only while this node's own ranks reported: when none of them did either, the run failed before
+    training (a rendezvous that could not start, say) and its console says why, not a lost node.
+    """
     if launch.nnodes == 1:
         return ""
-    silent = [n for n in silent_nodes(reported, world_size, launch.nnodes) if n != launch.node_rank]
+    silent = silent_nodes(reported, world_size, launch.nnodes)
+    if launch.node_rank in silent:
+        return ""
     if not silent:
         return ""
     names = ", ".join(str(n) for n in silent)

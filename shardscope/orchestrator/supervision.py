@@ -123,7 +123,8 @@ class RunSupervision:
                 self._halt_for_disk(active.name, found)
                 return
             error = found.error
-            if not active.error or is_secondary(active.error):  # peers' errors only: did a node vanish?
+            if found.cause != verdict.RENDEZVOUS and (not active.error or is_secondary(active.error)):
+                # peers' errors only: did a node vanish?
                 lost = self._watch.judge()
                 reported = active.ended | {int(e.get("rank", -1)) for e in active.errors}
                 error = ((lost and nodes.lost_message(lost, self._watch.timeout_s))
@@ -140,6 +141,7 @@ class RunSupervision:
         console = tail_text(active.proc.plan.console_path, 60)
         return (verdict.from_kill(console, active.last_steps) or recorded  # a killed rank's peers only saw it go
                 or verdict.from_output(self.rundir.run(active.name).path, console)
+                or verdict.from_rendezvous(console, self.comparison.launch.nnodes)
                 or verdict.Verdict(last_line(console) or f"torchrun exited with code {code}", console))
 
     def _halt_for_disk(self, name: str, found: verdict.Verdict) -> None:

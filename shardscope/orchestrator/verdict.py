@@ -8,7 +8,8 @@ disk: ``engines/failure.py``). A rank that is killed writes nothing; then the or
   killer killed that pid (``Killed process P``) — a SIGKILL from anyone else is named as such, and
   where the kernel log cannot be read the message says the OOM killer could not be confirmed;
 - the output directory's filesystem (read-only, or full): a rank that died on a full disk may not
-  have been able to write even its error.
+  have been able to write even its error;
+- torchrun's rendezvous store could not listen (its port taken): no rank ever started.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from shardscope import outspace
 
 OOM, DISK, ERROR = "oom", "disk", "error"  # the same causes a rank's error record carries
+RENDEZVOUS = "rendezvous"  # this node's torchrun could not host the rendezvous: a local cause, no rank started
 
+_PORT_IN_USE = re.compile(r"server socket has failed to listen[^\n]*?port: (\d+)[^\n]*EADDRINUSE")
 _FAILURE_ROW = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 
 
@@ -109,3 +112,14 @@ def from_output(run_dir: str, console: str) -> Verdict | None:
     if problem is None:
         return None
     return Verdict(outspace.describe(problem), console, DISK)
+
+
+def from_rendezvous(console: str, nnodes: int) -> Verdict | None:
+    """A verdict naming the rendezvous port torchrun found taken, or None."""
+    found = _PORT_IN_USE.search(console)
+    if found is None:
+        return None
+    hint = ("; each run of a multi-node comparison rendezvouses on --rdzv-endpoint's port + the run's index: choose "
+            "a port with a free one for every run after it, below the kernel's ephemeral range "
+            "(/proc/sys/net/ipv4/ip_local_port_range), where outgoing connections take ports" if nnodes > 1 else "")
+    return Verdict(f"rendezvous port {found.group(1)} already in use on this node{hint}", console, RENDEZVOUS)

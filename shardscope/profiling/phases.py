@@ -9,7 +9,7 @@ Two sides, both pure Python (no torch), for the explainers and report.md:
 - ``measured_phases``: the collectives of the first profiled step of one rank's trace
   (``traces.load_rank_trace``), each put in the phase whose marker encloses its launch (the training
   loop wraps forward, backward and the optimizer step in ``PHASE_MARKERS``; a collective outside them,
-  like the loop's loss all-reduce, belongs to the step), and labelled with the layer whose annotation
+  like the loss all-reduce of a step an fp16 scaler skipped, belongs to the step), and labelled with the layer whose annotation
   encloses it (FSDP2 names ``layers.N``); ``timeline`` draws them as text.
 """
 

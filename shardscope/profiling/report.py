@@ -170,7 +170,7 @@ def _full_reports(out_dir: str) -> dict[str, str]:
     layers = {name: divergence.read_layers(RunDir(out_dir).run(name).path) for name in states}
     data["parity"] = divergence.parity_section(c, states, layers)
     data["traces"] = traces_section(c, out_dir)
-    data["stragglers"] = straggler_report.section(states)
+    data["stragglers"] = straggler_report.section(states, data["communication"]["runs"])
     data["explain"] = explain_report.section(c, data, out_dir)
     data["recommendation"] = recommend.section(c, states, data)
     out = RunDir(out_dir)

@@ -10,11 +10,14 @@ imports torch or textual.
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope import events
+from shardscope.profiling.loss_fold import LossMean
 from shardscope.profiling.stragglers import StragglerWatch
 
 # The one set of run statuses. A finished run is ok, failed (an error, a stall, a lost process),
@@ -158,6 +161,7 @@ class RunState:
     first_nonfinite_step: int | None = None  # first step whose loss or grad norm was inf/nan (not an fp16 skip)
     nonfinite_what: str = ""  # "loss", "grad_norm" or "loss and grad_norm" at that step
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
+    loss_mean: LossMean = field(default_factory=LossMean)  # ranks' local losses -> the run's loss per step
 
     # -- queries --
     @property
@@ -216,6 +220,26 @@ class RunState:
             return bool(update.records)
         return False
 
+    def _add_loss(self, step: int, loss: float) -> None:
+        """Record a step's loss (the mean over ranks), keeping ``losses`` in step order."""
+        if self.losses and step < self.losses[-1][0]:  # a rare out-of-order completion
+            bisect.insort(self.losses, (step, loss))
+        else:
+            self.losses.append((step, loss))
+            self.loss = loss
+        if not math.isfinite(loss):
+            self._mark_nonfinite(step, "loss")
+
+    def _mark_nonfinite(self, step: int, what: str) -> None:
+        """Keep the earliest step with a non-finite loss or norm (both named when at the same step)."""
+        if not what:
+            return
+        if self.first_nonfinite_step is None or step < self.first_nonfinite_step:
+            self.first_nonfinite_step, self.nonfinite_what = step, what
+        elif step == self.first_nonfinite_step and what not in self.nonfinite_what:
+            both = {*self.nonfinite_what.split(" and "), *what.split(" and ")}
+            self.nonfinite_what = " and ".join(k for k in ("loss", "grad_norm") if k in both)
+
     def apply_record(self, r: dict[str, Any]) -> None:
         """Fold one metric record (see ``events``) into the state."""
         kind, rank = r.get("kind"), int(r.get("rank", 0))
@@ -224,24 +248,23 @@ class RunState:
             if isinstance(peak, (int, float)):
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
             self.stragglers.add(rank, int(r.get("step", 0)), r, self.world_size)
+            loss = self.loss_mean.add(rank, int(r.get("step", 0)), r, self.world_size)
+            if loss is not None:
+                self._add_loss(int(r.get("step", 0)), loss)
             if rank != 0:
                 return
             step = int(r.get("step", self.step + 1))
             self.step = step
             self.steps_completed = step + 1
-            self.loss = r.get("loss", self.loss)
             self.grad_norm = r.get("grad_norm", self.grad_norm)
             self.lr = r.get("lr", self.lr)
             if "tokens_per_s" in r:
                 self.tokens_per_s = r["tokens_per_s"]
             if "samples_per_s" in r:
                 self.samples_per_s = r["samples_per_s"]
-            if isinstance(self.loss, (int, float)):
-                self.losses.append((step, float(self.loss)))
-            if self.first_nonfinite_step is None:
-                what = events.nonfinite_fields(r)
-                if what:
-                    self.first_nonfinite_step, self.nonfinite_what = step, what
+            # The norm is global: rank 0's says it (the loss's verdict comes with the mean, in _add_loss).
+            self._mark_nonfinite(step, events.nonfinite_fields({"grad_norm": r.get("grad_norm"),
+                                                                "skipped": r.get("skipped")}))
             if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
             if "tokens" in r:

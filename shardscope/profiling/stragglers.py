@@ -3,10 +3,11 @@
 Every rank's ``step`` record carries ``busy_s`` (CPU time the rank used in the step; see
 ``engines/step_clock.py``) and its wall-clock split ``time_<phase>_s``. Wall-clock step times are
 equal on every rank (peers wait for the slowest in the collectives), so the comparison uses each
-rank's own work. A step is judged once every rank has reported it: a rank whose ``busy_s`` is more
-than ``threshold`` times the median of its peers' for ``window`` steps in a row is flagged (and
-stays flagged, with the step the streak began and its median ratio). Step 0 (set-up costs) is
-left out.
+rank's own work. (A CUDA run's records carry only the stream-time split: shown, not judged; see
+``engines/step_clock.py``.) A step is judged once every rank has reported it: a rank whose
+``busy_s`` is more than ``threshold`` times the median of its peers' for ``window`` steps in a row
+is flagged (and stays flagged, with the step the streak began and its median ratio). Step 0
+(set-up costs) is left out.
 
 ``StragglerWatch`` folds records incrementally (O(ranks) per completed step), so the live views
 can ask it on every redraw. Pure Python, no torch.
@@ -21,7 +22,10 @@ from typing import Any
 DEFAULT_THRESHOLD = 1.5
 DEFAULT_WINDOW = 5
 BUSY = "busy_s"
-PHASE_KEYS = ("time_data_s", "time_forward_s", "time_backward_s", "time_optimizer_s", "time_comm_wait_s")
+# idle_s (wall minus busy: waiting in collectives or descheduled) is not a phase but is shown beside them.
+PHASE_KEYS = ("time_data_s", "time_forward_s", "time_backward_s", "time_optimizer_s", "idle_s")
+TIMING_KEYS = (BUSY, *PHASE_KEYS)
+FORWARD = "time_forward_s"
 
 
 @dataclass
@@ -56,9 +60,12 @@ class StragglerWatch:
 
     def add(self, rank: int, step: int, record: dict[str, Any], world_size: int) -> None:
         """Fold one rank's step record; judge the step once all ``world_size`` ranks have reported it."""
-        if not isinstance(record.get(BUSY), (int, float)):
+        if BUSY not in record and FORWARD not in record:  # no timing (old records): the common fast path
             return
-        self.timing.setdefault(rank, {})[step] = {k: float(record[k]) for k in (BUSY, *PHASE_KEYS) if k in record}
+        figures = {k: v for k in TIMING_KEYS if (v := record.get(k)) is not None}
+        self.timing.setdefault(rank, {})[step] = figures
+        if BUSY not in figures:  # CUDA: a phase split by stream events, no own-work signal to judge by
+            return
         seen = self._pending.setdefault(step, set())
         seen.add(rank)
         if len(seen) >= world_size >= 2:

@@ -75,6 +75,7 @@ class RankTrace:
     thread_names: dict[bytes, str] = field(default_factory=dict)  # raw tid text -> thread name
     marked_steps: bool = True  # False: no ProfilerStep markers; ``steps`` is the whole window
     window_steps: int = 1  # optimizer steps the profiled window holds
+    compute_source: str = "cpu-operators"  # or "gpu-kernels": what ``compute`` was read from
 
 
 def _read_bytes(path: str) -> bytes:
@@ -242,7 +243,8 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
         c.step = _step_index(steps, c.launch_ts)
 
     compute: list[tuple[float, float]] = []
-    if b"kernel" in {e[0] for e in events}:
+    on_gpu = any(e[0] == b"kernel" for e in events)
+    if on_gpu:
         compute = [(float(ts), float(ts) + float(dur)) for cat, name, pid, tid, ts, dur in events
                    if cat == b"kernel" and b"nccl" not in name.lower()]
     else:
@@ -263,7 +265,8 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
                 ops.append((float(ts), float(ts) + float(dur)))
         compute = subtract(union(ops), union(waits))
     return RankTrace(path, rank, world, str(info.get("backend", "")), device_name, steps, launches,
-                     compute, events, threads, marked, len(steps) if marked else max(1, window_steps or 1))
+                     compute, events, threads, marked, len(steps) if marked else max(1, window_steps or 1),
+                     "gpu-kernels" if on_gpu else "cpu-operators")
 
 
 def rank_from_path(path: str) -> int:

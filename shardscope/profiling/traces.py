@@ -124,6 +124,7 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
         "device": trace.device_name,
         "steps_profiled": trace.window_steps,
         "step_markers": trace.marked_steps,
+        "compute_source": trace.compute_source,
         "collectives": collectives,
         "steps": steps,
         "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
@@ -167,6 +168,7 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "device": per_rank[0]["device"],
         "steps_profiled": min(r["steps_profiled"] for r in per_rank),
         "step_markers": all(r["step_markers"] for r in per_rank),
+        "compute_source": per_rank[0].get("compute_source", "cpu-operators"),
         "collectives": collectives,
         "per_step": per_step,
         "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
@@ -189,6 +191,9 @@ def analyse_traces(paths: list[str], window_steps: int | None = None) -> dict[st
         except (OSError, ValueError, KeyError) as err:
             unreadable.append(f"{path}: {err}")
     out = combine_ranks(per_rank)
+    if out:  # each rank's own work (its compute, waits left out): stragglers judged from the traces
+        out["per_rank_compute_s"] = {str(r["rank"]): r["per_step"]["compute_time_s"] for r in per_rank
+                                     if r["per_step"].get("compute_time_s") is not None}
     if out or unreadable:
         out["traces"] = list(paths)
         out["unreadable"] = unreadable

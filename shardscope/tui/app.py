@@ -184,6 +184,7 @@ class ShardscopeApp(App):
             analysis = {**analysis, "not_measured": comm_not_measured_reason(self.comparison, state, state.run_dir)}
         self.board.analyses[message.run] = analysis
         self.board.dirty_comm = True
+        self.board.dirty_runs.add(message.run)  # its card names a straggler found in the traces
 
     def redraw(self, force: bool = False) -> None:
         """Push what changed on the board into the dashboard; raise notices as toasts."""

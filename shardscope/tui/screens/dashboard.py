@@ -15,6 +15,7 @@ from textual.containers import Horizontal, HorizontalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from shardscope.profiling import straggler_report
 from shardscope.profiling.state import STATUSES
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, run_colour
@@ -23,6 +24,7 @@ from shardscope.tui.widgets.charts import diff_note, StepChart, loss_diff, serie
 from shardscope.tui.widgets.comm_panel import CommPanel
 from shardscope.tui.widgets.device_panel import DevicePanel
 from shardscope.tui.widgets.log_pane import LogPane
+from shardscope.tui.widgets.rank_timing import RankTiming
 from shardscope.tui.widgets.run_card import RunCard
 
 CHART_INTERVAL_S = 0.25  # charts redraw at most 4 times a second, however fast records arrive
@@ -41,6 +43,7 @@ class DashboardScreen(Screen):
         Binding("r", "app.restart_run", "Restart run"),
         Binding("b", "app.set_baseline", "Baseline"),
         Binding("l", "toggle_log", "Log"),
+        Binding("t", "toggle_timing", "Rank timing", show=False),  # in the palette; the footer is full
         Binding("o", "app.report", "Report"),
         Binding("i", "app.explain", "Explain run", show=False),  # in the palette; the footer is full
         Binding("e", "app.export", "Export"),
@@ -73,6 +76,7 @@ class DashboardScreen(Screen):
             yield DevicePanel(id="devices", classes="panel")
             yield CommPanel(id="comm", classes="panel")
             yield LogPane(id="log", classes="panel")
+            yield RankTiming(id="timing", classes="panel")
         yield Static(id="status")
         yield Footer()
 
@@ -87,6 +91,8 @@ class DashboardScreen(Screen):
         self.devices = self.query_one(DevicePanel)
         self.comm = self.query_one(CommPanel)
         self.log_pane = self.query_one(LogPane)
+        self.timing = self.query_one(RankTiming)
+        self.timing.display = False
         self.devices.border_title = "devices"
         self.comm.border_title = "communication"
         self.log_pane.border_title = "console"
@@ -126,7 +132,9 @@ class DashboardScreen(Screen):
         baseline_changed = board.baseline != self._baseline_drawn
         for name in board.names if (force or baseline_changed) else board.dirty_runs:
             if name in self._cards:
-                self._cards[name].show(board.states[name], baseline=name == board.baseline)
+                state = board.states[name]
+                self._cards[name].show(state, baseline=name == board.baseline,
+                                       traced=straggler_report.traced_ranks(state, board.analyses.get(name)))
         now = time.monotonic()
         charts = (self.loss_chart, self.diff_chart, self.rate_chart)
         interval = max(CHART_INTERVAL_S, sum(c.render_s for c in charts) / CHART_BUDGET)
@@ -145,6 +153,8 @@ class DashboardScreen(Screen):
             board.dirty_comm = False
         if self.selected and (force or self.selected in board.dirty_consoles or self.selected in board.dirty_runs):
             self.log_pane.show(board.console(self.selected), board.states.get(self.selected))
+        if self.timing.display:  # every tick: it redraws only when the run moved on, at most once a second
+            self.timing.show(board.states.get(self.selected), board.analyses.get(self.selected), force=force)
         self._draw_status(board, started)
         board.dirty_runs.clear()
         board.dirty_consoles.clear()
@@ -191,6 +201,8 @@ class DashboardScreen(Screen):
             if name == run:
                 card.scroll_visible()
         self.log_pane.follow(run, board.console(run), board.states.get(run))
+        if self.timing.display:
+            self.timing.show(board.states.get(run), board.analyses.get(run), force=True)
 
     def on_run_selected(self, message: RunSelected) -> None:
         """A card was clicked."""
@@ -208,3 +220,11 @@ class DashboardScreen(Screen):
         """Show or hide the console pane."""
         log = self.log_pane
         log.display = not log.display
+
+    def action_toggle_timing(self) -> None:
+        """Show the selected run's per-rank step timing in place of the console, or the console again."""
+        showing = not self.timing.display
+        self.timing.display, self.log_pane.display = showing, not showing
+        if showing:
+            board = self.app.board
+            self.timing.show(board.states.get(self.selected), board.analyses.get(self.selected), force=True)

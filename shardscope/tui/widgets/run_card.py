@@ -42,14 +42,17 @@ class RunCard(Static):
         self.colour = colour
         self._state: RunState | None = None
         self._baseline = False
+        self._traced: tuple[int, ...] = ()
         self._drawn: tuple = ()
 
-    def show(self, state: RunState, *, baseline: bool) -> None:
-        """Redraw the card from ``state`` (only if what it shows changed)."""
-        self._state, self._baseline = state, baseline
+    def show(self, state: RunState, *, baseline: bool, traced: tuple[int, ...] = ()) -> None:
+        """Redraw the card from ``state`` (only if what it shows changed); ``traced``: ranks flagged from
+        the run's traces (GPU runs, once their profiler window was analysed)."""
+        self._state, self._baseline, self._traced = state, baseline, traced
         width = self.content_size.width or 30
         key = (width, baseline, state.status, state.steps_completed, state.steps_total, state.loss, state.rate,
-               state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s), tuple(state.stragglers.flagged))
+               state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s), tuple(state.stragglers.flagged),
+               traced)
         if key == self._drawn:
             return
         self._drawn = key
@@ -59,17 +62,18 @@ class RunCard(Static):
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
         subtitle = Text(state.status, STATUS_STYLE.get(state.status, ""))
-        for rank in state.stragglers.flagged:  # named live: run (this card), rank, host, device
+        for rank in sorted({*state.stragglers.flagged, *traced}):  # named live: run (this card), rank, host, device
             start = state.start.get(rank) or {}
-            subtitle.append(f" ⚠ straggler rank {rank} {start.get('host', '')} {start.get('device', '')}".rstrip(),
-                            "bold yellow")
+            source = " (trace)" if rank not in state.stragglers.flagged else ""
+            subtitle.append(f" ⚠ straggler rank {rank} {start.get('host', '')} {start.get('device', '')}".rstrip()
+                            + source, "bold yellow")
         self.border_subtitle = subtitle.markup
         self.update(self._body(state, width))
 
     def on_resize(self) -> None:
         """Lines are laid out for a width: lay them out again."""
         if self._state is not None:
-            self.show(self._state, baseline=self._baseline)
+            self.show(self._state, baseline=self._baseline, traced=self._traced)
 
     def _body(self, s: RunState, width: int) -> Text:
         opts = ", ".join(f"{k}={v}" for k, v in s.options.items())

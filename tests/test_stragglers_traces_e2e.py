@@ -1,0 +1,105 @@
+"""Each rank's compute per profiled step from its trace (its operators, or on a GPU its non-NCCL kernels,
+minus its waits in collectives): on a GPU the straggler signal. A real 2-rank DDP comparison (gloo, CPU):
+`slow` (rank 1 does 60 ms of matrix products per step from step 1) and `ddp` (no fault), both profiled over
+steps 3-4."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_diff_stragglers_e2e import MODEL  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "shardscope.cli"]
+
+PRESET = """
+description = "stragglers from traces"
+steps = 6
+global_batch = 8
+lr = 3e-3
+warmup_steps = 1
+world_size = 2
+stall_timeout_s = 120
+straggler_window = 3
+""" + MODEL + """
+[profile]
+enabled = true
+start_step = 3
+steps = 2
+[[runs]]
+name = "ddp"
+strategy = "ddp"
+[[runs]]
+name = "slow"
+strategy = "ddp"
+fault = "rank=1,step=1,kind=slow,ms=60"
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("traced")
+    (tmp / "p.toml").write_text(PRESET)
+    out = tmp / "out"
+    proc = subprocess.run([*CLI, "run", "--preset", str(tmp / "p.toml"), "--headless", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_each_ranks_trace_compute_holds_the_slow_ranks_extra_work(run):
+    """The fault adds 60 ms of matrix products per step to rank 1 alone (an independent count): its trace
+    compute exceeds rank 0's by about that. CPU traces are not judged (a descheduled operator's wall time
+    would read as compute: the live busy time judges CPU runs) and the report says so."""
+    out, proc = run
+    summary = json.loads((out / "summary.json").read_text())
+    slow = summary["stragglers"]["slow"]["trace"]
+    ddp = summary["stragglers"]["ddp"]["trace"]
+    assert slow["steps"] == 2 and slow["source"] == "cpu-operators" and slow["flagged"] == [], slow
+    # 60 ms of CPU time in operators: a floor for their wall time (descheduling only adds), on rank 1 alone.
+    assert slow["compute_s"]["1"] >= 0.060, slow
+    extra = slow["compute_s"]["1"] - slow["compute_s"]["0"]
+    assert 0.030 <= extra <= 0.15, slow  # rank 0's own compute may be stretched by a busy machine too
+    assert ddp["compute_s"]["0"] < 0.6 * slow["compute_s"]["1"] and ddp["compute_s"]["1"] < 0.6 * slow["compute_s"]["1"]
+    report = (out / "report.md").read_text()
+    assert "From the traces (2 profiled steps), compute per step" in report and "Not judged from CPU traces" in report
+
+
+def test_app_card_names_a_straggler_found_in_gpu_traces(run):
+    """The app replaying the comparison analyses each run's traces (CPU: figures, no trace flag). A GPU trace
+    analysis arriving for `ddp` (rank 1's kernels 3x its peer's) puts the straggler on the run's card, marked
+    "(trace)"; `slow`'s card keeps its live flag only."""
+    import asyncio
+
+    from shardscope.config import cpu_host
+    from shardscope.tui.app import build_app
+    from shardscope.tui.messages import CommAnalysed
+    from shardscope.tui.widgets.run_card import RunCard
+
+    out, _ = run
+
+    async def go():
+        app = build_app(replay_dir=str(out), host=cpu_host())
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(300):
+                if app.board.finished is not None and {"ddp", "slow"} <= set(app.board.analyses):
+                    break
+                await pilot.pause(0.05)
+            await pilot.pause(0.3)
+            cards = {card.run: card for card in app.screen.query(RunCard)}
+            before = {name: str(card.border_subtitle) for name, card in cards.items()}
+            app.post_message(CommAnalysed("ddp", {"steps_profiled": 2, "compute_source": "gpu-kernels",
+                                                  "per_rank_compute_s": {"0": 0.004, "1": 0.012}}))
+            await pilot.pause(0.5)
+            return before, {name: str(card.border_subtitle) for name, card in cards.items()}
+
+    before, after = asyncio.run(go())
+    # CPU traces are not judged (the live busy flag of this short run may name a rank on a busy machine)
+    assert "(trace)" not in before["ddp"] and "(trace)" not in before["slow"], before
+    assert "straggler rank 1" in after["ddp"] and "rank 1 vm cpu (trace)" in after["ddp"], after
