@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable, TextIO
 
 from shardscope import batch_follow
 from shardscope import registry  # noqa: F401  (config.registry: the strategy table, for callers)
@@ -94,13 +94,18 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
 
 def dump_json(path: str | os.PathLike[str], data: Any) -> None:
     """Write ``data`` as indented strict JSON (non-finite floats quoted), atomically (write then rename)."""
+    write_atomic(path, lambda fh: (json.dump(json_ready(data), fh, indent=2, default=str), fh.write("\n")))
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[TextIO], Any]) -> None:
+    """Call ``write(fh)`` on a partial file beside ``path`` and rename it over ``path``; on any failure (a full
+    disk, a bug) remove the partial file and re-raise, so ``path`` holds the old or the new content, whole."""
     tmp = f"{os.fspath(path)}.{os.getpid()}{PARTIAL_SUFFIX}"  # unique: several nodes may write the same file
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(json_ready(data), fh, indent=2, default=str)
-            fh.write("\n")
+            write(fh)
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a bug: leave no half-written file behind
+    except BaseException:
         _remove_quietly(tmp)
         raise
 

@@ -114,8 +114,11 @@ class RecordWriter:
         if self._injected is not None:
             raise OSError(self._injected, os.strerror(self._injected), self.path)
         line = encode(record)
-        self._file.write(line)
-        self._file.flush()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as err:  # the buffered file's error names no file: the message must say which
+            raise OSError(err.errno, err.strerror, err.filename or self.path) from err
         if self.forward is not None:  # another node: node 0 gets the line too (record_wire)
             self.forward.send(line)
         return record

@@ -143,10 +143,12 @@ def test_tiny_tmpfs_is_refused_before_launch(tmpfs):
 
 
 def test_tmpfs_filling_mid_run(tmpfs):
-    """The disk fills after launch (a filler file takes every free byte): the trace export fails."""
+    """The disk fills after launch (a filler file takes every free byte): the run fails on its next write (a
+    record or the trace export), the next run is not started, and the summary is still written whole. The run
+    is far longer than the fill takes, so whatever the machine's load it cannot end before the disk is full."""
     point = tmpfs("48m")
     out = os.path.join(point, "out")
-    proc = subprocess.Popen([*CLI, "run", "--preset", "smoke", "--headless", "--out", out, "--set", "steps=8",
+    proc = subprocess.Popen([*CLI, "run", "--preset", "smoke", "--headless", "--out", out, "--set", "steps=5000",
                              "--set", "profile.start_step=4", "--set", "profile.steps=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(os.path.join(out, "ddp", "metrics", "rank0.jsonl"), 1)

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from shardscope import outspace
 from shardscope.engines.watchdog import OrchestratorWatch
 from shardscope.liveness import process_alive
@@ -104,3 +106,20 @@ def test_a_short_disk_names_each_part_in_a_unit_that_shows_it(tmp_path):
     assert line is not None and line.startswith(f"--out {tmp_path / 'out'}: ")
     assert "records 49.7 KiB" in line and "initial weights 535.2 KiB" in line and "traces 1024.0 PiB" not in line
     assert " 0.0 " not in line
+
+
+def test_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path):
+    """write_atomic: a writer that fails part-way (a full disk) leaves the previous content whole and no
+    partial file beside it."""
+    from shardscope.config import write_atomic
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+
+    def half(fh):
+        fh.write("new, half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_atomic(path, half)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]

@@ -136,3 +136,24 @@ def test_real_comparison_report(tmp_path):
         data = RunProfileData.parse(match.group(1), (match.group(2) or ".")[1:], os.path.join(tb, name), str(tmp_path))
         profile = RunGenerator(match.group(1), (match.group(2) or ".")[1:], data).generate_run_profile()
         assert any(v.name == "trace" for v in profile.views)
+
+
+def test_a_disk_that_fills_during_the_reports_keeps_the_summary(tmp_path, monkeypatch):
+    """The merged trace fails with ENOSPC (the disk filled): summary.json is written whole before it, the
+    failure is named on stderr, no partial file is left, and report/plots are not claimed as written."""
+    import errno
+
+    from shardscope.profiling import traces
+
+    out = make_run_dir(tmp_path)
+
+    def full_disk(runs, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(traces, "write_merged_trace", full_disk)
+    paths = write_reports(str(out))
+    assert set(paths) == {"summary"}
+    data = json.loads((out / "summary.json").read_text())
+    assert {r["name"] for r in data["runs"]} == {"ddp", "fsdp2"} and "communication" in data
+    assert not list(out.rglob("*.tmp"))
+    assert not (out / "report.md").exists()

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from shardscope.config import Comparison, dump_json
+from shardscope.config import Comparison, dump_json, write_atomic
 from shardscope.profiling import fold
 from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
@@ -174,20 +174,30 @@ def _full_reports(out_dir: str) -> dict[str, str]:
     data["explain"] = explain_report.section(c, data, out_dir)
     data["recommendation"] = recommend.section(c, states, data)
     out = RunDir(out_dir)
-    paths = {"summary": out.summary, "report": out.report, "plots": out.plots}
-    if data["traces"]:
-        merged = traces.write_merged_trace({n: t["chrome"] for n, t in data["traces"].items() if t["chrome"]},
-                                           out.merged_trace)
-        data["merged_trace"] = merged
-        paths["merged_trace"] = merged
-    losses = {name: st.losses for name, st in states.items()}
-    made = plots.write_plots(data, losses, paths["plots"])
-    timing = straggler_report.plot(states, out.plot("rank_timing"))
-    made.update({"rank_timing": timing} if timing else {})
-    data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
-    dump_json(paths["summary"], data)
-    with open(paths["report"], "w", encoding="utf-8") as fh:
-        fh.write(render_markdown(data))
+    paths = {"summary": out.summary, "report": out.report}
+    dump_json(paths["summary"], data)  # the figures first: on a disk that fills, the summary is what must exist
+    try:
+        if data["traces"]:
+            merged = traces.write_merged_trace({n: t["chrome"] for n, t in data["traces"].items() if t["chrome"]},
+                                               out.merged_trace)
+            data["merged_trace"] = merged
+            paths["merged_trace"] = merged
+        losses = {name: st.losses for name, st in states.items()}
+        made = plots.write_plots(data, losses, out.plots)
+        timing = straggler_report.plot(states, out.plot("rank_timing"))
+        made.update({"rank_timing": timing} if timing else {})
+        data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
+        paths["plots"] = out.plots
+        dump_json(paths["summary"], data)
+        write_atomic(paths["report"], lambda fh: fh.write(render_markdown(data)))
+    except OSError as err:
+        disk = disk_error(err)
+        if disk is None:
+            raise
+        # summary.json (written above) stays; what did not fit is named, nothing partial is left.
+        print(f"shardscope: {describe(disk)}: the summary is written; report.md, plots or the merged trace are "
+              "not", file=sys.stderr)
+        return {k: v for k, v in paths.items() if os.path.exists(v)}
     return paths
 
 

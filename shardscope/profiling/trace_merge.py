@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shardscope.config import write_atomic
+
 from shardscope.profiling.trace_reading import (
     RankTrace,
     load_rank_trace,
@@ -32,10 +34,8 @@ def write_merged_trace(runs: dict[str, list[str]], out_path: str) -> str:
             except (OSError, ValueError):
                 continue
             out.extend(_merged_rank_events(trace, pid))
-    with open(out_path, "w", encoding="utf-8") as fh:
-        fh.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
-        fh.write(",\n".join(json.dumps(e, separators=(",", ":")) for e in out))
-        fh.write("\n]}\n")
+    body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in out)
+    write_atomic(out_path, lambda fh: fh.write('{"displayTimeUnit": "ms", "traceEvents": [\n' + body + "\n]}\n"))
     return out_path
 
 
