@@ -40,6 +40,9 @@ END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_complete
 ORCHESTRATOR_LOST = "orchestrator lost"  # an end record's reason when the rank's orchestrator disappeared
 # Environment variable naming the orchestrator each rank watches: "<pid>:<create_time>:<tid>" (engines/watchdog.py).
 ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
+# "<pid>:<create_time>[,...]": the previous run's torchrun, still tearing down when this run was launched;
+# the ranks train only once it is gone (start-up overlaps the previous run's teardown, never its steps)
+PREVIOUS_RUN_ENV = "SHARDSCOPE_AFTER"
 # Profiler ranges the training loop opens around each phase; the trace analysis reads them back.
 PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}
 

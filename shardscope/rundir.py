@@ -3,7 +3,7 @@
 Layout (DESIGN.md "run directory")::
 
     <out>/comparison.json        the validated Comparison, written before any run starts
-    <out>/init.safetensors       the shared initial weights (init.log: the subprocess that wrote them)
+    <out>/init.safetensors       the shared initial weights (written by the first run's ranks)
     <out>/orchestrator.json      the orchestrator's identity (host, pid, start time; liveness reads it)
     <out>/devices.jsonl          device samples (devices.node<N>.jsonl from other nodes)
     <out>/nodes/node<N>.json     heartbeats of nodes other than 0
@@ -38,7 +38,6 @@ REPORT = "report.md"
 PLOTS = "plots"
 DIFF = "diff"
 INIT_WEIGHTS = "init.safetensors"
-INIT_LOG = "init.log"
 SPEC = "spec.json"
 STATUS = "status.json"
 METRICS = "metrics"
@@ -228,11 +227,6 @@ class RunDir:
     def init_weights(self) -> str:
         """``init.safetensors``: the shared initial weights."""
         return os.path.join(self.path, INIT_WEIGHTS)
-
-    @property
-    def init_log(self) -> str:
-        """``init.log``: output of the subprocess that wrote the initial weights."""
-        return os.path.join(self.path, INIT_LOG)
 
     @property
     def identity(self) -> str:

@@ -51,11 +51,10 @@ def free_port() -> int:
 
 
 def prepare(out_dir: Path, comparison: Comparison) -> Path:
-    """Write ``comparison.json`` and ``init.safetensors`` (via the init_weights module) in ``out_dir``."""
+    """Write ``comparison.json`` in ``out_dir`` (the first run's ranks write ``init.safetensors``, as in a
+    comparison)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config.dump_json(out_dir / "comparison.json", comparison.to_dict())
-    subprocess.run([sys.executable, "-m", "shardscope.engines.init_weights", str(out_dir / "comparison.json"),
-                    str(out_dir / "init.safetensors")], check=True, cwd=REPO, capture_output=True, timeout=120)
     return out_dir
 
 

@@ -4,6 +4,7 @@ lr schedule, fault specs, layer keys, memory accounting, initial weights. No pro
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from shardscope.config import Comparison, DataSpec, ModelSpec
 from shardscope.engines import data, memory_accounting, norms, precision
 from shardscope.engines.faults import Fault
-from shardscope.engines.init_weights import load_init, write_init
+from shardscope.engines.init_weights import ensure_init, load_init, write_init
 from shardscope.engines.model import Transformer, build_model, count_parameters
 from shardscope.engines.optim import LossScaler, clip_by_global_norm, lr_at
 
@@ -118,6 +119,43 @@ def test_init_weights_round_trip(tmp_path: Path) -> None:
     ref = build_model(TINY, seed=11)
     assert n == count_parameters(ref)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_init_weights_bytes_depend_only_on_the_weights(tmp_path: Path) -> None:
+    """Two writes of the same comparison's weights, one in another interpreter, are the same bytes (safetensors
+    writes its metadata map in a random order; one key keeps it fixed), so two identical comparisons carry the
+    same init_sha256 and ``diff`` does not list it."""
+    import json
+    import subprocess
+    import sys
+
+    c = comparison(seed=11)
+    write_init(c, str(tmp_path / "a.safetensors"))
+    write_init(c, str(tmp_path / "b.safetensors"))
+    (tmp_path / "comparison.json").write_text(json.dumps(c.to_dict()))
+    subprocess.run([sys.executable, "-m", "shardscope.engines.init_weights", str(tmp_path / "comparison.json"),
+                    str(tmp_path / "c.safetensors")], check=True, capture_output=True)
+    a = (tmp_path / "a.safetensors").read_bytes()
+    assert a == (tmp_path / "b.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors", "c.safetensors",
+                                                          "comparison.json"]  # no partial file left
+
+
+def test_ensure_init_writes_once_then_every_rank_loads(tmp_path: Path) -> None:
+    """The first run's writer rank saves the freshly built model; the barrier comes before any load; a later
+    run (file present) writes nothing and loads it."""
+    c = comparison(seed=11)
+    path = str(tmp_path / "init.safetensors")
+    calls = []
+    writer = build_model(TINY, seed=11)
+    ensure_init(writer, c, path, write=True, barrier=lambda: calls.append(os.path.exists(path)))
+    assert calls == [True]
+    before = os.stat(path).st_mtime_ns
+    other = build_model(TINY, seed=5)  # a later run's rank: whatever it built, it loads the file
+    ensure_init(other, c, path, write=True, barrier=lambda: calls.append("second"))
+    assert os.stat(path).st_mtime_ns == before and calls == [True, "second"]
+    for (name, p), (_, q) in zip(other.named_parameters(), writer.named_parameters()):
         assert torch.equal(p, q), name
 
 

@@ -123,3 +123,26 @@ def test_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path):
     with pytest.raises(OSError):
         write_atomic(path, half)
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_a_rank_waits_for_the_previous_runs_torchrun_to_be_gone():
+    """``wait_for_previous_run``: while the named process lives the rank does not start; once it is gone
+    (reaped or a zombie) the wait returns the time waited. Nothing named, or a pid already gone: no wait."""
+    from shardscope.engines.watchdog import wait_for_previous_run
+    import psutil
+
+    assert wait_for_previous_run("") == 0.0
+    assert wait_for_previous_run("999999999:1.0,garbage") == 0.0
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        named = f"{sleeper.pid}:{psutil.Process(sleeper.pid).create_time():.3f}"
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(wait_for_previous_run(named)), daemon=True)
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not result  # the previous run is still there: no first step yet
+    finally:
+        sleeper.kill()
+    waiter.join(timeout=60)
+    sleeper.wait()
+    assert not waiter.is_alive() and result and result[0] > 0

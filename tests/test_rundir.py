@@ -130,7 +130,7 @@ def test_run_dir_paths(tmp_path):
     assert out.plots == os.path.join(p, "plots") and out.plot("loss") == os.path.join(p, "plots", "loss.png")
     assert out.diff == os.path.join(p, "diff")
     assert out.merged_trace == os.path.join(p, "merged_trace.json")
-    assert out.init_weights == os.path.join(p, "init.safetensors") and out.init_log == os.path.join(p, "init.log")
+    assert out.init_weights == os.path.join(p, "init.safetensors")
     assert out.identity == os.path.join(p, "orchestrator.json")
     assert out.spare == os.path.join(p, ".shardscope-spare")
     assert out.devices() == os.path.join(p, "devices.jsonl")

@@ -1,6 +1,7 @@
-"""Materialise the comparison's shared initial weights once, before any run.
+"""The comparison's shared initial weights: written once by the first run's ranks, loaded by every run.
 
-``python -m shardscope.engines.init_weights <out>/comparison.json <out>/init.safetensors``
+``ensure_init`` is what a rank calls; ``python -m shardscope.engines.init_weights <out>/comparison.json
+<out>/init.safetensors`` writes them outside a run (the benchmarks, tests).
 
 Builds the model from the comparison's model spec and seed, in fp32 on CPU, and saves its state
 dict with safetensors. ``safetensors.torch.save_model`` drops duplicate names of shared (tied)
@@ -13,6 +14,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import Callable
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -22,19 +24,43 @@ from shardscope.engines.model import build_model
 from shardscope.rundir import COMPARISON, INIT_WEIGHTS, PARTIAL_SUFFIX
 
 
-def write_init(comparison: Comparison, path: str) -> int:
-    """Build the model for ``comparison`` and save its weights to ``path``; return the parameter count."""
-    model = build_model(comparison.model, comparison.seed)
+def save_init(model: torch.nn.Module, comparison: Comparison, path: str) -> None:
+    """Save ``model``'s weights to ``path`` atomically (a partial file of this process, renamed over it).
+
+    The bytes depend only on the weights: safetensors writes its metadata map in a random order, so the
+    metadata is one key (a JSON string with sorted keys) and two writers of the same model (two nodes on a
+    shared filesystem, two concurrent runs) write the same file, with the same hash."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + PARTIAL_SUFFIX
+    tmp = f"{path}.{os.getpid()}{PARTIAL_SUFFIX}"
+    meta = json.dumps({"model_kind": comparison.model.kind, "seed": comparison.seed}, sort_keys=True)
     try:
-        save_model(model, tmp, metadata={"seed": str(comparison.seed), "model_kind": comparison.model.kind})
+        save_model(model, tmp, metadata={"shardscope": meta})
         os.replace(tmp, path)  # atomic: a reader never sees half a file
     except BaseException:  # a full disk: leave no half-written file behind
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_init(comparison: Comparison, path: str) -> int:
+    """Build the model for ``comparison`` and save its weights to ``path``; return the parameter count."""
+    model = build_model(comparison.model, comparison.seed)
+    save_init(model, comparison, path)
     return sum(p.numel() for p in model.parameters())
+
+
+def ensure_init(model: torch.nn.Module, comparison: Comparison, path: str, *, write: bool,
+                barrier: Callable[[], None]) -> None:
+    """Make ``model`` hold the comparison's shared initial weights, writing them first where none exist.
+
+    ``model`` was just built from the comparison's seed, so it already holds them: a rank with ``write``
+    (local rank 0 of each node) saves it when ``path`` is missing (the first run of a comparison), every rank
+    waits at ``barrier`` and then loads the file, so all runs start from the same bytes, whose hash the
+    start record carries. No interpreter is started only to write the weights."""
+    if write and not os.path.exists(path):
+        save_init(model, comparison, path)
+    barrier()
+    load_init(model, path)
 
 
 def load_init(model: torch.nn.Module, path: str) -> None:

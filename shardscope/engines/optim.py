@@ -13,10 +13,10 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from shardscope.engines.api import TrainSettings
 from shardscope.engines.global_grad import full_value
+from shardscope.engines.memory_accounting import local_tensor
 
 
 def make_optimizer(params: Iterable[torch.Tensor], settings: TrainSettings) -> torch.optim.AdamW:
@@ -92,7 +92,7 @@ class LossScaler:
                     continue
                 # DTensor grads (FSDP2, TP) live on different meshes: check the local shard, then
                 # reduce the flag over the whole group below.
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local = local_tensor(p.grad)
                 local.div_(self.scale)
                 bad = (~torch.isfinite(local)).any().float()
                 found_inf = bad if found_inf is None else torch.maximum(found_inf, bad)

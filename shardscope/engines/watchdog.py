@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from shardscope.events import ORCHESTRATOR_ENV
+from shardscope.events import ORCHESTRATOR_ENV, PREVIOUS_RUN_ENV
 from shardscope.liveness import process_alive
 
 
@@ -72,3 +72,25 @@ class OrchestratorWatch:
             os._exit(exit_code)
 
         threading.Thread(target=watch, name="shardscope-orchestrator-watch", daemon=True).start()
+
+
+def wait_for_previous_run(env: str | None = None, poll_s: float = 0.01) -> float:
+    """Block until every process named in ``PREVIOUS_RUN_ENV`` (the previous run's torchrun, launched
+    beside this one while it tore down) is gone; return the seconds waited (0.0 when none was alive).
+
+    A rank calls it after its start-up and before its first step, so a run's measured steps never share
+    the machine with the previous run. The wait is bounded by the orchestrator, which stops a previous
+    run that hangs on its way out (its stall timeout) and reaps it."""
+    text = os.environ.get(PREVIOUS_RUN_ENV, "") if env is None else env
+    named = []
+    for item in filter(None, text.split(",")):
+        pid, _, created = item.partition(":")
+        try:
+            named.append((int(pid), float(created)))
+        except ValueError:
+            continue
+    start, waited = time.monotonic(), 0.0
+    while any(process_alive(pid, created) for pid, created in named):
+        time.sleep(poll_s)
+        waited = time.monotonic() - start
+    return waited

@@ -12,6 +12,10 @@ The process group is always destroyed.
 
 from __future__ import annotations
 
+import time
+
+_T_ENTRY = time.time()  # before the imports: where a rank's start-up goes (the start record's ``startup``)
+
 import datetime
 import hashlib
 import importlib.metadata
@@ -35,15 +39,16 @@ from shardscope.engines.api import RankContext, TrainSettings
 from shardscope.engines import failure
 from shardscope.engines.data import build_batches
 from shardscope.engines.faults import Fault
-from shardscope.engines.init_weights import load_init
+from shardscope.engines.init_weights import ensure_init
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
-from shardscope.engines.watchdog import OrchestratorWatch
+from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.rundir import SPEC, RunFiles
 
+_T_IMPORTED = time.time()
 EXIT_FAILED, EXIT_STOPPED = 1, 143
 SPARE_BYTES = 64 << 10  # room for the last records (error + end with a traceback) on a full disk
 
@@ -135,19 +140,40 @@ def train_settings(comparison: Comparison, run: dict[str, Any], dp: int) -> Trai
     )
 
 
-def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter, cfg: LoopConfig) -> None:
-    """Build, load, apply the strategy and train on this rank, filling in ``cfg``. Exceptions propagate."""
+def process_start_time() -> float | None:
+    """This process's start (epoch seconds), from the kernel; None where it cannot be read."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a figure of the start record, never a reason to fail
+        return None
+
+
+def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter, cfg: LoopConfig,
+             marks: dict[str, float | None] | None = None) -> None:
+    """Build, load, apply the strategy and train on this rank, filling in ``cfg``. Exceptions propagate.
+
+    ``marks`` (epoch seconds by stage: process start, imports done, process group ready) gets the model,
+    strategy and batch stages added and goes into the start record as ``startup``."""
+    marks = dict(marks or {})
     comparison = Comparison.from_dict({**spec["comparison"], "runs": []})
     run = spec["run"]
     torch.manual_seed(comparison.seed)  # any runtime randomness is identical across runs
     settings = train_settings(comparison, run, ctx.dp_size)
     model = build_model(comparison.model, comparison.seed)
-    load_init(model, spec["init_path"])  # identical on every rank and in every run
+    # identical on every rank and in every run; the first run's local rank 0 writes them
+    ensure_init(model, comparison, spec["init_path"], write=ctx.local_rank == 0, barrier=dist.barrier)
     n_params = count_parameters(model)
     model.to(ctx.device)
+    marks["model"] = time.time()
     info = registry.get(run["strategy"])
     prep = resolve(info.entry)(model, ctx, settings, dict(run["options"]))
+    marks["strategy"] = time.time()
     micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
+    marks["batches"] = time.time()
+    if wait_for_previous_run():  # launched while the previous run tore down: train once it is gone
+        marks["previous_run_gone"] = time.time()
     prof = comparison.profile
     window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
@@ -157,7 +183,8 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes,
-                 straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window})
+                 straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window},
+                 startup=marks)
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
     cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
@@ -227,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
             writer.forward_to(os.environ[record_wire.ENV])
+        marks = {"process": process_start_time(), "entry": _T_ENTRY, "imported": _T_IMPORTED}
         ctx = init_distributed(spec)
-        run_rank(spec, ctx, writer, cfg)
+        marks["process_group"] = time.time()
+        run_rank(spec, ctx, writer, cfg, marks)
     except (Stopped, KeyboardInterrupt):  # SIGTERM from the orchestrator or torchrun; Ctrl-C in a terminal
         write_stopped(writer, cfg.steps_completed, watch)
         code = EXIT_STOPPED

@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import psutil
 
+from shardscope.events import PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
 
 
@@ -39,6 +41,10 @@ class LaunchPlan:
     env: dict[str, str]
     console_path: str
     cwd: str
+
+    def with_env(self, extra: dict[str, str]) -> "LaunchPlan":
+        """Return this plan with ``extra`` added to its environment."""
+        return dataclasses.replace(self, env={**self.env, **extra})
 
     def shell_line(self) -> str:
         """Return the command as one copy-pasteable shell line (env additions first)."""
@@ -92,6 +98,18 @@ def endpoint_for_run(endpoint: str, index: int) -> str:
     if not host or not port.isdigit():
         return endpoint
     return f"{host}:{int(port) + index}"
+
+
+def after_env(previous: list["RunProcess"]) -> dict[str, str]:
+    """Environment that makes a run's ranks wait, before their first step, until ``previous`` (torchrun
+    jobs still tearing down) are gone (``engines.watchdog.wait_for_previous_run``)."""
+    named = []
+    for proc in previous:
+        try:
+            named.append(f"{proc.pid}:{psutil.Process(proc.pid).create_time():.3f}")
+        except psutil.Error:  # already gone: nothing to wait for
+            continue
+    return {PREVIOUS_RUN_ENV: ",".join(named)} if named else {}
 
 
 def worker_env(device: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""A comparison in progress: prepares shared weights, runs each run's torchrun job, publishes updates.
+"""A comparison in progress: runs each run's torchrun job and publishes updates.
 
 ``Session`` is the one source of live state for both views (the headless printer and the
 Textual app). The runs are driven from one background thread, the session thread; subscribers
@@ -7,8 +7,8 @@ must hand them to their own thread (the app posts a message). Control calls (``s
 ``restart_run``, ``stop_all``) are thread-safe requests the session thread acts on at its next poll.
 
 Here: the public API, the session loop and launching. ``supervision.RunSupervision`` follows each
-active run to its verdict; ``session_ends.SessionEnds`` writes the shared initial weights, samples
-devices and writes the reports.
+active run to its verdict; ``session_ends.SessionEnds`` reaches node 0, samples devices and writes
+the reports.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             self._flush()
             if launch.node_rank == 0 or launch.records_endpoint:  # node 0's, or this node's own directory
                 dump_json(self.rundir.comparison, self.comparison.to_dict())
-            if not (self._reach_node0() and self._write_init_weights()):
+            if not self._reach_node0():
                 self._queue.clear()
             self._start_sampler()
             self._loop()
@@ -212,22 +212,35 @@ class Session(RunSupervision, SessionEnds, Completion):
         ))
 
     def _loop(self) -> None:
-        max_active = len(self.run_names) if self.comparison.launch.concurrent else 1
+        concurrent = self.comparison.launch.concurrent
+        max_active = len(self.run_names) if concurrent else 1
         while True:
             self._handle_requests()
             self._check_nodes()
-            while self._queue and len(self._active) < max_active and not self._stopping:
-                self._launch(self._queue.popleft())
+            while self._queue and not self._stopping:
+                # A run whose ranks all ended cleanly is only tearing down: the next one starts now, and its
+                # ranks wait for that run's torchrun to be gone before their first step.
+                leaving = [a for a in self._active.values() if not concurrent and self._tearing_down(a)]
+                if len(self._active) - len(leaving) >= max_active:
+                    break
+                self._launch(self._queue.popleft(), after=[a.proc for a in leaving])
             if not self._active and (not self._queue or self._stopping):
                 break
             for active in list(self._active.values()):
                 self._poll(active)
             self._flush()
-            time.sleep(self.poll_interval_s)
+            time.sleep(self._poll_delay())
         for name in list(self._queue):
             self._emit(state.StatusChanged(name, state.STOPPED, "stopped before it started"))
         self._queue.clear()
         self._flush()
+
+    def _poll_delay(self) -> float:
+        """The poll interval, or 20 ms while a run is at its last step (its end starts the next run)."""
+        last = self.comparison.steps - 1
+        near_end = any(active.last_steps and min(active.last_steps.values()) >= last - 1
+                       for active in self._active.values())
+        return min(self.poll_interval_s, 0.02) if near_end and self._queue else self.poll_interval_s
 
     def _check_nodes(self) -> None:
         """Node 0: a lost node fails the active runs (their ranks here are stopped) and every queued run."""
@@ -282,7 +295,7 @@ class Session(RunSupervision, SessionEnds, Completion):
         return launcher.LaunchPlan(run.name, argv, env,
                                    files.console(launch.node_rank), os.getcwd())
 
-    def _launch(self, name: str) -> None:
+    def _launch(self, name: str, after: list[launcher.RunProcess] | tuple = ()) -> None:
         run = self.comparison.run(name)
         files = self.rundir.run(name)
         run_dir = files.path
@@ -293,6 +306,8 @@ class Session(RunSupervision, SessionEnds, Completion):
             self._define(run)
         self._attempts[name] = attempt + 1
         plan = self._plan(run)
+        if after:
+            plan = plan.with_env(launcher.after_env(after))
         self._emit(state.StatusChanged(name, state.STARTING))
         self._emit(state.Notice(f"{name}: {plan.shell_line()}"))
         try:

@@ -1,5 +1,6 @@
-"""The two ends of a session: the shared initial weights before the first run, and device sampling
-and the reports around and after the last.
+"""The two ends of a session: reaching node 0 before the first run (records over TCP), and device
+sampling and the reports around and after the last. (The shared initial weights are written by the
+first run's ranks: ``engines.init_weights.ensure_init``.)
 
 ``SessionEnds`` is a mixin of ``Session``. Device samples are published from the sampler's own
 thread (``DeviceLog``); everything else here runs on the session thread.
@@ -7,61 +8,18 @@ thread (``DeviceLog``); everything else here runs on the session thread.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 from shardscope.record_wire import send_beat
 from shardscope import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog
-from shardscope.orchestrator.supervision import last_line
 from shardscope.profiling import state
 from shardscope.profiling.report import write_reports
-from shardscope.rundir import INIT_WEIGHTS, tail_text
 
 
 class SessionEnds:
-    """Mixin of ``Session``: the initial weights, the device sampler and the final reports."""
-
-    def _write_init_weights(self) -> bool:
-        """Materialise the shared initial weights once, in a torch subprocess (this process never imports torch)."""
-        init_path = self.rundir.init_weights
-        if os.path.exists(init_path):
-            return True
-        if self.comparison.launch.node_rank > 0 and not self.comparison.launch.records_endpoint:
-            return self._wait_for_file(init_path)  # a shared filesystem: node 0 writes them
-        # Node 0, or a node with a directory of its own (records over TCP): the same weights, from the seed.
-        self._emit(state.Notice(f"writing shared initial weights ({INIT_WEIGHTS})"))
-        self._flush()
-        log_path = self.rundir.init_log
-        with open(log_path, "wb") as log:
-            proc = subprocess.run(
-                [self.python, "-m", "shardscope.engines.init_weights",
-                 self.rundir.comparison, init_path],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-        if proc.returncode == 0:
-            return True
-        text = tail_text(log_path, 20)
-        message = f"writing initial weights failed (exit {proc.returncode}): {last_line(text)}"
-        self._emit(state.Notice(message, "error"))
-        for name in self.run_names:
-            self._emit(state.StatusChanged(name, state.FAILED, message, text))
-        return False
-
-    def _wait_for_file(self, path: str, timeout_s: float = 600.0) -> bool:
-        """Other nodes of a multi-node comparison wait for node 0's shared weights (shared filesystem)."""
-        self._emit(state.Notice(f"waiting for node 0 to write {path}"))
-        self._flush()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if os.path.exists(path):
-                return True
-            time.sleep(1.0)
-        for name in self.run_names:
-            self._emit(state.StatusChanged(name, state.FAILED, f"node 0 never wrote {path}"))
-        return False
+    """Mixin of ``Session``: reaching node 0, the device sampler and the final reports."""
 
     def _reach_node0(self) -> bool:
         """Other nodes without a shared filesystem: make sure node 0's record server answers before any run

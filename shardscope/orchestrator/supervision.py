@@ -37,6 +37,7 @@ class _Active:
     ranks: dict[int, int] = field(default_factory=dict)  # pid -> global rank
     errors: list[dict] = field(default_factory=list)  # every rank's error records (root_cause picks one)
     ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
+    finished: set[int] = field(default_factory=set)  # ranks whose `end` record says ok or diverged
 
 
 class RunSupervision:
@@ -75,12 +76,21 @@ class RunSupervision:
                     active.cause = verdict.cause_of(active.errors, active.error)
                 elif r.get("kind") == "end":
                     active.ended.add(int(r.get("rank", -1)))
+                    if r.get("status") in (state.OK, state.DIVERGED):
+                        active.finished.add(int(r.get("rank", -1)))
                     if r.get("rank") == 0:
                         active.saw_end = str(r.get("status", ""))
             self._emit(state.RecordsArrived(active.name, tuple(records), active.metrics.invalid_lines))
         text = active.console.poll()
         if text:
             self._emit(state.ConsoleText(active.name, text))
+
+    def _tearing_down(self, active: _Active) -> bool:
+        """True when every rank of a one-node run wrote a clean ``end`` (no error, no stop asked): what is
+        left is teardown (process group, exit), which the next run's start-up may overlap."""
+        world = self.states[active.name].world_size
+        return (self.comparison.launch.nnodes == 1 and not active.stop_reason and not active.errors
+                and world > 0 and len(active.finished) >= world)
 
     def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
         """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""

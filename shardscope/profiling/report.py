@@ -17,7 +17,7 @@ from shardscope.profiling import fold
 from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
 from shardscope.outspace import describe, disk_error
-from shardscope.rundir import CHROME_SUFFIX, TB, TRACES, RunDir, RunFiles
+from shardscope.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
 from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
 from shardscope.numbers import fmt_bytes, median_rate
 from shardscope.profiling.summary import throughput_unit
@@ -195,8 +195,8 @@ def _full_reports(out_dir: str) -> dict[str, str]:
         if disk is None:
             raise
         # summary.json (written above) stays; what did not fit is named, nothing partial is left.
-        print(f"shardscope: {describe(disk)}: the summary is written; report.md, plots or the merged trace are "
-              "not", file=sys.stderr)
+        print(f"shardscope: {describe(disk)}: {SUMMARY} is written; not all of {REPORT}, {PLOTS}/ and "
+              f"{MERGED_TRACE} are", file=sys.stderr)
         return {k: v for k, v in paths.items() if os.path.exists(v)}
     return paths
 

@@ -1,0 +1,179 @@
+"""How close is shardscope's start-up to the floor of any torchrun job? Both measured in one run, alternating.
+
+The floor: ``torchrun --standalone --nproc-per-node N`` of a script that imports torch, joins a gloo
+process group and does one all-reduce; its time is launch -> the all-reduce done on every rank. The DDP
+floor: the same script constructing ``DistributedDataParallel`` around a Linear first (torch's DDP and
+FSDP constructors import ``torch._dynamo``, which any job using them pays), printed beside it.
+
+shardscope: ``shardscope run --preset smoke --headless --set steps=S`` (two runs, DDP then FSDP2). From
+the rank files it reads
+
+- **first step**: launch of the command -> the first run's training begins (the latest rank's ``start``
+  record, written right before step 0);
+- **between runs**: end of run k (its last step record on any rank) -> run k+1's training begins;
+
+each as a ratio to the floor measured beside it, and where the time went: the command line, the
+first torchrun started, each rank's process start, imports, process group, model (built and
+initial weights), strategy, batches (from the ``startup`` marks of the start record).
+
+    python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke]
+
+Targets on a quiet machine: first step <= 1.2x the floor, between runs <= 1.0x the floor. The last
+lines are ``startup first_step_ratio: R`` and ``startup between_runs_ratio: R`` (medians over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+FLOOR_SCRIPT = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if sys.argv[2] == "ddp":  # the second reference: what constructing DDP costs in any job (torch imports dynamo)
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+t = torch.ones(1)
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as fh:
+    fh.write(repr(time.time()))
+dist.destroy_process_group()
+os._exit(0)  # gloo's threads can abort interpreter teardown (see engines/worker.exit_now)
+"""
+
+STAGES = ("process", "entry", "imported", "process_group", "model", "strategy", "batches")
+
+
+def floor_once(world_size: int, work: str, kind: str = "bare") -> float:
+    """Launch the bare torchrun job once (``kind`` "ddp": it also wraps a Linear in DDP); return launch ->
+    every rank's all-reduce done (s)."""
+    script = os.path.join(work, "floor.py")
+    with open(script, "w", encoding="utf-8") as fh:
+        fh.write(FLOOR_SCRIPT)
+    marks = tempfile.mkdtemp(dir=work)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world_size), script, marks, kind], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"floor job ({kind}) exited {proc.returncode}: {proc.stderr[-3000:]}")
+    done = [float(open(p, encoding="utf-8").read()) for p in glob.glob(os.path.join(marks, "rank*"))]
+    if len(done) != world_size:
+        raise RuntimeError(f"floor job: {len(done)} of {world_size} ranks reported")
+    return max(done) - t0
+
+
+def records(out: str, run: str) -> dict[int, list[dict]]:
+    """Every rank's records of ``run`` in ``out``."""
+    got = {}
+    for path in sorted(glob.glob(os.path.join(out, run, "metrics", "rank*.jsonl"))):
+        rank = int(os.path.basename(path)[4:].split(".")[0])
+        with open(path, encoding="utf-8") as fh:
+            got[rank] = [json.loads(line) for line in fh if line.strip()]
+    return got
+
+
+def shardscope_once(args: argparse.Namespace, work: str) -> dict:
+    """Run the comparison once; return its timeline (s from launch) and the per-stage breakdown."""
+    out = tempfile.mkdtemp(dir=work)
+    os.rmdir(out)
+    cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", args.preset, "--headless", "--out", out,
+           "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    total = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"shardscope exited {proc.returncode}: {proc.stderr[-2000:]}")
+    with open(os.path.join(out, "comparison.json"), encoding="utf-8") as fh:
+        runs = [r["name"] for r in json.load(fh)["runs"]]
+    timeline = []
+    for name in runs:
+        recs = records(out, name)
+        starts = [next(r for r in rs if r["kind"] == "start") for rs in recs.values()]
+        steps = [r for rs in recs.values() for r in rs if r["kind"] == "step"]
+        stages = {}
+        for stage in STAGES:
+            values = [s["startup"].get(stage) for s in starts if (s.get("startup") or {}).get(stage)]
+            stages[stage] = max(values) - t0 if values else None
+        timeline.append({"run": name, "begin": max(s["t"] for s in starts) - t0, "end": max(r["t"] for r in steps) - t0,
+                         "stages": stages})
+    return {"total": total, "runs": timeline}
+
+
+def one_round(args: argparse.Namespace, work: str, index: int) -> tuple[float, float, dict]:
+    """The floor, the DDP floor and shardscope, in an order that turns by round."""
+    jobs = [lambda: floor_once(args.world_size, work), lambda: floor_once(args.world_size, work, "ddp"),
+            lambda: shardscope_once(args, work)]
+    out: list = [None] * 3
+    for k in range(3):
+        j = (k + index) % 3
+        out[j] = jobs[j]()
+    return out[0], out[1], out[2]
+
+
+def fmt_stages(run: dict, since: float) -> str:
+    """The stages of one run as 'name +dt' from ``since`` (s)."""
+    parts, last = [], since
+    for stage in STAGES:
+        t = run["stages"].get(stage)
+        if t is None:
+            continue
+        parts.append(f"{stage} {t - last:+.2f}")
+        last = t
+    parts.append(f"start {run['begin'] - last:+.2f}")
+    return ", ".join(parts)
+
+
+def main() -> int:
+    """Alternate rounds, print each round and the medians; return 0."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--preset", default="smoke")
+    args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    firsts, betweens, floors, ddp_floors, ddp_firsts, ddp_betweens = [], [], [], [], [], []
+    with tempfile.TemporaryDirectory() as work:
+        floor_once(args.world_size, work)  # warm the page cache for both sides
+        for i in range(args.rounds):
+            floor, ddp_floor, ss = one_round(args, work, i)
+            runs = ss["runs"]
+            first = runs[0]["begin"]
+            gaps = [b["begin"] - a["end"] for a, b in zip(runs, runs[1:])]
+            floors.append(floor)
+            ddp_floors.append(ddp_floor)
+            firsts.append(first / floor)
+            ddp_firsts.append(first / ddp_floor)
+            betweens.extend(g / floor for g in gaps)
+            ddp_betweens.extend(g / ddp_floor for g in gaps)
+            print(f"round {i + 1}: floor {floor:.2f} s, DDP floor {ddp_floor:.2f} s | first step {first:.2f} s "
+                  f"({first / floor:.2f}x, {first / ddp_floor:.2f}x DDP) | between runs "
+                  f"{', '.join(f'{g:.2f} s ({g / floor:.2f}x, {g / ddp_floor:.2f}x DDP)' for g in gaps)} | "
+                  f"whole comparison {ss['total']:.2f} s")
+            print(f"  {runs[0]['run']}: launch -> {fmt_stages(runs[0], 0.0)}")
+            for a, b in zip(runs, runs[1:]):
+                print(f"  {b['run']}: end of {a['run']} -> {fmt_stages(b, a['end'])}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    print(f"floor median {statistics.median(floors):.2f} s, DDP floor median {statistics.median(ddp_floors):.2f} s "
+          f"over {len(floors)} rounds")
+    print(f"against the DDP floor: first step {statistics.median(ddp_firsts):.2f}x, between runs "
+          f"{statistics.median(ddp_betweens):.2f}x")
+    print(f"startup first_step_ratio: {statistics.median(firsts):.2f} (target <= 1.2)")
+    print(f"startup between_runs_ratio: {statistics.median(betweens):.2f} (target <= 1.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
