@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable, TextIO
 
 from shardscope import batch_follow
@@ -66,8 +67,26 @@ def load_preset(
     for item in overrides:
         apply_override(raw, item, src)
     notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
-    comparison = dataclasses.replace(build_comparison(raw, src), adjustments=notes)
-    return validate(comparison, host=host)
+    try:
+        comparison = dataclasses.replace(build_comparison(raw, src), adjustments=notes)
+        return validate(comparison, host=host)
+    except ConfigError as err:
+        raise ConfigError(_blame_override(str(err), src, overrides)) from None
+
+
+def _blame_override(message: str, src: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """Name ``--set key=value`` instead of the preset file when the bad value came from an override."""
+    head = f"{src}: "
+    if not message.startswith(head):
+        return message
+    rest = message[len(head):]
+    unknown = re.match(r"unknown key '([^']+)'", rest)
+    key = unknown.group(1) if unknown else re.split(r" = |: ", rest, maxsplit=1)[0]
+    for item in reversed(overrides):  # the last --set of a key is the one that counts
+        if item.partition("=")[0].strip() == key:
+            reason = rest if unknown else re.split(r" = .*?: |: ", rest, maxsplit=1)[-1]
+            return f"--set {item.strip()}: {reason}"
+    return message
 
 
 def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) -> dict[str, Any]:

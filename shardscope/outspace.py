@@ -114,8 +114,17 @@ def shortfall(out_dir: str, needed: SpaceEstimate) -> str | None:
         return None
     return (f"--out {out_dir}: {fmt_bytes(free)} free, the comparison needs about {fmt_bytes(needed.total)} "
             f"(traces {fmt_bytes(needed.traces)}, records {fmt_bytes(needed.records)}, initial weights "
-            f"{fmt_bytes(needed.weights)}, reports {fmt_bytes(needed.reports + SPARE_BYTES)}); free space or set "
-            "profile.enabled=false")
+            f"{fmt_bytes(needed.weights)}, reports {fmt_bytes(needed.reports + SPARE_BYTES)}); free space or "
+            f"{_hint(needed)}")
+
+
+def _hint(needed: SpaceEstimate) -> str:
+    """What to change for the largest part of the estimate."""
+    parts = {"traces": needed.traces, "records": needed.records, "weights": needed.weights}
+    largest = max(parts, key=lambda k: parts[k])
+    return {"traces": "set profile.enabled=false (the traces are the largest part)",
+            "records": "run fewer steps (the records are the largest part: a few hundred bytes per rank and step)",
+            "weights": "choose another --out (the initial weights are the largest part)"}[largest]
 
 
 class Spare:

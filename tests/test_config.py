@@ -36,22 +36,26 @@ def test_user_file_by_path(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("bogus=1", "unknown key 'bogus'; allowed:"),
-    ("steps='x'", "steps = 'x': expected an integer"),
+    ("steps='x'", "--set steps='x': expected an integer"),
     ("steps=true", "expected an integer"),
-    ("world_size=0", "world_size = 0: must be > 0"),
+    ("world_size=0", "--set world_size=0: must be > 0"),
     ("world_size=64", "hosts at most 4 (2 CPU cores)"),
-    ("runs.ddp.strategy='nope'", "runs.ddp.strategy = 'nope': allowed: "),
-    ("precision='fp8'", "precision = 'fp8': allowed: fp32"),
-    ("model.n_heads=3", "model.n_heads = 3: must divide model.d_model = 64"),
-    ("global_batch=3", "global_batch = 3: must be divisible by dp (2)"),
-    ("runs.fsdp2.options.nope=1", "runs.fsdp2.options.nope: unknown option of fsdp2; allowed:"),
+    ("runs.ddp.strategy='nope'", "--set runs.ddp.strategy='nope': allowed: "),
+    ("precision='fp8'", "--set precision='fp8': allowed: fp32"),
+    ("model.n_heads=3", "--set model.n_heads=3: must divide model.d_model = 64"),
+    ("global_batch=3", "--set global_batch=3: must be divisible by dp (2)"),
+    ("runs.fsdp2.options.nope=1", "--set runs.fsdp2.options.nope=1: unknown option of fsdp2; allowed:"),
     ("runs.fsdp2.options.reshard_after_forward=3", "allowed: true or false"),
     ("runs.ddp.fault='rank=1,step=2,kind=explode'", "kind must be one of raise, exit, hang"),
-    ("baseline='zzz'", "baseline = 'zzz': not a run; runs: ddp, fsdp2"),
+    ("baseline='zzz'", "--set baseline='zzz': not a run; runs: ddp, fsdp2"),
     ("runs.zzz.steps=1", "no run named 'zzz'"),
-    ("model.kind='cnn'", "model.kind = 'cnn': allowed: transformer, hf, vit"),
+    ("model.kind='cnn'", "--set model.kind='cnn': allowed: transformer, hf, vit"),
     ("data.kind='text'", "data.path = '': no such text file"),
-    ("launch.device='tpu'", "launch.device = 'tpu': allowed: auto, cpu, cuda"),
+    ("launch.device='tpu'", "--set launch.device='tpu': allowed: auto, cpu, cuda"),
+    ("lr=nan", "--set lr=nan: must be a finite number"),
+    ("lr=inf", "--set lr=inf: must be a finite number"),
+    ("grad_clip=-inf", "--set grad_clip=-inf: must be a finite number"),
+    ("runs.ddp.name='" + "a" * 65 + "'", "(65 characters): at most 64"),
 ])
 def test_bad_inputs_name_key_value_and_allowed(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -166,3 +170,15 @@ def test_check_parity_without_headless_is_refused_in_one_line(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardscope: error:")]
     assert errors == [errors[0]] and "--check-parity needs --headless" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_a_preset_nested_too_deep_is_one_line(tmp_path):
+    """A hostile preset (5,000 nested arrays, or tables 9 deep) is refused in one line, not a RecursionError."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested deeper than 8 tables or arrays"):
+        config.load_preset(str(deep), host=HOST)
+    tables = tmp_path / "tables.toml"
+    tables.write_text("[" + ".".join("t" * (i + 1) for i in range(9)) + "]\nx = 1\n")
+    with pytest.raises(ConfigError, match="t.tt.ttt.tttt.ttttt.tttttt.ttttttt.tttttttt.ttttttttt: nested deeper"):
+        config.load_preset(str(tables), host=HOST)

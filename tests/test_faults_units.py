@@ -146,3 +146,13 @@ def test_a_rank_waits_for_the_previous_runs_torchrun_to_be_gone():
     waiter.join(timeout=60)
     sleeper.wait()
     assert not waiter.is_alive() and result and result[0] > 0
+
+
+def test_disk_hint_names_the_largest_part(tmp_path):
+    """The pre-launch space check's advice follows the part of the estimate that is large: records for a
+    huge step count (profiling off would not help), traces for a huge profiler window."""
+    est = outspace.SpaceEstimate(traces=1 << 20, records=1 << 60, weights=0, reports=0)
+    line = outspace.shortfall(str(tmp_path / "out"), est)
+    assert line is not None and "run fewer steps (the records are the largest part" in line
+    est = outspace.SpaceEstimate(traces=1 << 60, records=1 << 20, weights=0, reports=0)
+    assert "set profile.enabled=false (the traces are the largest part)" in outspace.shortfall(str(tmp_path), est)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from shardscope.record_wire import parse_endpoint
 from shardscope import registry
 from shardscope.presets.files import ConfigError
 from shardscope.presets.schema import (
-    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
+    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
     RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
 )
 
@@ -54,6 +55,8 @@ def cpu_host() -> HostInfo:
 
 
 def _positive(src: str, key: str, value: float, allow_zero: bool = False) -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
+        raise ConfigError(f"{src}: {key} = {value!r}: must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{src}: {key} = {value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -63,6 +66,14 @@ def _one_of(src: str, key: str, value: Any, allowed: tuple[Any, ...]) -> None:
         raise ConfigError(f"{src}: {key} = {value!r}: allowed: {', '.join(map(str, allowed))}")
 
 
+def _name(src: str, key: str, value: str) -> None:
+    """A comparison's or run's name: it names a directory, so letters, digits, '.', '_', '-' and a length cap."""
+    if not NAME_RE.match(value):
+        raise ConfigError(f"{src}: {key} = {value!r}: use letters, digits, '.', '_' or '-'")
+    if len(value) > MAX_NAME:
+        raise ConfigError(f"{src}: {key} = {value[:20]!r}... ({len(value)} characters): at most {MAX_NAME}")
+
+
 def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     """Check cross-field rules and the layout of every run; return a new, validated Comparison.
 
@@ -70,8 +81,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     options made floats; ``c`` itself is left unchanged. Raises ConfigError (one line).
     """
     src = c.source or "preset"
-    if not NAME_RE.match(c.name):
-        raise ConfigError(f"{src}: name = {c.name!r}: use letters, digits, '.', '_' or '-'")
+    _name(src, "name", c.name)
     for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
         _positive(src, key, getattr(c, key))
     for key in ("lr", "stall_timeout_s", "straggler_threshold"):
@@ -128,8 +138,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
 
 def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostInfo | None) -> RunSpec:
     """Check one run; return it with its option values normalised (a new RunSpec)."""
-    if not NAME_RE.match(run.name):
-        raise ConfigError(f"{src}: {where}.name = {run.name!r}: use letters, digits, '.', '_' or '-'")
+    _name(src, f"{where}.name", run.name)
     where = f"runs.{run.name}"
     try:
         info = registry.get(run.strategy)

@@ -15,6 +15,8 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+MAX_DEPTH = 8  # tables or arrays nested in a preset (the built-in ones use 3)
+
 PRESET_DIR = Path(__file__).parent
 
 
@@ -83,6 +85,28 @@ def read_preset(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{src}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
                           f"a preset is a UTF-8 TOML file") from None
     try:
-        return tomllib.loads(text)
+        table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{src}: not valid TOML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{src}: nested deeper than {MAX_DEPTH} tables or arrays") from None
+    deep = _too_deep(table, MAX_DEPTH)
+    if deep:
+        raise ConfigError(f"{src}: {deep}: nested deeper than {MAX_DEPTH} tables or arrays")
+    return table
+
+
+def _too_deep(value: Any, limit: int, where: str = "") -> str:
+    """The key path of the first value nested more than ``limit`` tables or arrays deep ("" if none);
+    iterative, so a hostile file cannot exhaust the stack here."""
+    stack = [(value, where, 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, child in children:
+            if isinstance(child, (dict, list)):
+                sub = f"{path}.{key}" if path else str(key)
+                if depth + 1 > limit:
+                    return sub
+                stack.append((child, sub, depth + 1))
+    return ""

@@ -23,6 +23,7 @@ FAULT_KINDS = ("raise", "exit", "hang", "slow", "oom", "memlimit", "oomkill", "n
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MAX_NAME = 64  # characters of a comparison's or run's name (it names directories and files)
 
 
 @dataclass
