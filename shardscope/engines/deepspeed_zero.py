@@ -50,7 +50,26 @@ def import_deepspeed(device: torch.device) -> Any:
         import deepspeed
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(f"this strategy needs DeepSpeed (pip install deepspeed): {err}") from err
+    if device.type == "cpu":
+        skip_shm_build(deepspeed)
     return deepspeed
+
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_build(deepspeed: Any) -> None:
+    """Keep DeepSpeed from compiling its shared-memory collective extension on CPU.
+
+    DeepSpeed's torch backend builds ``deepspeed_shm_comm`` (ninja + c++, minutes on a loaded machine, once per
+    machine) when it starts, but only ``inference_all_reduce`` uses it: training's all-reduces, gathers and
+    reduce-scatters (ZeRO, AutoTP's training layers) go through torch.distributed over gloo either way. Marking
+    the op incompatible in DeepSpeed's own table of compatible ops (a dict it keeps for edits like this) makes
+    it start with torch's collectives alone."""
+    ops = getattr(deepspeed, "ops", None)
+    table = getattr(ops, "__compatible_ops__", None)
+    if isinstance(table, dict):
+        table[SHM_OP] = False
 
 
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
