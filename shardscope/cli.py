@@ -110,14 +110,14 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if against and not (headless and RunDir(against).holds_comparison()):
         fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
                                                f"not a shardscope run directory (no {COMPARISON})"))
-    from shardscope.orchestrator.preflight import check_space
-    from shardscope.orchestrator.replay import used_out_dir_error
+    from shardscope.orchestrator.preflight import check_space, claim_out_dir
 
-    if comparison.launch.node_rank == 0 and used_out_dir_error(out):  # before the app opens, too
-        fail_usage(f"--out {used_out_dir_error(out)}")
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
     if short:
         fail_usage(short)
+    claimed = claim_out_dir(out, comparison.launch.node_rank)  # before the app opens, too; held until exit
+    if claimed:
+        fail_usage(f"--out {claimed}")
     if not headless:
         _open_app(preset=comparison.source, overrides=all_overrides, out_dir=out, autostart=True)
         return

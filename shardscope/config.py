@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
 from shardscope import batch_follow
 from shardscope import registry  # noqa: F401  (config.registry: the strategy table, for callers)
@@ -116,12 +116,21 @@ def dump_json(path: str | os.PathLike[str], data: Any) -> None:
     write_atomic(path, lambda fh: (json.dump(json_ready(data), fh, indent=2, default=str), fh.write("\n")))
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[TextIO], Any]) -> None:
-    """Call ``write(fh)`` on a partial file beside ``path`` and rename it over ``path``; on any failure (a full
-    disk, a bug) remove the partial file and re-raise, so ``path`` holds the old or the new content, whole."""
+def write_atomic(path: str | os.PathLike[str], write: Callable[[Any], Any], *, binary: bool = False) -> None:
+    """Call ``write(fh)`` on a new partial file beside ``path`` and rename it over ``path``; on any failure (a
+    full disk, a bug) remove the partial file and re-raise, so ``path`` holds the old or the new content, whole.
+
+    The partial file is created exclusively and never through a symlink, and the rename replaces a symlink at
+    ``path`` instead of writing where it points: no write leaves the directory through a link."""
     tmp = f"{os.fspath(path)}.{os.getpid()}{PARTIAL_SUFFIX}"  # unique: several nodes may write the same file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:  # left by a killed process that had this pid: it is ours to replace
+        os.remove(tmp)
+        fd = os.open(tmp, flags, 0o644)
+    try:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as fh:
             write(fh)
         os.replace(tmp, path)
     except BaseException:

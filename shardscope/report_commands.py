@@ -10,9 +10,9 @@ import sys
 import click
 
 from shardscope import config
-from shardscope.cli_common import fail_usage, gate, say_adjustments, tolerance_options
+from shardscope.cli_common import EXIT_FAILED, fail_usage, gate, say_adjustments, tolerance_options
 from shardscope.config import ConfigError
-from shardscope.rundir import COMPARISON
+from shardscope.rundir import COMPARISON, SUMMARY, RunDir, read_summary
 from shardscope.sizes import parse_size
 
 
@@ -60,7 +60,24 @@ def report_cmd(out_dir: str) -> None:
         comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError) as err:
         fail_usage(f"{out_dir}: not a shardscope run directory ({COMPARISON}: {err})")
+    try:
+        held = RunDir(out_dir).lock()
+    except OSError as err:
+        held = f"{out_dir}: cannot be locked: {err.strerror or err}"
+    if held:  # a comparison still writing here: its own end writes the reports
+        fail_usage(held)
     states = fold.replay_states(out_dir)
+    before = {r.get("name"): r for r in (read_summary(out_dir) or {}).get("runs", []) if isinstance(r, dict)}
+    poorer = []
+    for name, st in states.items():
+        if not st.start and not st.steps_completed:
+            click.echo(f"{name}: no records (nothing readable under {RunDir(out_dir).run(name).metrics})", err=True)
+        had = before.get(name, {}).get("steps_completed")
+        if isinstance(had, int) and had > st.steps_completed:
+            poorer.append(f"{name} ({had} steps in {SUMMARY}, {st.steps_completed} readable now)")
+    if poorer:  # the summary may be the only copy of those figures: never replace it with less
+        click.echo(f"{SUMMARY} kept: its runs hold more than the records now readable: {', '.join(poorer)}", err=True)
+        sys.exit(EXIT_FAILED)
     paths = write_reports(out_dir, comparison, states)
     for label, path in sorted(paths.items()):
         click.echo(f"{label}: {path}")

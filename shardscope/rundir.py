@@ -10,6 +10,7 @@ Layout (DESIGN.md "run directory")::
     <out>/summary.json  report.md  plots/<name>.png  diff/  merged_trace.json (every run's traces in one
                                  Perfetto timeline)  shardscope-dashboard.svg (the app's export)
     <out>/.shardscope-spare      disk space held back for the verdicts, freed when the disk fills
+    <out>/.shardscope-lock       the exclusive lock of the command writing here (.node<N>: other nodes)
     <out>/<run>/spec.json        what the ranks run (<out>/<run>.attempt<k>/: a restarted run's earlier attempt)
     <out>/<run>/status.json      the orchestrator's verdict
     <out>/<run>/console.log      torchrun's output (console.node<N>.log from other nodes)
@@ -23,9 +24,11 @@ Torch-free and psutil-free: the app, ``report`` and ``open`` use it.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +51,7 @@ IDENTITY = "orchestrator.json"
 NODES = "nodes"
 SCREENSHOT = "shardscope-dashboard.svg"
 SPARE = ".shardscope-spare"
+LOCK = ".shardscope-lock"  # held (flock) by the command that owns the directory; .shardscope-lock.node<N> per node
 RANK_SPARE_SUFFIX = ".spare"  # metrics/rank<R>.jsonl.spare: room a rank keeps for its last records
 PARTIAL_SUFFIX = ".tmp"  # a file being written (torch's trace handler, the initial weights' atomic write)
 PLOT_SUFFIX = ".png"
@@ -244,6 +248,45 @@ class RunDir:
     def holds_comparison(self) -> bool:
         """True when a comparison was already written here."""
         return os.path.exists(self.comparison)
+
+    def contains(self, path: str) -> bool:
+        """True when ``path``, links resolved, lies inside this directory (a symlinked ``plots/`` pointing
+        elsewhere does not)."""
+        root = os.path.realpath(self.path)
+        return os.path.realpath(path).startswith(root + os.sep)
+
+    def foreign_entries(self) -> list[str]:
+        """Names in the directory that no shardscope command wrote, when it holds no comparison (a user's
+        files: a comparison must not mix with them); [] when missing, empty, or a comparison's own."""
+        try:
+            names = sorted(os.listdir(self.path))
+        except OSError:
+            return []
+        return [] if self.holds_comparison() else [n for n in names if not n.startswith(LOCK)]
+
+    def lock(self, node_rank: int = 0) -> str:
+        """Take this node's exclusive lock on the directory for the rest of this process ("" when taken or
+        already held here), else one line naming the holder. Creates the directory. The kernel releases the
+        lock when the process ends, however it ends; torchrun's children do not inherit it (close-on-exec)."""
+        path = os.path.join(self.path, LOCK if node_rank == 0 else f"{LOCK}.node{node_rank}")
+        key = os.path.realpath(path)
+        if key in _HELD:
+            return ""
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            return f"{self.path}: in use by another shardscope command ({holder}); choose another --out"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        _HELD[key] = fd
+        return ""
+
+
+_HELD: dict[str, int] = {}  # lock file (real path) -> descriptor this process holds it through
 
 
 def read_json_or_none(path: str) -> Any:

@@ -16,15 +16,6 @@ from shardscope.orchestrator.completion import Completion
 from shardscope.profiling import state
 from shardscope.profiling.fold import load_comparison, replay_updates
 from shardscope.profiling.state import Update
-from shardscope.rundir import RunDir
-
-
-def used_out_dir_error(out_dir: str) -> str:
-    """Return one line refusing ``out_dir`` when it already holds a comparison ("" when it is free):
-    a new comparison there would reuse its shared initial weights and mix its files."""
-    if RunDir(out_dir).holds_comparison():
-        return f"{out_dir}: already holds a comparison; choose a new directory (or open it with `shardscope open`)"
-    return ""
 
 
 class ReplaySource(Completion):

@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+from shardscope.config import write_atomic
 from shardscope.numbers import fmt_bytes
 from shardscope.rundir import plot_file
 
@@ -31,8 +32,10 @@ def _pyplot() -> Any:
 
 def _save(fig: Any, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    try:  # atomically, never through a symlink (config.write_atomic)
+        write_atomic(path, lambda fh: fig.savefig(fh, dpi=110, format="png"), binary=True)
+    finally:
+        _pyplot().close(fig)
     return path
 
 

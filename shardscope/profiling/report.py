@@ -182,12 +182,15 @@ def _full_reports(out_dir: str) -> dict[str, str]:
                                                out.merged_trace)
             data["merged_trace"] = merged
             paths["merged_trace"] = merged
-        losses = {name: st.losses for name, st in states.items()}
-        made = plots.write_plots(data, losses, out.plots)
-        timing = straggler_report.plot(states, out.plot("rank_timing"))
-        made.update({"rank_timing": timing} if timing else {})
-        data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
-        paths["plots"] = out.plots
+        if os.path.islink(out.plots) and not out.contains(out.plots):
+            print(f"shardscope: {out.plots} is a link out of {out_dir}: plots not written", file=sys.stderr)
+        else:
+            losses = {name: st.losses for name, st in states.items()}
+            made = plots.write_plots(data, losses, out.plots)
+            timing = straggler_report.plot(states, out.plot("rank_timing"))
+            made.update({"rank_timing": timing} if timing else {})
+            data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
+            paths["plots"] = out.plots
         dump_json(paths["summary"], data)
         write_atomic(paths["report"], lambda fh: fh.write(render_markdown(data)))
     except OSError as err:

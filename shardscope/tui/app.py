@@ -29,8 +29,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset
-from shardscope.orchestrator.preflight import check_space
-from shardscope.orchestrator.replay import used_out_dir_error
+from shardscope.orchestrator.preflight import check_space, claim_out_dir
 from shardscope.profiling.state import Update
 from shardscope.rundir import SCREENSHOT, RunDir
 from shardscope.tui import source as sources
@@ -110,13 +109,13 @@ class ShardscopeApp(App):
             return
         factory = self.source_factory or sources.session_source
         self.out_dir = self.out_dir or sources.default_out_dir(comparison.name)
-        used = used_out_dir_error(self.out_dir)
-        if used:  # as the headless command does: never reuse another comparison's weights and files
-            self.refuse_launch(f"Cannot start: {used}")
-            return
         short = check_space(comparison, self.out_dir)  # as the headless command does: traces need room
         if short:
             self.refuse_launch(f"Cannot start: {short}")
+            return
+        claimed = claim_out_dir(self.out_dir, comparison.launch.node_rank)  # this comparison's alone
+        if claimed:
+            self.refuse_launch(f"Cannot start: {claimed}")
             return
         try:
             source = factory(comparison, self.out_dir)
