@@ -114,9 +114,25 @@ def test_fault_fails_only_its_run(tmp_path, kind):
         assert "Traceback" in failed["traceback_tail"] or "RuntimeError" in failed["traceback_tail"]
     if kind == "hang":
         assert "stalled" in failed["error"]
+    if kind == "exit":  # the rank that left is the root cause, not its peer's broken connection
+        assert failed["error"].startswith("rank 1 exited with code 3 at step 3"), failed["error"]
     assert runs["fsdp2"]["status"] == "ok", "the other run goes on"
     kept = losses(out, "ddp")
     assert sorted(kept)[:3] == [0, 1, 2], "records written before the failure are kept"
+    assert leftover_processes(str(out)) == []
+
+
+def test_a_rank_that_exits_with_code_0_is_the_root_cause(tmp_path):
+    """A rank leaving with code 0 mid-run (a library's sys.exit) is not in torchrun's failure table; its peer
+    sees a broken connection. The verdict names the rank that left."""
+    out = tmp_path / "exit0"
+    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
+                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=60",
+                    "--set", "runs.ddp.fault='rank=1,step=3,kind=exit,code=0'"])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = {r["name"]: r for r in load_summary(out)["runs"]}["ddp"]
+    assert failed["status"] == "failed"
+    assert failed["error"].startswith("rank 1 exited with code 0 at step 3"), failed["error"]
     assert leftover_processes(str(out)) == []
 
 

@@ -3,7 +3,8 @@
 At the start of the given step, on the given rank:
 
 - ``raise``: raises RuntimeError (the worker writes an error record);
-- ``exit``: ``os._exit(3)`` (no records, like a crash);
+- ``exit`` (``kind=exit,code=0``): ``os._exit(code)``, 3 by default (no records, like a crash, or a library's
+  ``sys.exit`` deep inside a step);
 - ``hang``: sleeps forever (like a deadlock; the orchestrator's stall timeout must kill it);
 - ``oom``: raises torch's ``OutOfMemoryError``, as a CUDA allocation that does not fit does;
 - ``memlimit``: caps the rank's address space (RLIMIT_AS) just above what it uses, then allocates
@@ -48,6 +49,7 @@ class Fault:
     step: int
     kind: str  # one of config.FAULT_KINDS
     ms: int = 100  # kind "slow": extra busy milliseconds per step
+    code: int = 3  # kind "exit": the exit code
     writer: Any = None
 
     @staticmethod
@@ -56,7 +58,8 @@ class Fault:
         if not text.strip():
             return None
         spec = parse_fault(text)
-        return Fault(spec["rank"], spec["step"], spec["kind"], spec.get("ms", 100), writer)
+        return Fault(spec["rank"], spec["step"], spec["kind"], ms=spec.get("ms", 100), code=spec.get("code", 3),
+                     writer=writer)
 
     def maybe_fire(self, rank: int, step: int, device: torch.device | None = None) -> None:
         """Fire the fault if (rank, step) match (see the module docstring for each kind)."""
@@ -76,7 +79,8 @@ class Fault:
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step} on rank {rank}")
         if self.kind == "exit":
-            os._exit(3)
+            sys.stderr.flush()
+            os._exit(self.code)
         if self.kind == "oom":
             raise torch.OutOfMemoryError(f"injected: tried to allocate 1.00 GiB at step {step} on rank {rank}")
         if self.kind == "memlimit":

@@ -92,6 +92,18 @@ class RunSupervision:
         return (self.comparison.launch.nnodes == 1 and not active.stop_reason and not active.errors
                 and world > 0 and len(active.finished) >= world)
 
+    def _silent_ranks(self, active: _Active) -> list[int]:
+        """This node's ranks that wrote neither an ``end`` nor an ``error`` record, when some other rank did
+        (all silent: the run never trained, and its console says why)."""
+        world = self.states[active.name].world_size
+        launch = self.comparison.launch
+        per_node = max(1, world // max(1, launch.nnodes))
+        mine = range(launch.node_rank * per_node, (launch.node_rank + 1) * per_node)
+        reported = active.ended | {int(e.get("rank", -1)) for e in active.errors}
+        if not reported:
+            return []
+        return [r for r in mine if r not in reported]
+
     def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
         """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""
         world = self.states[active.name].world_size
@@ -149,6 +161,11 @@ class RunSupervision:
         if recorded is not None and recorded.cause != verdict.ERROR:
             return recorded
         console = tail_text(active.proc.plan.console_path, 60)
+        if recorded is None or is_secondary(recorded.error):  # peers' broken connections: who left first?
+            exited = verdict.from_kill(console, active.last_steps) or verdict.from_exit(
+                console, self._silent_ranks(active), active.last_steps)
+            if exited is not None:
+                return exited
         return (verdict.from_kill(console, active.last_steps) or recorded  # a killed rank's peers only saw it go
                 or verdict.from_output(self.rundir.run(active.name).path, console)
                 or verdict.from_rendezvous(console, self.comparison.launch.nnodes)

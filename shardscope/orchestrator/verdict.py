@@ -60,6 +60,30 @@ def killed_ranks(console: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def exit_codes(console: str) -> dict[int, int]:
+    """{rank: exit code} of the ranks in torchrun's failure table (ranks that ended with code 0 are not there)."""
+    block = console[console.rfind("Failures:"):] if "Failures:" in console else console
+    return {int(r): int(c) for r, c, _ in _FAILURE_ROW.findall(block)}
+
+
+def from_exit(console: str, silent: list[int], last_steps: dict[int, int]) -> Verdict | None:
+    """A verdict naming a rank that left without a record (``os._exit``, a crash in C, ``sys.exit`` from a
+    library) while its peers reported: that rank is the root cause, their broken connections its consequence.
+    ``silent``: ranks of this node with neither an ``end`` nor an ``error`` record. Its exit code comes from
+    torchrun's failure table; a rank missing from a table that lists others left with code 0."""
+    if not silent:
+        return None
+    codes = exit_codes(console)
+    rank = next((r for r in silent if codes.get(r, 0) >= 0), None)
+    if rank is None:  # killed by signals: from_kill names them
+        return None
+    step = last_steps.get(rank, -1) + 1
+    code = codes.get(rank)
+    said = f"code {code}" if code is not None else ("code 0" if codes else "an unknown code")
+    return Verdict(f"rank {rank} exited with {said} at step {step} without an error record; the other ranks' "
+                   "errors follow from it", console)
+
+
 def kernel_oom_kills() -> set[int] | None:
     """Return the pids the kernel's OOM killer killed (from ``/dev/kmsg``), or None when it cannot be read."""
     try:

@@ -178,7 +178,7 @@ def parse_fault(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": 0, "step": 0, "kind": "raise"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, val = part.partition("=")
-        if key in ("rank", "step", "ms"):
+        if key in ("rank", "step", "ms", "code"):
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
@@ -187,6 +187,6 @@ def parse_fault(text: str) -> dict[str, Any]:
                 raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}, got {val!r}")
             out[key] = val
         else:
-            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow)")
+            raise ValueError(f"unknown fault key {key!r}; allowed: rank, step, kind, ms (kind=slow), code (kind=exit)")
     return out
 
