@@ -115,7 +115,7 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
     if short:
         fail_usage(short)
-    claimed = claim_out_dir(out, comparison.launch.node_rank)  # before the app opens, too; held until exit
+    claimed = claim_out_dir(out, comparison.launch.node_rank, [r.name for r in comparison.runs])  # before the app opens, too; held until exit
     if claimed:
         fail_usage(f"--out {claimed}")
     if not headless:

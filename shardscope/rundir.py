@@ -65,9 +65,12 @@ def console_name(node_rank: int = 0) -> str:
     return "console.log" if node_rank == 0 else f"console.node{node_rank}.log"
 
 
+_DEVICES_STEM = "devices"
+
+
 def devices_name(node_rank: int = 0) -> str:
     """The file name of node ``node_rank``'s device samples in ``<out>`` (``devices.jsonl`` on node 0)."""
-    return "devices" + RECORDS_SUFFIX if node_rank == 0 else f"devices.node{node_rank}{RECORDS_SUFFIX}"
+    return _DEVICES_STEM + RECORDS_SUFFIX if node_rank == 0 else f"{_DEVICES_STEM}.node{node_rank}{RECORDS_SUFFIX}"
 
 
 _RANK_FILE = re.compile(r"rank(\d+)" + re.escape(RECORDS_SUFFIX) + "$")
@@ -255,14 +258,20 @@ class RunDir:
         root = os.path.realpath(self.path)
         return os.path.realpath(path).startswith(root + os.sep)
 
-    def foreign_entries(self) -> list[str]:
+    def foreign_entries(self, run_names: list[str] | tuple[str, ...] = ()) -> list[str]:
         """Names in the directory that no shardscope command wrote, when it holds no comparison (a user's
-        files: a comparison must not mix with them); [] when missing, empty, or a comparison's own."""
+        files: a comparison must not mix with them); [] when missing, empty, or a comparison's own. What other
+        nodes of the same comparison may write before node 0 looks (their lock files, heartbeats, spare,
+        device samples and ``run_names``' directories) is not foreign."""
         try:
             names = sorted(os.listdir(self.path))
         except OSError:
             return []
-        return [] if self.holds_comparison() else [n for n in names if not n.startswith(LOCK)]
+        if self.holds_comparison():
+            return []
+        ours = {SPARE, NODES, *run_names}
+        return [n for n in names if n not in ours and not n.startswith(LOCK)
+                and not (n.startswith(_DEVICES_STEM) and n.endswith(RECORDS_SUFFIX))]
 
     def lock(self, node_rank: int = 0) -> str:
         """Take this node's exclusive lock on the directory for the rest of this process ("" when taken or

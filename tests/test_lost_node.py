@@ -111,3 +111,20 @@ def test_a_taken_rendezvous_port_is_named(tmp_path):
     assert got["ddp"][0] == "failed" and got["ddp"][1].startswith(f"rendezvous port {port} already in use"), got
     assert "port + the run's index" in got["ddp"][1]
     assert got["fsdp2"][0] == "failed" and got["fsdp2"][1].startswith("node 1 lost"), got
+
+
+def test_node_1_stops_when_node_0_is_gone(tmp_path):
+    """Node 0's orchestrator is SIGKILLed during ddp (its ranks follow it): node 1 fails its run and starts no
+    other that nobody would join; once node 0's heartbeat is 4 s old it fails the rest "node 0 lost" and
+    exits 1 (not hanging in the next run's rendezvous); nothing is left running."""
+    out = tmp_path / "leader"
+    nodes = start_nodes(out)
+    wait_for_step(out / "ddp" / "metrics" / "rank1.jsonl", nodes[0])
+    kill([psutil.Process(nodes[0].pid)])
+    output, _ = nodes[1].communicate(timeout=180)  # a hang would take torchrun's own rendezvous timeout (600 s)
+    assert nodes[1].returncode == 1, output[-3000:]
+    assert "node 0 lost (its orchestrator sent no heartbeat for 4 s)" in output, output[-3000:]
+    deadline = time.monotonic() + 60
+    while leftover_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover_processes(str(out)) == []

@@ -36,7 +36,8 @@ class NodeWatch:
     Every node other than 0 rewrites ``<out>/nodes/node<N>.json`` once a second from a thread of its own
     (so a busy or blocked session loop does not look like a death) and marks it ``done`` when it finishes.
     Node 0 calls ``lost()``: nodes whose last beat (or, before the first one, the watch's start) is older
-    than ``timeout_s``. On one node the watch does nothing. With ``records_endpoint`` (no shared
+    than ``timeout_s``; the other nodes call ``leader_lost()`` for node 0 (which beats too on a shared
+    filesystem), so that they stop starting runs when it is gone. On one node the watch does nothing. With ``records_endpoint`` (no shared
     filesystem) the beats go over TCP to node 0's record server, which writes the same files there.
     """
 
@@ -47,10 +48,13 @@ class NodeWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: set[int] = set()
+        self._last_sent = time.time()  # the last beat node 0's record server took (records over TCP)
 
     def start(self) -> None:
-        """Start beating (nodes other than 0 of a multi-node comparison)."""
-        if self.nnodes > 1 and not owns_verdict(self.node_rank):
+        """Start beating (every node of a multi-node comparison; node 0 only on a shared filesystem, where the
+        others read its beat; over TCP they know node 0 is gone when it stops taking theirs)."""
+        if self.nnodes > 1 and not (owns_verdict(self.node_rank) and self.records_endpoint):
+            self._last_sent = time.time()
             self._thread = threading.Thread(target=self._beat_forever, name="shardscope-heartbeat", daemon=True)
             self._thread.start()
 
@@ -68,7 +72,8 @@ class NodeWatch:
         while not self._stop.is_set():
             try:
                 self._write(done=False)
-            except OSError:  # a full or flaky disk: node 0 will judge from the silence
+                self._last_sent = time.time()
+            except OSError:  # a full or flaky disk, or node 0 gone: the silence is judged
                 pass
             self._stop.wait(1.0)
 
@@ -92,9 +97,25 @@ class NodeWatch:
                 self._lost.add(node)
         return sorted(self._lost)
 
-    def _beats(self) -> dict[int, dict]:
+    def leader_lost(self) -> list[int]:
+        """Nodes other than 0: ``[0]`` once node 0's orchestrator is gone (its beat older than ``timeout_s``
+        on a shared filesystem; over TCP, its record server took no beat for that long), else []. A node 0
+        that has not beaten yet is not judged (torchrun's rendezvous waits for it)."""
+        if self.nnodes == 1 or owns_verdict(self.node_rank):
+            return []
+        now = time.time()
+        if self.records_endpoint:
+            gone = now - self._last_sent > self.timeout_s
+        else:
+            beat = self._beats([0]).get(0, {})
+            gone = bool(beat.get("t")) and not beat.get("done") and now - float(beat["t"]) > self.timeout_s
+        if gone:
+            self._lost.add(0)
+        return [0] if 0 in self._lost else []
+
+    def _beats(self, nodes: list[int] | None = None) -> dict[int, dict]:
         beats = {}
-        for node in range(1, self.nnodes):
+        for node in (range(1, self.nnodes) if nodes is None else nodes):
             try:
                 with open(RunDir(self.out_dir).heartbeat(node), encoding="utf-8") as fh:
                     beats[node] = json.load(fh)

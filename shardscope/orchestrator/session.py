@@ -243,8 +243,9 @@ class Session(RunSupervision, SessionEnds, Completion):
         return min(self.poll_interval_s, 0.02) if near_end and self._queue else self.poll_interval_s
 
     def _check_nodes(self) -> None:
-        """Node 0: a lost node fails the active runs (their ranks here are stopped) and every queued run."""
-        lost = self._watch.lost()
+        """A lost node (node 0: any other; other nodes: node 0) fails the active runs (their ranks here are
+        stopped) and every queued run, so this orchestrator ends instead of starting runs nobody joins."""
+        lost = self._watch.lost() or self._watch.leader_lost()
         if not lost:
             return
         message = nodes.lost_message(lost, self._watch.timeout_s)

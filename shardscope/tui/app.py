@@ -113,7 +113,8 @@ class ShardscopeApp(App):
         if short:
             self.refuse_launch(f"Cannot start: {short}")
             return
-        claimed = claim_out_dir(self.out_dir, comparison.launch.node_rank)  # this comparison's alone
+        claimed = claim_out_dir(self.out_dir, comparison.launch.node_rank,
+                                [r.name for r in comparison.runs])  # this comparison's alone
         if claimed:
             self.refuse_launch(f"Cannot start: {claimed}")
             return
