@@ -94,9 +94,10 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     limit = parse_device_memory(device_memory)
     if slurm_task:
         node_rank = headless_run.slurm_node_rank(node_rank)
-    all_overrides = list(overrides) + launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id,
-                                                       records_endpoint=records_endpoint)
-    comparison, dev = resolve(preset, all_overrides)
+    flags = launch_overrides(device, nnodes, node_rank, rdzv_endpoint, rdzv_id=rdzv_id,
+                             records_endpoint=records_endpoint)
+    all_overrides = list(overrides) + flags
+    comparison, dev = resolve(preset, all_overrides, flags)
     from shardscope.orchestrator.session import Session, default_out_dir
 
     out = out_dir or default_out_dir(comparison.name)

@@ -51,8 +51,26 @@ def launch_overrides(device: str | None, nnodes: int | None, node_rank: int | No
     return out
 
 
-def resolve(preset: str | None, overrides: list[str]) -> tuple[config.Comparison, str]:
-    """Load and validate a preset for this machine; return (comparison, device). Exits 2 on bad input."""
+_FLAGS = {"launch.device": "--device", "launch.nnodes": "--nnodes", "launch.node_rank": "--node-rank",
+          "launch.rdzv_endpoint": "--rdzv-endpoint", "launch.records_endpoint": "--records-endpoint",
+          "launch.rdzv_id": "--rdzv-id"}
+
+
+def _as_flag(message: str, generated: list[str]) -> str:
+    """An error about a ``--set`` that a command-line flag stood for names the flag the user typed."""
+    for item in generated:
+        head = f"--set {item}: "
+        if message.startswith(head):
+            key, _, value = item.partition("=")
+            shown = json.loads(value) if value.startswith('"') else value
+            return f"{_FLAGS.get(key, '--set ' + key)} {shown}: {message[len(head):]}"
+    return message
+
+
+def resolve(preset: str | None, overrides: list[str], generated: list[str] | tuple[str, ...] = ()
+            ) -> tuple[config.Comparison, str]:
+    """Load and validate a preset for this machine; return (comparison, device). Exits 2 on bad input.
+    ``generated``: the overrides that ``launch_overrides`` made of flags (errors name the flag)."""
     from shardscope.orchestrator import devices
 
     try:
@@ -67,7 +85,7 @@ def resolve(preset: str | None, overrides: list[str]) -> tuple[config.Comparison
         name = preset or default_preset(device)
         comparison = config.load_preset(name, overrides, host=devices.host_info(device))
     except ConfigError as err:
-        fail_usage(str(err))
+        fail_usage(_as_flag(str(err), list(generated)))
         raise  # unreachable; keeps type checkers calm
     return comparison, device
 

@@ -73,4 +73,4 @@ def test_bad_records_endpoint_is_refused_in_one_line(tmp_path):
     proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--dry-run", "--records-endpoint", "node0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "launch.records_endpoint = 'node0'" in proc.stderr and "host:port" in proc.stderr
+    assert "--records-endpoint node0: " in proc.stderr and "host:port" in proc.stderr
