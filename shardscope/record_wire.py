@@ -1,42 +1,61 @@
 """Records over TCP, for nodes that share no filesystem with node 0 (Kubernetes, cloud clusters).
 
-A rank on another node still writes its own record file (its own orchestrator tails it), and also sends
-every record line to node 0's orchestrator (``orchestrator/record_server.py``), which appends it to
-``<out>/<run>/metrics/rank<R>.jsonl`` there, so node 0 judges and reports as on a shared filesystem.
-Heartbeats of those nodes' orchestrators travel the same way (node 0 writes ``nodes/node<N>.json``).
+A rank on another node writes its own record file and also sends every line to node 0's orchestrator
+(``orchestrator/record_server.py``), which appends it to ``<out>/<run>/metrics/rank<R>.jsonl`` there; other
+nodes' heartbeats become ``nodes/node<N>.json``. Records arrive in order per rank, none lost or doubled
+across dropped connections: each has a sequence number, node 0 acknowledges the last one it wrote, the rank
+resends from there after reconnecting and node 0 skips sequence numbers it already wrote.
 
-The same guarantees as the files: records arrive in order per rank, none lost and none duplicated when a
-connection drops and comes back. Each record has a sequence number; node 0 acknowledges the last one it
-wrote; the rank keeps every unacknowledged record and, after reconnecting, resends from the last
-acknowledged one (node 0 skips sequence numbers it already wrote).
-
-Protocol: one JSON object per line, both ways.
-    rank -> node 0   {"hello": {"run": NAME, "rank": R}}      node 0 -> rank   {"ack": LAST_SEQ}  (-1: none)
+Protocol: one JSON object per line, both ways; a line is at most ``MAX_LINE_BYTES`` (``HELLO_MAX_BYTES``
+until the peer is admitted).
+    node 0 -> peer   {"challenge": NONCE, "idle_s": S}         (first, on every connection)
+    rank -> node 0   {"hello": {"run": NAME, "rank": R}, "mac": M}     node 0 -> rank  {"ack": LAST_SEQ} (-1: none)
     rank -> node 0   {"seq": N, "line": RECORD_LINE}           node 0 -> rank   {"ack": LAST_SEQ}
-    node -> node 0   {"beat": HEARTBEAT, "node": N}            (no answer; one short connection per beat)
+    rank -> node 0   {"ping": 1}                               (when idle for S/3 s; node 0 closes after S s)
+    node -> node 0   {"beat": HEARTBEAT, "node": N, "mac": M}  node 0 -> node  {"ok": true}  (one per connection)
+    node 0 -> peer   {"refused": REASON}                       (then closes; "busy" = retry later)
 
-Hand-written on ``socket``: a library broker (ZeroMQ, gRPC) would add a dependency and a service for a
-few hundred lines a minute; the resend-from-ack rule is the whole protocol. Torch-free (rank side and
-orchestrator both use it).
+Admission: ``M = HMAC-SHA256(secret, CONTEXT | NONCE | canonical JSON of the hello or beat)`` (``prove``), the
+comparison's secret (``new_secret``, ``write_secret``, ``secret_from_env``) held by node 0 and every sender,
+never sent and never printed. The fresh nonce makes a recorded answer useless on another connection; the
+identity inside the MAC makes it useless for another run, rank, node or heartbeat. What follows an admitted
+hello is not authenticated line by line and nothing is encrypted: someone who can inject into or read an
+established TCP stream on the cluster network is outside what this guards (that needs TLS).
+
+Stdlib ``socket``/``hmac``: ZeroMQ with CURVE or gRPC with TLS would add a dependency and key handling of
+its own for a few hundred lines a minute. Torch-free (rank side and orchestrator both use it).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import json
+import os
+import secrets
 import select
 import socket
+import stat
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 ENV = "SHARDSCOPE_RECORDS_ADDR"  # host:port of node 0's record server, in the environment of other nodes' ranks
+SECRET_ENV = "SHARDSCOPE_RECORDS_SECRET"  # the comparison's secret, hex
+SECRET_FILE_ENV = "SHARDSCOPE_RECORDS_SECRET_FILE"  # or: a file (mode 0600, owner only) holding that hex
+SECRET_BYTES, MIN_SECRET_BYTES = 32, 16  # a new secret's length; the least one read back may have
+MAX_LINE_BYTES = 1 << 20  # one protocol line (a record, JSON-quoted inside its seq message)
+HELLO_MAX_BYTES = 64 << 10  # one line before the peer is admitted (and every line node 0 sends)
+_CONTEXT = b"shardscope-records-v1"
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """Return (host, port) of ``host:port``; raises ValueError naming what is wrong."""
+def parse_endpoint(text: str, *, any_port: bool = False) -> tuple[str, int]:
+    """Return (host, port) of ``host:port``; raises ValueError naming what is wrong (port 0 only with
+    ``any_port``: a server asking the system for a free port)."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise ValueError(f"{text!r}: expected host:port with a port in 1..65535")
     return host.strip("[]"), int(port)
 
@@ -46,21 +65,153 @@ def encode(message: dict[str, Any]) -> bytes:
     return (json.dumps(message, separators=(",", ":")) + "\n").encode()
 
 
-class Lines:
-    """Splits received bytes into decoded JSON messages (partial lines wait for the rest)."""
+def new_secret() -> bytes:
+    """A fresh random secret for one comparison (``SECRET_BYTES`` bytes from ``secrets``)."""
+    return secrets.token_bytes(SECRET_BYTES)
 
-    def __init__(self) -> None:
-        self._buf = b""
+
+def secret_text(secret: bytes) -> str:
+    """The secret as the text ``SECRET_ENV`` and a secret file hold (lower-case hex)."""
+    return secret.hex()
+
+
+def write_secret(path: str | os.PathLike[str], secret: bytes) -> None:
+    """Create ``path`` holding the secret as one line of hex, mode 0600; an existing file or a symlink there is
+    refused (FileExistsError / OSError), so nothing else is overwritten and nothing readable is created."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as fh:
+        os.fchmod(fd, 0o600)
+        fh.write(secret_text(secret) + "\n")
+
+
+def _parse_secret(text: str, where: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{where}: not a hex secret") from None  # the content is never repeated
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{where}: a secret needs at least {MIN_SECRET_BYTES} bytes ({2 * MIN_SECRET_BYTES} hex)")
+    return secret
+
+
+def read_secret(path: str | os.PathLike[str]) -> bytes:
+    """The secret in ``path`` (written by ``write_secret``); refused when others may read or write the file or
+    another user owns it (ValueError naming the file, never its content)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO there must not block the reader
+    with os.fdopen(fd, "r", encoding="ascii", errors="replace") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
+            raise ValueError(f"{os.fspath(path)}: a records secret must be a regular file, the owner's alone "
+                             "(chmod 600)")
+        return _parse_secret(fh.read(4096), os.fspath(path))
+
+
+def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret from ``SECRET_ENV`` (hex), else from the file ``SECRET_FILE_ENV`` names; None when neither is
+    set. Raises ValueError (naming the variable, never the value) when it is malformed or the file unsafe."""
+    env = os.environ if environ is None else environ
+    if env.get(SECRET_ENV):
+        return _parse_secret(env[SECRET_ENV], SECRET_ENV)
+    if env.get(SECRET_FILE_ENV):
+        return read_secret(env[SECRET_FILE_ENV])
+    return None
+
+
+def prove(secret: bytes, nonce: str, identity: dict[str, Any]) -> str:
+    """The MAC answering ``nonce`` for ``identity`` (``{"hello": ...}`` or ``{"beat": ..., "node": N}``)."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(secret, b"|".join((_CONTEXT, nonce.encode(), canonical)), hashlib.sha256).hexdigest()
+
+
+def proven(secret: bytes, nonce: str, identity: dict[str, Any], mac: Any) -> bool:
+    """Whether ``mac`` is ``prove(secret, nonce, identity)`` (constant-time comparison)."""
+    return isinstance(mac, str) and mac.isascii() and hmac.compare_digest(prove(secret, nonce, identity), mac)
+
+
+class LineTooLong(ValueError):
+    """A peer sent more than the line cap without a newline."""
+
+
+class Lines:
+    """Splits received bytes into decoded JSON messages (partial lines wait for the rest).
+
+    Linear in the bytes fed: only new data is searched for a newline and consumed lines are cut once per
+    ``feed``. A line (or a pending partial one) over ``max_line`` bytes raises ``LineTooLong``.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self.max_line = max_line
+        self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        """Return the complete messages in ``data`` plus what was pending; raises ValueError on garbage."""
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        """Return the complete messages in ``data`` plus what was pending; raises ValueError on garbage (a line
+        that is not a JSON object) and ``LineTooLong`` past the cap."""
+        buf = self._buf
+        start = len(buf)
+        buf += data
+        out, pos = [], 0
+        end = buf.find(b"\n", start)
+        while end != -1:
+            if end - pos > self.max_line:
+                raise LineTooLong(f"a line over {self.max_line} bytes")
+            line = bytes(buf[pos:end])
+            pos = end + 1
+            if line.strip():
+                out.append(_decode(line))
+            end = buf.find(b"\n", pos)
+        del buf[:pos]
+        if len(buf) > self.max_line:
+            raise LineTooLong(f"a line over {self.max_line} bytes")
+        return out
+
+
+def _decode(line: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(line)
+    except RecursionError:
+        raise ValueError("a message nested too deeply") from None
+    if not isinstance(msg, dict):
+        raise ValueError("a message that is not a JSON object")
+    return msg
 
 
 class Unreachable(ConnectionError):
     """Node 0's record server could not be reached for the whole timeout."""
+
+
+class Refused(Unreachable):
+    """Node 0's record server answered and refused this sender (wrong secret, unknown run or rank, ...)."""
+
+    def __init__(self, endpoint: str, reason: str) -> None:
+        super().__init__(f"records: node 0 at {endpoint} refused this sender: {reason}")
+        self.reason = reason
+
+
+def _next_message(sock: socket.socket, lines: Lines, pending: list[dict[str, Any]]) -> dict[str, Any]:
+    while not pending:
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionError("closed during the handshake")
+        pending.extend(lines.feed(data))
+    return pending.pop(0)
+
+
+def _handshake(sock: socket.socket, endpoint: str, secret: bytes | None,
+               identity: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Answer node 0's challenge with ``identity``; return (challenge, answer); raises Refused when refused."""
+    lines, pending = Lines(HELLO_MAX_BYTES), []
+    challenge = _next_message(sock, lines, pending)
+    nonce = challenge.get("challenge")
+    if not isinstance(nonce, str):
+        raise ValueError("no challenge from node 0")
+    identity = json.loads(json.dumps(identity))  # exactly what node 0 will decode
+    message = dict(identity, mac=prove(secret, nonce, identity)) if secret is not None else identity
+    sock.sendall(encode(message))
+    answer = _next_message(sock, lines, pending)
+    if "refused" in answer:
+        raise Refused(endpoint, str(answer["refused"])[:200])
+    return challenge, answer
 
 
 class RecordSender:
@@ -68,32 +219,41 @@ class RecordSender:
 
     ``send`` never blocks on the network (a background thread does the talking). ``close`` waits until
     every record is acknowledged (or ``timeout_s``). When node 0 stays unreachable for
-    ``connect_timeout_s``, ``error`` says so and ``send`` raises ``Unreachable`` with that line.
+    ``connect_timeout_s``, ``error`` says so and ``send`` raises ``Unreachable`` with that line; a refusal
+    (``Refused``: wrong secret, a run or rank node 0 does not know) is final at once, except "busy" (another
+    connection of this rank is still open there), which is retried. ``secret``: the comparison's secret;
+    None only while the caller is not wired to one (node 0 then admits it only if it has none either).
     """
 
-    def __init__(self, endpoint: str, run: str, rank: int, *, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, run: str, rank: int, *, connect_timeout_s: float = 30.0,
+                 secret: bytes | None = None) -> None:
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint)
         self.run, self.rank = run, rank
         self.connect_timeout_s = connect_timeout_s
+        self._secret = secret
         self.error = ""
         self.reconnects = 0
         self._pending: collections.deque[tuple[int, str]] = collections.deque()
-        self._next_seq = 0
-        self._acked = -1
+        self._next_seq, self._acked, self._ping_every = 0, -1, 10.0
+        self._refusal = ""  # node 0's reason, when it refused this sender
         self._cv = threading.Condition()
-        self._closing = False
-        self._drop = False
-        self._connected_once = False
+        self._closing = self._drop = self._connected_once = False
         self._thread = threading.Thread(target=self._pump, name="shardscope-records", daemon=True)
         self._thread.start()
 
     def send(self, line: str) -> None:
-        """Queue one record line (with or without its newline); raises Unreachable once node 0 is given up."""
+        """Queue one record line (with or without its newline); raises Unreachable once node 0 is given up and
+        ValueError for a line over the wire's cap (``MAX_LINE_BYTES``), which node 0 would refuse."""
+        line = line.rstrip("\n")
+        if 6 * len(line) + 64 > MAX_LINE_BYTES:  # JSON quoting grows a character to 6 bytes at most
+            size = len(encode({"seq": self._next_seq, "line": line})) - 1
+            if size > MAX_LINE_BYTES:
+                raise ValueError(f"a record of {size} bytes: over the {MAX_LINE_BYTES}-byte cap of records over TCP")
         with self._cv:
             if self.error:
-                raise Unreachable(self.error)
-            self._pending.append((self._next_seq, line.rstrip("\n")))
+                raise self._failure()
+            self._pending.append((self._next_seq, line))
             self._next_seq += 1
             self._cv.notify_all()
 
@@ -107,7 +267,11 @@ class RecordSender:
                     break
                 self._cv.wait(remaining)
             if not self._connected_once:
-                raise Unreachable(self.error or f"records: node 0 at {self.endpoint} did not answer")
+                raise self._failure() if self.error else Unreachable(f"records: node 0 at {self.endpoint} did not "
+                                                                     "answer")
+
+    def _failure(self) -> Unreachable:
+        return Refused(self.endpoint, self._refusal) if self._refusal else Unreachable(self.error)
 
     def drop_connection(self) -> None:
         """Fault injection (``kind=netdrop``): close the current connection; the sender reconnects and resends."""
@@ -130,30 +294,36 @@ class RecordSender:
     # ---- the background thread -------------------------------------------------------------------
 
     def _connect(self) -> socket.socket:
-        """Connect and handshake, retrying until connected or ``connect_timeout_s`` without success."""
+        """Connect and handshake, retrying until connected or ``connect_timeout_s`` without an answer."""
         give_up = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         while True:
+            sock = None
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=10)
-                sock.sendall(encode({"hello": {"run": self.run, "rank": self.rank}}))
-                lines, got = Lines(), []
-                while not got:
-                    data = sock.recv(4096)
-                    if not data:
-                        raise ConnectionError("closed during the handshake")
-                    got = lines.feed(data)
-                self._ack(int(got[-1]["ack"]))
+                challenge, answer = _handshake(sock, self.endpoint, self._secret,
+                                               {"hello": {"run": self.run, "rank": self.rank}})
+                idle_s = challenge.get("idle_s")
+                if isinstance(idle_s, (int, float)) and idle_s > 0:
+                    self._ping_every = max(0.05, float(idle_s) / 3)
+                self._ack(int(answer["ack"]))
                 sock.settimeout(None)
                 with self._cv:
                     self._connected_once = True
                     self._cv.notify_all()
                 return sock
-            except (OSError, ValueError, KeyError) as err:
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                if sock is not None:
+                    sock.close()
+                busy = isinstance(err, Refused) and err.reason == "busy"
+                if isinstance(err, Refused) and not busy:
+                    raise
                 with self._cv:
                     if self._closing:  # closing with records undelivered: give up now, say so
                         raise Unreachable(f"records: node 0 at {self.endpoint} lost while closing ({err})") from err
-                if time.monotonic() >= give_up:
+                if busy:  # node 0 answered: it closes this rank's stale connection within its idle time
+                    give_up = time.monotonic() + self.connect_timeout_s
+                elif time.monotonic() >= give_up:
                     raise Unreachable(f"records: node 0's orchestrator at {self.endpoint} unreachable for "
                                       f"{self.connect_timeout_s:g} s ({err})") from err
                 time.sleep(delay)
@@ -169,7 +339,8 @@ class RecordSender:
     def _pump(self) -> None:
         sock: socket.socket | None = None
         sent = -1
-        lines = Lines()
+        lines = Lines(HELLO_MAX_BYTES)
+        last_out = time.monotonic()
         while True:
             with self._cv:
                 if self._closing and (self._acked >= self._next_seq - 1 or self.error):
@@ -182,14 +353,18 @@ class RecordSender:
             try:
                 if sock is None:
                     sock = self._connect()
-                    sent, lines = self._acked, Lines()  # resend everything not acknowledged
+                    sent, lines = self._acked, Lines(HELLO_MAX_BYTES)  # resend everything not acknowledged
+                    last_out = time.monotonic()
                 with self._cv:
                     batch = [(s, line) for s, line in self._pending if s > sent]
                     if not batch and not self._closing:
                         self._cv.wait(0.05)
                 if batch:
                     sock.sendall(b"".join(encode({"seq": s, "line": line}) for s, line in batch))
-                    sent = batch[-1][0]
+                    sent, last_out = batch[-1][0], time.monotonic()
+                elif time.monotonic() - last_out >= self._ping_every:  # keep node 0 from closing an idle link
+                    sock.sendall(encode({"ping": 1}))
+                    last_out = time.monotonic()
                 ready, _, _ = select.select([sock], [], [], 0.02 if sent > self._acked else 0)
                 if ready:
                     data = sock.recv(65536)
@@ -199,10 +374,10 @@ class RecordSender:
                         self._ack(int(msg["ack"]))
             except Unreachable as err:
                 with self._cv:
-                    self.error = str(err)
+                    self.error, self._refusal = str(err), err.reason if isinstance(err, Refused) else ""
                     self._cv.notify_all()
                 break
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):
                 if sock is not None:
                     sock.close()
                 sock = None
@@ -211,8 +386,13 @@ class RecordSender:
             sock.close()
 
 
-def send_beat(endpoint: str, node: int, beat: dict[str, Any], timeout_s: float = 2.0) -> None:
-    """Send one heartbeat of node ``node`` to node 0's record server; raises OSError when it cannot."""
+def send_beat(endpoint: str, node: int, beat: dict[str, Any], timeout_s: float = 2.0, *,
+              secret: bytes | None = None) -> None:
+    """Send one heartbeat of node ``node`` to node 0's record server and wait for its answer; raises OSError
+    when it cannot (``Refused``, an OSError too, when node 0 refuses it). ``secret`` as for RecordSender."""
     host, port = parse_endpoint(endpoint)
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        sock.sendall(encode({"beat": beat, "node": node}))
+        try:
+            _handshake(sock, endpoint, secret, {"beat": beat, "node": node})
+        except (ValueError, KeyError) as err:
+            raise ConnectionError(f"records: node 0 at {endpoint} answered garbage ({err})") from err

@@ -1,20 +1,36 @@
-"""Records over TCP (issue 12): in order, none lost or duplicated across dropped connections; a clear error
-when node 0 cannot be reached. Real sockets on localhost, the real server writing real files."""
+"""Records over TCP (issues 12 and 19): in order, none lost or duplicated across dropped connections; a clear
+error when node 0 cannot be reached or refuses; the comparison's secret from its file or the environment.
+Real sockets on localhost, the real server writing real files."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import stat
 import threading
 import time
 
 import pytest
 
+from shardscope import record_wire
 from shardscope.orchestrator.launcher import free_port
 from shardscope.orchestrator.record_server import RecordServer
-from shardscope.record_wire import RecordSender, Unreachable, parse_endpoint, send_beat
+from shardscope.record_wire import (
+    Lines,
+    LineTooLong,
+    RecordSender,
+    Refused,
+    Unreachable,
+    encode,
+    parse_endpoint,
+    prove,
+    send_beat,
+)
 from shardscope.rundir import RunDir
+
+SECRET = bytes(range(32))
+RUNS = {"ddp": 4, "r": 4, "t": 4}  # with 2 nodes, node 1 holds ranks 2 and 3 of each run
 
 
 def _lines(path):
@@ -22,10 +38,16 @@ def _lines(path):
         return [json.loads(line) for line in fh]
 
 
+def _server(tmp_path, **kw):
+    kw = {"secret": SECRET, "runs": RUNS, "nnodes": 2, **kw}
+    srv = RecordServer(str(tmp_path), "127.0.0.1:0", **kw)
+    srv.start()
+    return srv
+
+
 @pytest.fixture
 def server(tmp_path):
-    srv = RecordServer(str(tmp_path), f"127.0.0.1:{free_port()}")
-    srv.start()
+    srv = _server(tmp_path)
     yield srv
     srv.stop()
 
@@ -35,8 +57,15 @@ def _endpoint(srv):
     return f"{host}:{port}"
 
 
+def _wait_for(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_records_arrive_in_order_exactly_once_across_dropped_connections(server, tmp_path):
-    senders = [RecordSender(_endpoint(server), "ddp", rank) for rank in (1, 3)]
+    senders = [RecordSender(_endpoint(server), "ddp", rank, secret=SECRET) for rank in (2, 3)]
     for s in senders:
         s.wait_connected()
     for i in range(400):
@@ -58,20 +87,23 @@ def test_a_resend_after_a_lost_ack_is_not_written_twice(server, tmp_path):
     """A connection that drops after node 0 wrote records but before the rank saw the ack: the rank resends
     them; node 0 skips what it already has."""
     host, port = server.address
-    with socket.create_connection((host, port)) as sock:
-        sock.sendall(b'{"hello":{"run":"r","rank":0}}\n' + b"".join(
-            json.dumps({"seq": i, "line": json.dumps({"i": i})}).encode() + b"\n" for i in range(3)))
-        time.sleep(0.3)  # written; the acks are never read
-    sender = RecordSender(f"{host}:{port}", "r", 0)
+    with socket.create_connection((host, port), timeout=20) as sock:
+        nonce = json.loads(sock.recv(4096))["challenge"]
+        hello = {"hello": {"run": "r", "rank": 2}}
+        sock.sendall(encode(dict(hello, mac=prove(SECRET, nonce, hello))))
+        assert json.loads(sock.recv(4096)) == {"ack": -1}
+        sock.sendall(b"".join(encode({"seq": i, "line": json.dumps({"i": i})}) for i in range(3)))
+        _wait_for(lambda: server.last_seq("r", 2) == 2)  # written; the acks are never read
+    sender = RecordSender(f"{host}:{port}", "r", 2, secret=SECRET)
     for i in range(5):  # a sender that starts from 0 again (it never saw an ack)
         sender.send(json.dumps({"i": i}))
     assert sender.close(timeout_s=30)
-    assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("r").rank_file(0))] == [0, 1, 2, 3, 4]
+    assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("r").rank_file(2))] == [0, 1, 2, 3, 4]
 
 
 def test_unreachable_node0_is_one_clear_error():
     port = free_port()  # nobody listens
-    sender = RecordSender(f"127.0.0.1:{port}", "ddp", 1, connect_timeout_s=1.0)
+    sender = RecordSender(f"127.0.0.1:{port}", "ddp", 1, connect_timeout_s=1.0, secret=SECRET)
     with pytest.raises(Unreachable, match=rf"node 0's orchestrator at 127.0.0.1:{port} unreachable for 1 s"):
         sender.wait_connected()
     with pytest.raises(Unreachable):
@@ -81,23 +113,24 @@ def test_unreachable_node0_is_one_clear_error():
 
 
 def test_heartbeats_become_node_files(server, tmp_path):
-    send_beat(_endpoint(server), 1, {"node": 1, "t": 123.0, "done": False})
+    send_beat(_endpoint(server), 1, {"node": 1, "t": 123.0, "done": False}, secret=SECRET)
     path = RunDir(str(tmp_path)).heartbeat(1)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert json.load(open(path, encoding="utf-8"))["t"] == 123.0
+    _wait_for(lambda: os.path.exists(path))  # node 0 answers after writing it; no wait is needed in fact
+    with open(path, encoding="utf-8") as fh:
+        assert json.load(fh)["t"] == 123.0
 
 
 def test_parse_endpoint():
     assert parse_endpoint("node0:29600") == ("node0", 29600)
+    assert parse_endpoint("[::1]:5") == ("::1", 5)
+    assert parse_endpoint("h:0", any_port=True) == ("h", 0)
     for bad in ("node0", "node0:", ":1", "h:0", "h:70000", "h:x"):
         with pytest.raises(ValueError):
             parse_endpoint(bad)
 
 
 def test_senders_in_threads_do_not_interleave_lines(server, tmp_path):
-    sender = RecordSender(_endpoint(server), "t", 2)
+    sender = RecordSender(_endpoint(server), "t", 2, secret=SECRET)
     big = "x" * 20000  # records larger than one recv
     threads = [threading.Thread(target=lambda k=k: [sender.send(json.dumps({"k": k, "j": j, "pad": big}))
                                                     for j in range(20)]) for k in range(3)]
@@ -111,9 +144,8 @@ def test_senders_in_threads_do_not_interleave_lines(server, tmp_path):
 
 
 def test_close_gives_up_cleanly_when_node0_is_gone(tmp_path):
-    srv = RecordServer(str(tmp_path), f"127.0.0.1:{free_port()}")
-    srv.start()
-    sender = RecordSender(_endpoint(srv), "ddp", 1, connect_timeout_s=1.0)
+    srv = _server(tmp_path)
+    sender = RecordSender(_endpoint(srv), "ddp", 2, connect_timeout_s=1.0, secret=SECRET)
     sender.wait_connected()
     srv.stop()  # node 0 goes away; what is sent now cannot be acknowledged
     sender.drop_connection()
@@ -124,3 +156,112 @@ def test_close_gives_up_cleanly_when_node0_is_gone(tmp_path):
             break
     assert sender.close(timeout_s=2) is False
     assert not sender._thread.is_alive()  # the sender thread ended: no spinning, no hang at the rank's exit
+
+
+def test_an_idle_sender_keeps_its_connection(tmp_path):
+    """The server closes connections idle for idle_timeout_s; a live sender pings, so it is not cut."""
+    srv = _server(tmp_path, idle_timeout_s=1.0)
+    try:
+        sender = RecordSender(_endpoint(srv), "ddp", 2, secret=SECRET)
+        sender.send(json.dumps({"i": 0}))
+        _wait_for(lambda: srv.last_seq("ddp", 2) == 0)
+        time.sleep(3)  # three idle timeouts with nothing to send
+        sender.send(json.dumps({"i": 1}))
+        assert sender.close(timeout_s=30)
+        assert sender.reconnects == 0 and srv.refused["timed out"] == 0
+        assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("ddp").rank_file(2))] == [0, 1]
+    finally:
+        srv.stop()
+
+
+def test_a_wrong_or_missing_secret_is_refused_at_once(server, tmp_path):
+    for secret in (b"w" * 32, None):
+        sender = RecordSender(_endpoint(server), "ddp", 2, connect_timeout_s=600, secret=secret)
+        with pytest.raises(Refused, match="refused this sender: not authenticated"):
+            sender.wait_connected(timeout_s=60)  # refused: no waiting out the 600 s of connect_timeout_s
+        with pytest.raises(Unreachable, match="not authenticated"):
+            sender.send("{}")
+        sender.close(timeout_s=1)
+        with pytest.raises(OSError, match="not authenticated"):
+            send_beat(_endpoint(server), 1, {"t": 1.0}, timeout_s=20, secret=secret)
+    assert not os.path.exists(RunDir(str(tmp_path)).heartbeat(1))
+    assert not os.path.exists(RunDir(str(tmp_path)).run("ddp").rank_file(2))
+
+
+def test_unwired_callers_still_work(tmp_path):
+    """No secret, no run list on either side (callers not wired yet): records still flow; names stay safe."""
+    srv = RecordServer(str(tmp_path), "127.0.0.1:0")
+    srv.start()
+    try:
+        sender = RecordSender(_endpoint(srv), "ddp", 1)
+        sender.send(json.dumps({"i": 0}))
+        assert sender.close(timeout_s=30)
+        assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("ddp").rank_file(1))] == [0]
+        bad = RecordSender(_endpoint(srv), "../x", 1, connect_timeout_s=600)
+        with pytest.raises(Refused, match="unknown run"):
+            bad.wait_connected(timeout_s=60)
+        bad.close(timeout_s=1)
+    finally:
+        srv.stop()
+
+
+def test_a_record_over_the_cap_is_refused_by_the_sender(server):
+    sender = RecordSender(_endpoint(server), "ddp", 3, secret=SECRET)
+    with pytest.raises(ValueError, match="cap"):
+        sender.send(json.dumps({"pad": "x" * record_wire.MAX_LINE_BYTES}))
+    sender.send(json.dumps({"pad": '"' * 1000}))  # quoting grows it, still under the cap
+    assert sender.close(timeout_s=30)
+
+
+def test_lines_are_linear_and_capped():
+    lines = Lines(max_line=1 << 20)
+    chunk = b"x" * (64 << 10)
+    fed = 0
+    with pytest.raises(LineTooLong):
+        for _ in range(50 << 20 // len(chunk)):  # 50 MB without a newline
+            lines.feed(chunk)
+            fed += len(chunk)
+            assert len(lines._buf) <= 1 << 20  # never more than the cap pending
+    assert fed <= 1 << 20
+    lines = Lines()
+    got = lines.feed(b'{"a":1}\n{"b"') + lines.feed(b':2}\n\n{"c":3}') + lines.feed(b"\n")
+    assert got == [{"a": 1}, {"b": 2}, {"c": 3}]
+    for garbage in (b"[1]\n", b"nope\n", b"[" * 100000 + b"\n"):
+        with pytest.raises(ValueError):
+            Lines(max_line=1 << 20).feed(garbage)
+
+
+def test_secret_files_and_environment(tmp_path):
+    secret = record_wire.new_secret()
+    assert len(secret) == 32 and secret != record_wire.new_secret()
+    path = tmp_path / "records.secret"
+    record_wire.write_secret(path, secret)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert record_wire.read_secret(path) == secret
+    with pytest.raises(FileExistsError):
+        record_wire.write_secret(path, secret)  # never overwritten
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    with pytest.raises(OSError):
+        record_wire.write_secret(tmp_path / "link", secret)  # never through a symlink
+    assert not (tmp_path / "elsewhere").exists()
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="chmod 600") as err:
+        record_wire.read_secret(path)
+    assert secret.hex() not in str(err.value)
+    os.chmod(path, 0o600)
+    env = {record_wire.SECRET_ENV: record_wire.secret_text(secret)}
+    assert record_wire.secret_from_env(env) == secret
+    assert record_wire.secret_from_env({record_wire.SECRET_FILE_ENV: str(path)}) == secret
+    assert record_wire.secret_from_env({}) is None
+    for bad in ("zz" * 32, "ab" * 8 + "c"):  # not hex; too short
+        with pytest.raises(ValueError, match=record_wire.SECRET_ENV) as err:
+            record_wire.secret_from_env({record_wire.SECRET_ENV: bad})
+        assert bad not in str(err.value)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        RecordServer(str(tmp_path), "127.0.0.1:0", secret=b"short")  # node 0 takes no weak secret
+    nonce = "00" * 16
+    mac = prove(secret, nonce, {"hello": {"run": "ddp", "rank": 2}})
+    assert record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, mac)
+    assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 3}}, mac)
+    assert not record_wire.proven(secret, "11" * 16, {"hello": {"run": "ddp", "rank": 2}}, mac)
+    assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, "é" * 64)

@@ -1,117 +1,399 @@
 """Node 0's record server: other nodes' ranks send their records here when no filesystem is shared.
 
 Each record line is appended to ``<out>/<run>/metrics/rank<R>.jsonl`` in node 0's output directory, in
-sequence order, exactly once (see ``shardscope/record_wire.py`` for the protocol and its guarantees);
-heartbeats of other nodes' orchestrators become ``nodes/node<N>.json``. Everything downstream (the
-session's tailers, the verdict, the report) reads those files as on a shared filesystem.
+sequence order, exactly once (protocol: ``shardscope/record_wire.py``); heartbeats of other nodes'
+orchestrators become ``nodes/node<N>.json``; the session, verdicts and reports read those files.
+
+Who gets in. The server listens only on the address it is given: the endpoint's host, or ``bind`` when the
+caller passes one (the endpoint's host is how other nodes reach node 0; when it resolves here only to a
+loopback address, as a Debian host name does to 127.0.1.1, the server refuses to start rather than listen
+where no other node can reach it, unless the host is literally loopback: nodes on one machine). Every
+connection first answers a fresh challenge with an HMAC of the comparison's secret (``record_wire.prove``);
+then only this comparison's run names (``runs``) and the ranks other nodes hold in them (``world size //
+nnodes`` and up: node 0's own ranks write their files themselves), or heartbeats of nodes ``1..nnodes-1``.
+A received name is only looked up: every path is built from node 0's own run list. One connection per
+(run, rank) at a time: a second hello is refused "busy" (the sender retries) until the first is gone,
+rather than replacing it, so a duplicate or stale sender can never cut into a live stream, and a dead
+connection frees its place within the idle timeout (the live sender pings, a dead one cannot).
+
+Bounds. A line is at most ``MAX_LINE_BYTES`` (``HELLO_MAX_BYTES`` before admission); a longer one closes the
+connection and nothing of it is written. At most ``max_connections`` are open (default 4 x the ranks of
+all runs + nnodes, at least 64, at most half the descriptor limit); more are closed at once. A connection is
+closed when it completes no message for ``idle_timeout_s`` (30 s), or is not admitted within
+``handshake_timeout_s`` (10 s), which also ends half-sent lines; answers a peer does not read are capped.
+
+One thread, ``selectors``: the work per message is tiny (check, append a line, flush), so one loop keeps up,
+and a flood of connections costs a descriptor and a small buffer each, never a thread or a blocked worker
+(a bounded pool would still be filled by slow peers and need a timeout per socket); timeouts are a sweep
+over deadlines. ``secret=None`` / ``runs=None`` / ``nnodes=None`` mean a caller not wired to them yet:
+no MAC is asked, any run name of the preset grammar (one path component) and any rank or node number below
+a fixed cap is taken; bounds and timeouts hold all the same.
 """
 
 from __future__ import annotations
 
+import collections
+import ipaddress
 import os
-import socketserver
+import secrets
+import selectors
+import socket
 import threading
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from shardscope.config import dump_json
-from shardscope.record_wire import Lines, encode, parse_endpoint
+from shardscope.presets.schema import NAME_RE
+from shardscope.record_wire import (HELLO_MAX_BYTES, MAX_LINE_BYTES, MIN_SECRET_BYTES, Lines, LineTooLong, encode,
+                                   parse_endpoint, proven)
 from shardscope.rundir import RunDir
+
+IDLE_TIMEOUT_S = 30.0  # no complete message for this long: the connection is closed (senders ping at a third)
+HANDSHAKE_TIMEOUT_S = 10.0  # from accept to an admitted hello or beat
+MIN_CONNECTIONS = 64
+OUT_MAX_BYTES = 64 << 10  # answers queued for a peer that does not read them
+RECV_BYTES = 64 << 10
+UNWIRED_MAX_RANK, UNWIRED_MAX_NODE = 1 << 16, 1 << 12  # caps while the caller passes no runs / nnodes
+BIND_SETTING = "launch.records_bind"  # named in the errors: where a user gives the address to listen on
+_READ, _RW = selectors.EVENT_READ, selectors.EVENT_READ | selectors.EVENT_WRITE
+
+
+class BindError(OSError):
+    """The record server cannot listen where it was told (one line saying why and what to set)."""
+
+
+class _Conn:
+    __slots__ = ("admitted", "closing", "deadline", "events", "fh", "key", "lines", "nonce", "out", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock: socket.socket | None = sock
+        self.lines = Lines(HELLO_MAX_BYTES)
+        self.out = bytearray()
+        self.nonce = secrets.token_hex(16)
+        self.deadline = deadline
+        self.key: tuple[str, int] | None = None
+        self.fh: Any = None
+        self.admitted = self.closing = False
+        self.events = _READ
 
 
 class RecordServer:
-    """A threaded TCP server writing received records into ``out_dir``; ``start``/``stop``."""
+    """A single-threaded TCP server writing received records into ``out_dir``; ``start``/``stop``.
 
-    def __init__(self, out_dir: str, endpoint: str) -> None:
+    ``runs``: run name -> world size of this comparison; ``nnodes``: nodes in it; ``secret``: its secret
+    (``record_wire.secret_from_env``); ``bind``: an address to listen on instead of the endpoint's host
+    (``"0.0.0.0"`` or ``"::"``: every interface), the port is always the endpoint's (0: any, for tests).
+    """
+
+    def __init__(self, out_dir: str, endpoint: str, *, secret: bytes | None = None,
+                 runs: Mapping[str, int] | None = None, nnodes: int | None = None, bind: str | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 max_connections: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"records server: a secret needs at least {MIN_SECRET_BYTES} bytes")
         self.out = RunDir(out_dir)
-        host, port = parse_endpoint(endpoint)
+        self._secret = secret
+        self.nnodes = nnodes
+        self.idle_timeout_s, self.handshake_timeout_s = idle_timeout_s, handshake_timeout_s
+        self.max_line_bytes = max_line_bytes
+        per_node = max(1, nnodes or 1)
+        # name -> (node 0's own string for it, the ranks other nodes hold)
+        self._runs = None if runs is None else {
+            str(name): (str(name), range(int(ws) // per_node if per_node > 1 else 0, int(ws)))
+            for name, ws in runs.items()}
+        self.max_connections = max_connections or _default_max_connections(runs, nnodes)
         self.written = 0  # record lines appended (duplicates skipped are not counted)
         self.duplicates = 0  # resent lines already written (after a dropped connection)
+        self.beats = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # connections closed, by reason
         self._last: dict[tuple[str, int], int] = {}
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
-        self._guard = threading.Lock()
-        server = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                server._serve(self.request)
-
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        socketserver.ThreadingTCPServer.daemon_threads = True
-        # Every interface on the endpoint's port: the endpoint's host name is how *other* nodes reach this one
-        # (on many hosts it resolves locally to 127.0.1.1, which they could not reach).
-        del host
-        self._server = socketserver.ThreadingTCPServer(("", port), Handler)
+        self._live: dict[tuple[str, int], _Conn] = {}
+        self._conns: set[_Conn] = set()
+        self._listener = _listen(endpoint, bind, nnodes)
+        self._address = self._listener.getsockname()[:2]
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._listener, _READ, "accept")
+        self._sel.register(self._wake_r, _READ, "wake")
+        self._stopping = False
+        self._closed = False
+        self._next_sweep = 0.0
         self._thread: threading.Thread | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         """The (host, port) the server listens on."""
-        return self._server.server_address[:2]
+        return self._address
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._conns)
 
     def start(self) -> None:
-        """Serve on a background thread."""
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="shardscope-record-server", daemon=True)
+        """Serve on a background thread (one thread, whatever the number of connections)."""
+        self._thread = threading.Thread(target=self._loop, name="shardscope-record-server", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving, close every connection, file and the listening socket."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._thread is None or not self._thread.is_alive():
+            self._close_all()
 
     def last_seq(self, run: str, rank: int) -> int:
         """The last sequence number written for (run, rank); -1 for none."""
-        with self._guard:
-            return self._last.get((run, rank), -1)
+        return self._last.get((run, rank), -1)
 
-    def _lock(self, key: tuple[str, int]) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
-
-    def _serve(self, sock: Any) -> None:
-        lines = Lines()
-        key: tuple[str, int] | None = None
-        fh = None
+    def _loop(self) -> None:
         try:
-            while True:
-                data = sock.recv(65536)
-                if not data:
-                    return
-                acked = None
-                for msg in lines.feed(data):
-                    if "beat" in msg:
-                        path = self.out.heartbeat(int(msg["node"]))
-                        os.makedirs(os.path.dirname(path), exist_ok=True)
-                        dump_json(path, msg["beat"])
-                    elif "hello" in msg:
-                        key = (str(msg["hello"]["run"]), int(msg["hello"]["rank"]))
-                        path = self.out.run(key[0]).rank_file(key[1])
-                        os.makedirs(os.path.dirname(path), exist_ok=True)
-                        fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in finally
-                        acked = self.last_seq(*key)
-                    elif key is not None and fh is not None:
-                        acked = self._append(key, fh, int(msg["seq"]), str(msg["line"]))
-                if acked is not None:
-                    sock.sendall(encode({"ack": acked}))
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # a dropped or garbled connection: the rank reconnects and resends from its last ack
+            while not self._stopping:
+                for key, events in self._sel.select(timeout=0.2):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._wake_r.recv(64)
+                    else:
+                        self._io(key.data, events)
+                now = time.monotonic()
+                if now >= self._next_sweep:
+                    self._next_sweep = now + 0.1
+                    for conn in [c for c in self._conns if now > c.deadline]:
+                        self._close(conn, "timed out")
         finally:
-            if fh is not None:
-                fh.close()
+            self._close_all()
 
-    def _append(self, key: tuple[str, int], fh: Any, seq: int, line: str) -> int:
-        """Append ``line`` if ``seq`` is the next one for ``key``; return the last sequence number written."""
-        with self._lock(key):
-            last = self.last_seq(*key)
-            if seq == last + 1:
-                fh.write(line + "\n")
-                fh.flush()
-                with self._guard:
-                    self._last[key] = seq
-                    self.written += 1
-                return seq
-            if seq <= last:
-                with self._guard:
-                    self.duplicates += 1
-                return last
-            raise ValueError(f"record {seq} after {last}: a gap")  # cannot happen with the sender; drop the link
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # none waiting (or out of descriptors: open ones drain by their timeouts)
+                return
+            if len(self._conns) >= self.max_connections:
+                self.refused["too many connections"] += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock, time.monotonic() + self.handshake_timeout_s)
+            self._conns.add(conn)
+            self._sel.register(sock, _READ, conn)
+            self._send(conn, {"challenge": conn.nonce, "idle_s": self.idle_timeout_s})
+
+    def _io(self, conn: _Conn, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if not events & selectors.EVENT_READ or conn.sock is None:
+                return
+            data = conn.sock.recv(RECV_BYTES)
+            if not data:
+                self._close(conn, None)
+                return
+            if conn.closing:  # refused: what it still sends is not read
+                return
+            acked = None
+            for msg in conn.lines.feed(data):
+                acked = self._message(conn, msg, acked)
+                if conn.closing or conn.sock is None:
+                    return
+            if acked is not None:
+                self._send(conn, {"ack": acked})
+        except (BlockingIOError, InterruptedError):
+            return
+        except LineTooLong:
+            self._close(conn, "line too long")  # nothing of it was written
+        except Exception:  # noqa: BLE001 - garbage of any shape ends this connection, never the server
+            self._close(conn, "garbled")
+
+    def _message(self, conn: _Conn, msg: dict[str, Any], acked: int | None) -> int | None:
+        if not conn.admitted:
+            return self._admit(conn, msg)
+        conn.deadline = time.monotonic() + self.idle_timeout_s
+        if "seq" in msg:
+            seq, line = msg["seq"], msg["line"]
+            if type(seq) is not int or not isinstance(line, str) or "\n" in line or "\r" in line:
+                raise ValueError("a malformed record")
+            return self._append(conn, seq, line)
+        if "ping" in msg:
+            return acked
+        raise ValueError("an unknown message")
+
+    def _admit(self, conn: _Conn, msg: dict[str, Any]) -> int | None:
+        if "hello" in msg:
+            identity = {"hello": msg["hello"]}
+        elif "beat" in msg:
+            identity = {"beat": msg["beat"], "node": msg.get("node")}
+        else:
+            return self._refuse(conn, "expected hello or beat")
+        if self._secret is not None and not proven(self._secret, conn.nonce, identity, msg.get("mac")):
+            return self._refuse(conn, "not authenticated (wrong or missing secret)")
+        if "beat" in identity:
+            return self._beat(conn, identity["node"], identity["beat"])
+        hello = identity["hello"]
+        run, rank = (hello.get("run"), hello.get("rank")) if isinstance(hello, dict) else (None, None)
+        if self._runs is None:  # not wired to the run list yet: one safe path component
+            name = run if isinstance(run, str) and len(run) <= 200 and NAME_RE.fullmatch(run) else None
+            ranks = range(UNWIRED_MAX_RANK)
+        else:
+            name, ranks = self._runs.get(run, (None, range(0))) if isinstance(run, str) else (None, range(0))
+        if name is None:
+            return self._refuse(conn, "unknown run")
+        if type(rank) is not int or rank not in ranks:
+            return self._refuse(conn, "rank out of range")
+        key = (name, rank)
+        if key in self._live:
+            return self._refuse(conn, "busy")
+        files = self.out.run(name)
+        os.makedirs(files.metrics, exist_ok=True)
+        conn.fh = open(files.rank_file(rank), "a", encoding="utf-8")  # noqa: SIM115 - closed in _close
+        conn.key, conn.admitted = key, True
+        self._live[key] = conn
+        conn.lines.max_line = self.max_line_bytes
+        conn.deadline = time.monotonic() + self.idle_timeout_s
+        return self.last_seq(*key)
+
+    def _beat(self, conn: _Conn, node: Any, beat: Any) -> None:
+        top = UNWIRED_MAX_NODE if self.nnodes is None else self.nnodes
+        if type(node) is not int or not 1 <= node < top:
+            return self._refuse(conn, "node out of range")
+        if not isinstance(beat, dict):
+            return self._refuse(conn, "a heartbeat is a JSON object")
+        path = self.out.heartbeat(node)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        dump_json(path, beat)
+        self.beats += 1
+        conn.closing = True  # one beat per connection: answered, then closed
+        self._send(conn, {"ok": True})
+        return None
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        self.refused[reason] += 1
+        conn.closing = True
+        self._send(conn, {"refused": reason})
+
+    def _append(self, conn: _Conn, seq: int, line: str) -> int:
+        """Append ``line`` if ``seq`` is the next one of the connection's rank; return the last one written."""
+        assert conn.key is not None and conn.fh is not None
+        last = self.last_seq(*conn.key)
+        if seq == last + 1:
+            conn.fh.write(line + "\n")
+            conn.fh.flush()
+            self._last[conn.key] = seq
+            self.written += 1
+            return seq
+        if seq <= last:
+            self.duplicates += 1
+            return last
+        raise ValueError(f"record {seq} after {last}: a gap")  # cannot happen with the sender; drop the link
+
+    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        conn.out += encode(msg)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.sock is None:
+            return
+        try:
+            if conn.out:
+                del conn.out[:conn.sock.send(conn.out)]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._close(conn, None)
+            return
+        if not conn.out and conn.closing:
+            self._close(conn, None)
+            return
+        if len(conn.out) > OUT_MAX_BYTES:
+            self._close(conn, "answers not read")
+            return
+        events = _RW if conn.out else _READ
+        if events != conn.events:
+            conn.events = events
+            self._sel.modify(conn.sock, events, conn)
+
+    def _close(self, conn: _Conn, reason: str | None) -> None:
+        if reason is not None:
+            self.refused[reason] += 1
+        if conn.sock is not None:
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+            conn.sock.close()
+            conn.sock = None
+        if conn.fh is not None:
+            conn.fh.close()
+            conn.fh = None
+        if conn.key is not None and self._live.get(conn.key) is conn:
+            del self._live[conn.key]
+        self._conns.discard(conn)
+
+    def _close_all(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._conns):
+            self._close(conn, None)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._sel.close()
+
+
+def _default_max_connections(runs: Mapping[str, int] | None, nnodes: int | None) -> int:
+    """4 x the ranks of all runs + nnodes, at least MIN_CONNECTIONS (256 when not told the runs), at most half
+    this process's descriptor limit."""
+    wanted = max(MIN_CONNECTIONS, 4 * sum(int(ws) for ws in runs.values()) + (nnodes or 0)) if runs else 256
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return min(wanted, max(16, soft // 2)) if soft > 0 else wanted
+    except (ImportError, OSError, ValueError):
+        return wanted
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen(endpoint: str, bind: str | None, nnodes: int | None) -> socket.socket:
+    """A listening, non-blocking socket on the endpoint's host (or ``bind``) and the endpoint's port."""
+    host, port = parse_endpoint(endpoint, any_port=True)
+    where = host if bind is None else bind.strip("[]")
+    try:
+        infos = socket.getaddrinfo(where or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise BindError(f"records server: cannot resolve {where!r} ({err}); give the address to listen on "
+                        f"({BIND_SETTING})") from None
+    addrs = sorted({str(info[4][0]) for info in infos})
+    if bind is None and (nnodes is None or nnodes > 1) and not (_is_loopback(host) or host == "localhost") \
+            and all(_is_loopback(a) for a in addrs):
+        raise BindError(f"records server: {host} resolves on this node only to {', '.join(addrs)} (loopback), where "
+                        f"other nodes cannot reach it; give the address to listen on ({BIND_SETTING}: this "
+                        "node's cluster address, or 0.0.0.0 for every interface)")
+    error: OSError | None = None
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+            return sock
+        except OSError as err:
+            sock.close()
+            error = err
+    raise BindError(f"records server: cannot listen on {where}:{port} ({error}); if {host} is how other nodes reach "
+                    f"this one but no address of it (NAT, a proxy), give the address to listen on ({BIND_SETTING})")
