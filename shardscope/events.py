@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -33,6 +34,8 @@ TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "ten
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)
 COMM = "comm"  # bytes and calls per collective counted in-rank over the profiled window (profile.count_collectives)
 ERROR = "error"  # message, traceback
+STALL = "stall"  # asked by the orchestrator of a stalled run: step, collectives (the flight recorder's last
+#                  entries: seq, op, group, sizes, entered_t, done), stack (every thread's Python stack)
 END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
 #              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
 #              "grad_norm") when diverged
@@ -43,10 +46,12 @@ ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
 # "<pid>:<create_time>[,...]": the previous run's torchrun, still tearing down when this run was launched;
 # the ranks train only once it is gone (start-up overlaps the previous run's teardown, never its steps)
 PREVIOUS_RUN_ENV = "SHARDSCOPE_AFTER"
+# torch's flight recorder (every collective's sequence number, kind, sizes, state), read by a stalled rank
+FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES = "TORCH_FR_BUFFER_SIZE", "2000"
 # Profiler ranges the training loop opens around each phase; the trace analysis reads them back.
 PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}
 
-KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, END)
+KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, STALL, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")
 
 
@@ -100,6 +105,7 @@ class RecordWriter:
         self.run = run
         self.rank = rank
         self._injected: int | None = None
+        self._lock = threading.Lock()
         self.forward: Any = None  # a record_wire.RecordSender once forward_to() was called
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)
@@ -117,11 +123,12 @@ class RecordWriter:
         if self._injected is not None:
             raise OSError(self._injected, os.strerror(self._injected), self.path)
         line = encode(record)
-        try:
-            self._file.write(line)
-            self._file.flush()
-        except OSError as err:  # the buffered file's error names no file: the message must say which
-            raise OSError(err.errno, err.strerror, err.filename or self.path) from err
+        with self._lock:  # the stall dump writes from its own thread
+            try:
+                self._file.write(line)
+                self._file.flush()
+            except OSError as err:  # the buffered file's error names no file: the message must say which
+                raise OSError(err.errno, err.strerror, err.filename or self.path) from err
         if self.forward is not None:  # another node: node 0 gets the line too (record_wire)
             self.forward.send(line)
         return record

@@ -12,7 +12,7 @@ Layout (DESIGN.md "run directory")::
     <out>/.shardscope-spare      disk space held back for the verdicts, freed when the disk fills
     <out>/.shardscope-lock       the exclusive lock of the command writing here (.node<N>: other nodes)
     <out>/<run>/spec.json        what the ranks run (<out>/<run>.attempt<k>/: a restarted run's earlier attempt)
-    <out>/<run>/status.json      the orchestrator's verdict
+    <out>/<run>/status.json      the orchestrator's verdict (stall-request: made when the run stalled)
     <out>/<run>/console.log      torchrun's output (console.node<N>.log from other nodes)
     <out>/<run>/metrics/rank<R>.jsonl   records, one file per global rank
     <out>/<run>/traces/rank<R>.trace.json   profiler traces (traces/tb: the TensorBoard plugin's layout,
@@ -42,6 +42,7 @@ PLOTS = "plots"
 DIFF = "diff"
 INIT_WEIGHTS = "init.safetensors"
 SPEC = "spec.json"
+STALL_REQUEST = "stall-request"
 STATUS = "status.json"
 METRICS = "metrics"
 TRACES = "traces"
@@ -122,6 +123,11 @@ class RunFiles:
     def console(self, node_rank: int = 0) -> str:
         """torchrun's output on node ``node_rank`` (``console.log`` on node 0)."""
         return os.path.join(self.path, console_name(node_rank))
+
+    @property
+    def stall_request(self) -> str:
+        """``stall-request``: made by the orchestrator of a stalled run; each rank then writes a ``stall`` record."""
+        return os.path.join(self.path, STALL_REQUEST)
 
     @property
     def metrics(self) -> str:

@@ -99,7 +99,7 @@ def _check_explained_and_recommended(out, summary, stdout):
     assert entry["timeline"] in shown["text"]
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit", "hang"])
+@pytest.mark.parametrize("kind", ["raise", "exit", "hang", "skip"])
 def test_fault_fails_only_its_run(tmp_path, kind):
     out = tmp_path / f"fault-{kind}"
     proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
@@ -112,8 +112,15 @@ def test_fault_fails_only_its_run(tmp_path, kind):
     if kind == "raise":
         assert "injected" in failed["error"].lower() or "RuntimeError" in failed["error"]
         assert "Traceback" in failed["traceback_tail"] or "RuntimeError" in failed["traceback_tail"]
-    if kind == "hang":
-        assert "stalled" in failed["error"]
+    if kind == "hang":  # asked before the stop, the ranks said where they were
+        assert failed["error"].startswith("stalled at step 3 (no progress for 20 s): rank 1 never entered "
+                                          "all_reduce #"), failed["error"]
+        assert "rank 0 waiting in it for " in failed["error"]
+        assert "in maybe_fire" in failed["traceback_tail"]  # rank 1's stack: where it hangs
+    if kind == "skip":  # a deadlock across two groups, the earliest wait first
+        assert failed["error"].startswith("stalled at step 3 (no progress for 20 s): rank 1 never entered all_reduce "
+                                          "#1 (group pg "), failed["error"]
+        assert "; then rank 0 never entered all_reduce #" in failed["error"]
     if kind == "exit":  # the rank that left is the root cause, not its peer's broken connection
         assert failed["error"].startswith("rank 1 exited with code 3 at step 3"), failed["error"]
     assert runs["fsdp2"]["status"] == "ok", "the other run goes on"

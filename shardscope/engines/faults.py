@@ -6,6 +6,9 @@ At the start of the given step, on the given rank:
 - ``exit`` (``kind=exit,code=0``): ``os._exit(code)``, 3 by default (no records, like a crash, or a library's
   ``sys.exit`` deep inside a step);
 - ``hang``: sleeps forever (like a deadlock; the orchestrator's stall timeout must kill it);
+- ``skip``: every rank but the given one enters an all-reduce (on a process group of the fault's own, made at
+  start-up) that the given rank skips, as a rank taking another branch would; it goes on into the step's own
+  collectives and waits there for peers that wait for it: a deadlock the stall verdict must untangle;
 - ``oom``: raises torch's ``OutOfMemoryError``, as a CUDA allocation that does not fit does;
 - ``memlimit``: caps the rank's address space (RLIMIT_AS) just above what it uses, then allocates
   1 GiB: the allocator fails as it does on a host without memory;
@@ -51,6 +54,7 @@ class Fault:
     ms: int = 100  # kind "slow": extra busy milliseconds per step
     code: int = 3  # kind "exit": the exit code
     writer: Any = None
+    group: Any = None  # kind "skip": the process group of the collective the rank skips (``prepare``)
 
     @staticmethod
     def parse(text: str, writer: Any = None) -> "Fault | None":
@@ -61,8 +65,24 @@ class Fault:
         return Fault(spec["rank"], spec["step"], spec["kind"], ms=spec.get("ms", 100), code=spec.get("code", 3),
                      writer=writer)
 
+    def prepare(self) -> "Fault":
+        """Return the fault ready to fire: ``skip`` makes its process group (every rank calls this, in order)."""
+        if self.kind != "skip":
+            return self
+        import dataclasses
+
+        import torch.distributed as dist
+
+        return dataclasses.replace(self, group=dist.new_group(list(range(dist.get_world_size()))))
+
     def maybe_fire(self, rank: int, step: int, device: torch.device | None = None) -> None:
         """Fire the fault if (rank, step) match (see the module docstring for each kind)."""
+        if self.kind == "skip":
+            if step == self.step and rank != self.rank:
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            return
         if self.kind == "slow":
             if rank == self.rank and step >= self.step:
                 _device_work(self.ms, device or torch.device("cpu"))

@@ -46,6 +46,7 @@ from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
+from shardscope.engines.stall_dump import StallDump
 from shardscope.rundir import SPEC, RunFiles
 
 _T_IMPORTED = time.time()
@@ -187,7 +188,8 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  startup=marks)
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
-    cfg.fault, cfg.profiler = Fault.parse(run.get("fault", ""), writer), window
+    fault = Fault.parse(run.get("fault", ""), writer)
+    cfg.fault, cfg.profiler = fault.prepare() if fault else None, window
     cfg.counter = CountWindow(enabled=window.enabled and prof.count_collectives, start_step=prof.start_step,
                               steps=prof.steps, total_steps=comparison.steps)
     cfg.stop_on_nonfinite = comparison.on_nonfinite == "stop"
@@ -251,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                                  rank, spare_bytes=SPARE_BYTES)
     code = 0
     cfg = LoopConfig(global_batch=0, tokens_per_sample=0, min_lr_ratio=0.0)  # filled in by run_rank
+    stall = StallDump(RunFiles(spec["run_dir"]).stall_request, lambda **f: writer.write(events.STALL, **f),
+                      lambda: cfg.steps_completed)
+    stall.start()  # a stalled run's orchestrator asks every rank where it is
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
             writer.forward_to(os.environ[record_wire.ENV])
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             write_failure(writer, exc, rank, cfg.steps_completed)
             code = EXIT_FAILED
     finally:
+        stall.stop()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # do not interrupt the cleanup
         if dist.is_initialized():
             dist.destroy_process_group()

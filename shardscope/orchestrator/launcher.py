@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from shardscope.events import PREVIOUS_RUN_ENV
+from shardscope.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
 
 
@@ -115,6 +115,8 @@ def after_env(previous: list["RunProcess"]) -> dict[str, str]:
 def worker_env(device: str) -> dict[str, str]:
     """Return environment additions for ranks: thread counts that do not oversubscribe CPUs."""
     env = {"PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    # A stalled run's ranks say which collective each one last entered (engines/stall_dump.py).
+    env[FLIGHT_RECORDER_ENV] = os.environ.get(FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES)
     if device == "cpu":
         # Several ranks share the cores; one intra-op thread each keeps them from thrashing.
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from shardscope.orchestrator import launcher, nodes, verdict
+from shardscope.orchestrator import launcher, nodes, stall_verdict, verdict
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
 from shardscope.profiling import state
 from shardscope.profiling.root_cause import is_secondary, root_cause
@@ -38,6 +38,10 @@ class _Active:
     errors: list[dict] = field(default_factory=list)  # every rank's error records (root_cause picks one)
     ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
     finished: set[int] = field(default_factory=set)  # ranks whose `end` record says ok or diverged
+    stalls: dict[int, dict] = field(default_factory=dict)  # rank -> its `stall` record (where it was)
+
+
+STALL_ANSWER_S = 10.0  # how long a stalled run's ranks get to say where they are before it is stopped
 
 
 class RunSupervision:
@@ -52,6 +56,7 @@ class RunSupervision:
             stalled = time.monotonic() - active.last_progress > self._stall_limit(active)
             if stalled and not active.stop_reason:
                 active.stop_reason = "stalled"
+                self._ask_where(active)
             if not active.stop_reason:
                 return
             active.proc.stop(self.comparison.launch.grace_period_s)
@@ -74,6 +79,8 @@ class RunSupervision:
                     active.errors.append(r)
                     active.error, active.traceback = root_cause(active.errors)
                     active.cause = verdict.cause_of(active.errors, active.error)
+                elif r.get("kind") == "stall":
+                    active.stalls[int(r.get("rank", -1))] = r
                 elif r.get("kind") == "end":
                     active.ended.add(int(r.get("rank", -1)))
                     if r.get("status") in (state.OK, state.DIVERGED):
@@ -104,6 +111,21 @@ class RunSupervision:
             return []
         return [r for r in mine if r not in reported]
 
+    def _ask_where(self, active: _Active, wait_s: float = STALL_ANSWER_S) -> None:
+        """Before a stalled run is stopped, ask its ranks where they are (``stall-request``); wait up to
+        ``wait_s`` for a ``stall`` record from every rank that started and did not end."""
+        try:
+            with open(self.rundir.run(active.name).stall_request, "w", encoding="utf-8"):
+                pass
+        except OSError:
+            return
+        started = set(self.states[active.name].start) - active.ended
+        deadline = time.monotonic() + wait_s
+        while not started <= set(active.stalls) and time.monotonic() < deadline and active.proc.poll() is None:
+            time.sleep(0.2)
+            self._read(active)
+            started = set(self.states[active.name].start) - active.ended
+
     def _await_other_nodes(self, active: _Active, timeout_s: float = 5.0) -> None:
         """Give other nodes' ranks a moment to land their end records, so the root cause can be theirs."""
         world = self.states[active.name].world_size
@@ -128,6 +150,9 @@ class RunSupervision:
         limit = self._stall_limit(active)
         if active.stop_reason == "stopped":
             update = state.StatusChanged(active.name, state.STOPPED, "stopped by the user")
+        elif active.stop_reason == "stalled" and active.stalls:  # the ranks said where they were
+            line, stacks = stall_verdict.describe(active.stalls, limit, self.states[active.name].world_size)
+            update = state.StatusChanged(active.name, state.FAILED, line, stacks)
         elif active.stop_reason == "stalled":
             update = state.StatusChanged(
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
