@@ -63,6 +63,34 @@ def _open_app(**kwargs: Any) -> None:
     code = app.run()
     sys.exit(code if isinstance(code, int) else EXIT_OK)
 
+def check_records_secret() -> None:
+    """Records over TCP need the comparison's secret on every node (record_wire): exit 2 without it."""
+    from shardscope import record_wire
+
+    try:
+        secret = record_wire.secret_from_env()
+    except (OSError, ValueError) as err:
+        fail_usage(f"--records-endpoint: the records secret: {err}")
+    if secret is None:
+        fail_usage(f"--records-endpoint: records over TCP need this comparison's secret on every node: "
+                   f"`shardscope records-secret FILE` makes one (mode 0600); copy FILE to each node and set "
+                   f"{record_wire.SECRET_FILE_ENV}=FILE (or {record_wire.SECRET_ENV} to its content)")
+
+
+@main.command("records-secret")
+@click.argument("path", type=click.Path(dir_okay=False))
+def records_secret_cmd(path: str) -> None:
+    """Write a new secret for records over TCP to PATH (mode 0600; an existing file is refused)."""
+    from shardscope import record_wire
+
+    try:
+        record_wire.write_secret(path, record_wire.new_secret())
+    except OSError as err:
+        fail_usage(f"{path}: {err.strerror or err}")
+    click.echo(f"wrote a new records secret to {path} (mode 0600); on every node: "
+               f"export {record_wire.SECRET_FILE_ENV}={os.path.abspath(path)}")
+
+
 @main.command("run")
 @click.option("--preset", "-p", default=None, help="Built-in preset name or path to a .toml file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -105,6 +133,8 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if dry_run:
         headless_run.print_dry_run(comparison, dev, out)
         return
+    if comparison.launch.records_endpoint and comparison.launch.nnodes > 1:
+        check_records_secret()
     if check_parity and not headless:  # the app shows the loss differences; only the headless exit code gates
         fail_usage("--check-parity needs --headless (the app has no exit code to fail; it shows the loss "
                    "difference of every run)")

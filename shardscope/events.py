@@ -133,7 +133,7 @@ class RecordWriter:
             self.forward.send(line)
         return record
 
-    def forward_to(self, endpoint: str, connect_timeout_s: float = 30.0) -> None:
+    def forward_to(self, endpoint: str, connect_timeout_s: float = 30.0, secret: bytes | None = None) -> None:
         """Also send every record to node 0's record server at ``endpoint`` (no shared filesystem).
 
         Waits for the first connection; raises ``record_wire.Unreachable`` (one clear line) when node 0
@@ -141,7 +141,7 @@ class RecordWriter:
         """
         from shardscope.record_wire import RecordSender
 
-        sender = RecordSender(endpoint, self.run, self.rank, connect_timeout_s=connect_timeout_s)
+        sender = RecordSender(endpoint, self.run, self.rank, connect_timeout_s=connect_timeout_s, secret=secret)
         sender.wait_connected()
         self.forward = sender
 

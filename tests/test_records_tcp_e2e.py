@@ -6,6 +6,7 @@ every record of node 1's ranks exactly once, in order, and judge and report as o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,13 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
 
+def secret_env(tmp_path, name="secret"):
+    """The environment of a node that holds the comparison's secret (a 0600 file made by the command)."""
+    path = tmp_path / name
+    subprocess.run([*CLI, "records-secret", str(path)], check=True, capture_output=True)
+    return {**os.environ, "SHARDSCOPE_RECORDS_SECRET_FILE": str(path)}
+
+
 def _records(path):
     with open(path, encoding="utf-8") as fh:
         return [line for line in fh.read().splitlines() if line.strip()]
@@ -33,9 +41,10 @@ def test_two_nodes_without_shared_files(tmp_path):
               "--records-endpoint", f"127.0.0.1:{records}", "--set", "steps=8", "--set", "world_size=2",
               "--set", "profile.enabled=false"]
     outs = {n: tmp_path / f"node{n}" for n in (0, 1)}
+    env = secret_env(tmp_path)
     procs = {n: subprocess.Popen([*CLI, *common, "--out", str(outs[n]), "--node-rank", str(n),
                                   "--set", "runs.ddp.fault='rank=1,step=3,kind=netdrop'"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (1, 0)}
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for n in (1, 0)}
     logs = {n: p.communicate(timeout=400)[0] for n, p in procs.items()}
     assert procs[0].returncode == 0, logs[0][-3000:] + logs[1][-3000:]
     assert procs[1].returncode == 0, logs[1][-3000:]
@@ -62,7 +71,8 @@ def test_node0_unreachable_is_one_clear_line(tmp_path):
     proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(tmp_path / "n1"),
                            "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                            "--records-endpoint", f"127.0.0.1:{port}", "--set", "world_size=2",
-                           "--set", "launch.node_timeout_s=2"], capture_output=True, text=True, timeout=120)
+                           "--set", "launch.node_timeout_s=2"], capture_output=True, text=True, timeout=120,
+                          env=secret_env(tmp_path))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"node 0's orchestrator at 127.0.0.1:{port} unreachable for 2 s" in proc.stdout + proc.stderr
     assert not (tmp_path / "n1" / "ddp" / "metrics").exists()  # nothing was launched
@@ -74,3 +84,31 @@ def test_bad_records_endpoint_is_refused_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--records-endpoint node0: " in proc.stderr and "host:port" in proc.stderr
+
+
+def test_without_the_secret_nothing_starts_and_a_wrong_one_is_refused(tmp_path):
+    """No secret: one line, exit 2, nothing written. Node 1 with another comparison's secret: node 0's record
+    server refuses it at once (no wait for the timeout); node 1 starts nothing; node 0 fails its runs when
+    node 1 never comes."""
+    rdzv = port_block(3)
+    common = ["run", "--preset", "smoke", "--headless", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
+              "--records-endpoint", f"127.0.0.1:{rdzv + 2}", "--set", "steps=4", "--set", "world_size=2",
+              "--set", "profile.enabled=false", "--set", "launch.node_timeout_s=30"]
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSCOPE_RECORDS_SECRET")}
+    none = subprocess.run([*CLI, *common, "--out", str(tmp_path / "none"), "--node-rank", "0"], capture_output=True,
+                          text=True, timeout=120, env=bare)
+    assert none.returncode == 2 and "records-secret FILE" in none.stderr and not (tmp_path / "none").exists()
+    node0 = subprocess.Popen([*CLI, *common, "--out", str(tmp_path / "n0"), "--node-rank", "0",
+                              "--set", "launch.node_timeout_s=6"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=secret_env(tmp_path, "mine"))
+    try:
+        wrong = subprocess.run([*CLI, *common, "--out", str(tmp_path / "n1"), "--node-rank", "1"],
+                               capture_output=True, text=True, timeout=120, env=secret_env(tmp_path, "theirs"))
+    finally:
+        out0 = node0.communicate(timeout=300)[0]
+    assert wrong.returncode == 1, wrong.stdout[-2000:] + wrong.stderr[-2000:]
+    assert "refused this node" in wrong.stdout + wrong.stderr, wrong.stdout[-2000:]
+    assert not (tmp_path / "n1" / "ddp" / "metrics").exists()
+    assert node0.returncode == 1, out0[-2000:]
+    assert not (tmp_path / "n0" / "ddp" / "metrics" / "rank1.jsonl").exists()
+    assert leftover_processes(str(tmp_path)) == []

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     stall.start()  # a stalled run's orchestrator asks every rank where it is
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
-            writer.forward_to(os.environ[record_wire.ENV])
+            writer.forward_to(os.environ[record_wire.ENV], secret=record_wire.secret_from_env())
         marks = {"process": process_start_time(), "entry": _T_ENTRY, "imported": _T_IMPORTED}
         ctx = init_distributed(spec)
         marks["process_group"] = time.time()

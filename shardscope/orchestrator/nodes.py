@@ -16,7 +16,7 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
-from shardscope.record_wire import send_beat
+from shardscope.record_wire import secret_from_env, send_beat
 from shardscope.rundir import RunDir
 
 
@@ -81,7 +81,7 @@ class NodeWatch:
         beat = {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
                 "done": done}
         if self.records_endpoint:
-            send_beat(self.records_endpoint, self.node_rank, beat)
+            send_beat(self.records_endpoint, self.node_rank, beat, secret=secret_from_env())
             return
         path = RunDir(self.out_dir).heartbeat(self.node_rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)

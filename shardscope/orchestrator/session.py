@@ -167,7 +167,10 @@ class Session(RunSupervision, SessionEnds, Completion):
             if launch.node_rank == 0:
                 lifeline.write_identity(self.out_dir)
                 if launch.records_endpoint and launch.nnodes > 1:
-                    self._records = RecordServer(self.out_dir, launch.records_endpoint)
+                    self._records = RecordServer(
+                        self.out_dir, launch.records_endpoint, secret=record_wire.secret_from_env(),
+                        runs={r.name: config.resolved_world_size(self.comparison, r) for r in self.comparison.runs},
+                        nnodes=launch.nnodes, bind=launch.records_bind or None)
                     self._records.start()
             self._watch.start()
             for run in self.comparison.runs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shardscope.record_wire import send_beat
+from shardscope.record_wire import Refused, secret_from_env, send_beat
 from shardscope import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog
@@ -31,11 +31,13 @@ class SessionEnds:
         while True:
             try:
                 send_beat(launch.records_endpoint, launch.node_rank, {"node": launch.node_rank, "t": time.time(),
-                                                                      "done": False})
+                                                                      "done": False}, secret=secret_from_env())
                 return True
             except OSError as err:
-                if time.monotonic() >= deadline:
-                    message = (f"records: node 0's orchestrator at {launch.records_endpoint} unreachable for "
+                if isinstance(err, Refused) or time.monotonic() >= deadline:  # refused: waiting cannot help
+                    message = (f"records: node 0's orchestrator at {launch.records_endpoint} refused this node ({err})"
+                               if isinstance(err, Refused) else
+                               f"records: node 0's orchestrator at {launch.records_endpoint} unreachable for "
                                f"{launch.node_timeout_s:g} s ({err})")
                     self._emit(state.Notice(message, "error"))
                     for name in self.run_names:

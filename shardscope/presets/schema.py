@@ -78,6 +78,7 @@ class LaunchSpec:
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     # host:port where node 0 receives other nodes' records over TCP; empty = a shared filesystem (the default)
     records_endpoint: str = ""
+    records_bind: str = ""  # node 0: the address its record server binds when not the endpoint's host (0.0.0.0)
     concurrent: bool = False
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
