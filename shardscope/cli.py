@@ -160,8 +160,8 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     terminate_on((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
     code = headless_run.run_headless(session, limit)
     summary = headless_run.load_summary(out)
-    if check_parity and summary is not None and code == EXIT_OK:
-        code = headless_run.check_parity(summary)
+    if check_parity and summary is not None:  # a verdict line per run, whatever the others' status
+        code = max(code, headless_run.check_parity(summary))
     if against and summary is not None:
         code = max(code, gate(against, out, (), loss_tol, speed_tol, mem_tol))
     if slurm_task:  # finished: the verdict is in the summary; a non-zero exit would make srun kill other nodes

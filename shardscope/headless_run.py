@@ -31,10 +31,11 @@ def print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
     from shardscope.orchestrator.session import Session
 
     resolved = comparison.to_dict()
-    click.echo(f"# preset {comparison.name} ({comparison.source}) on {device}; run directory {out}")
+    click.echo(f"# dry run: nothing is written or launched. preset {comparison.name} ({comparison.source}) on "
+               f"{device}; a real run would write {out}")
     click.echo(json.dumps(resolved, indent=2))
     for plan in Session(comparison, out, device=device).plans():
-        click.echo(f"# run {plan.run}")
+        click.echo(f"# run {plan.run}: would write its spec and launch")
         click.echo(plan.shell_line())
 
 
@@ -88,8 +89,11 @@ def run_headless(session, device_memory_bytes: int | None = None) -> int:
         if notice.level != "info":
             console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
     if session.comparison.launch.node_rank > 0:
-        console.print(f"node {session.comparison.launch.node_rank}: node 0 writes the summary and reports in "
-                      f"{session.out_dir}", highlight=False)
+        launch = session.comparison.launch
+        where = ("its own --out, sent over TCP to " + launch.records_endpoint if launch.records_endpoint
+                 else "the shared run directory")
+        console.print(f"node {launch.node_rank}: this node's files are in {session.out_dir}; node 0 writes the "
+                      f"summary and reports in {where}", highlight=False)
         return code
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
@@ -106,15 +110,22 @@ def load_summary(out: str) -> dict[str, Any] | None:
 def check_parity(summary: dict[str, Any]) -> int:
     """``--check-parity``: exit 1 when a like-for-like run's loss left the baseline by more than loss_tolerance."""
     tol = float(summary.get("loss_tolerance", 1e-5))
+    baseline = summary.get("baseline", "")
     bad = []
     for r in summary.get("runs", []):
-        if r.get("fairness_flags"):
-            click.echo(f"parity: {r['name']} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
-            continue
-        diff = r.get("loss_max_abs_diff")
-        if diff is not None and diff > tol:
-            bad.append(f"{r['name']} max |Δloss| {diff:.3e} > {tol:g}")
-    for line in bad:
-        click.echo(f"parity check failed: {line}", err=True)
+        name, diff = r.get("name", "?"), r.get("loss_max_abs_diff")
+        if name == baseline:
+            click.echo(f"parity: {name} is the baseline")
+        elif r.get("fairness_flags"):
+            click.echo(f"parity: {name} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
+        elif r.get("status") != "ok":
+            click.echo(f"parity: {name} not checked: it ended {r.get('status')}")
+        elif diff is None:
+            click.echo(f"parity: {name} not checked: no loss at steps it shares with {baseline}")
+        elif diff > tol:
+            bad.append(name)
+            click.echo(f"parity: {name} FAILED: max |Δloss| {diff:.3e} > loss_tolerance {tol:g}", err=True)
+        else:
+            click.echo(f"parity: {name} ok: max |Δloss| {diff:.3e} <= loss_tolerance {tol:g}")
     return EXIT_FAILED if bad else EXIT_OK
 

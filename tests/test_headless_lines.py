@@ -1,0 +1,36 @@
+"""Lines the headless command prints: a parity verdict per run, what a dry run would write."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from shardscope.headless_run import check_parity
+
+
+def test_check_parity_says_a_verdict_for_every_run(capsys):
+    summary = {"baseline": "ddp", "loss_tolerance": 1e-5, "runs": [
+        {"name": "ddp", "status": "ok", "loss_max_abs_diff": 0.0},
+        {"name": "fsdp2", "status": "ok", "loss_max_abs_diff": 3e-7},
+        {"name": "zero2", "status": "ok", "loss_max_abs_diff": 2e-3},
+        {"name": "bf16", "status": "ok", "loss_max_abs_diff": 1e-2, "fairness_flags": ["precision bf16-params"]},
+        {"name": "broken", "status": "failed", "loss_max_abs_diff": None}]}
+    assert check_parity(summary) == 1
+    out, err = capsys.readouterr()
+    assert "parity: ddp is the baseline" in out
+    assert "parity: fsdp2 ok: max |Δloss| 3.000e-07 <= loss_tolerance 1e-05" in out
+    assert "parity: zero2 FAILED: max |Δloss| 2.000e-03 > loss_tolerance 1e-05" in err
+    assert "parity: bf16 skipped (not like-for-like: precision bf16-params)" in out
+    assert "parity: broken not checked: it ended failed" in out
+    summary["runs"] = summary["runs"][:2]
+    assert check_parity(summary) == 0
+
+
+def test_dry_run_says_it_writes_nothing(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run", "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith(f"# dry run: nothing is written or launched. preset smoke")
+    assert f"a real run would write {out}" in proc.stdout and "# run ddp: would write its spec and launch" in proc.stdout
+    assert not out.exists()
