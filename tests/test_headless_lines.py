@@ -31,6 +31,6 @@ def test_dry_run_says_it_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run", "--out",
                            str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    assert proc.stdout.startswith(f"# dry run: nothing is written or launched. preset smoke")
+    assert proc.stdout.startswith("# dry run: nothing is written or launched. preset smoke")
     assert f"a real run would write {out}" in proc.stdout and "# run ddp: would write its spec and launch" in proc.stdout
     assert not out.exists()
