@@ -99,7 +99,7 @@ class HeadlessView:
                 self._plain_marks[name] = tenth
                 self.console.print(
                     f"[{name}] step {st.steps_completed}/{st.steps_total} loss {st.loss:.4f} "
-                    f"{st.unit} {fmt_rate(st.rate)} mem {fmt_bytes(st.peak_mem_bytes)}",
+                    f"median {st.unit} {fmt_rate(st.median)} mem {fmt_bytes(st.peak_mem_bytes)}",
                     highlight=False, markup=False)
 
     def table(self) -> Table:
@@ -108,7 +108,7 @@ class HeadlessView:
         with self._lock:
             units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
-                             ("step", "right"), ("loss", "right"), (" or ".join(sorted(units)), "right"),
+                             ("step", "right"), ("loss", "right"), ("median " + " or ".join(sorted(units)), "right"),
                              ("peak mem", "right"), ("eta", "right")):
             table.add_column(col, justify=justify)
         with self._lock:
@@ -116,7 +116,7 @@ class HeadlessView:
                 st = self.states.get(name)
                 if st is None:
                     continue
-                unit_rate = fmt_rate(st.rate) + (f" {st.unit}" if len(units) > 1 else "")
+                unit_rate = fmt_rate(st.median) + (f" {st.unit}" if len(units) > 1 else "")
                 table.add_row(
                     name, st.strategy, str(st.world_size),
                     f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",

@@ -59,7 +59,7 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         steps.value = "0"
         await pilot.pause()
         error = str(screen.query_one("#knob-steps-error").render())
-        assert "steps = 0: must be > 0" in error
+        assert "--set steps=0: must be > 0" in error
         assert screen.query_one("#launch").disabled
         steps.value = "12"
         screen.query_one("#knob-world-size").value = "3"
@@ -69,7 +69,7 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         assert screen.comparison is not None and screen.comparison.global_batch == 12
         screen.query_one("#knob-world-size").value = "0"
         await pilot.pause()
-        assert "world_size = 0: must be > 0" in str(screen.query_one("#knob-world-size-error").render())
+        assert "--set world_size=0: must be > 0" in str(screen.query_one("#knob-world-size-error").render())
         assert str(screen.query_one("#knob-steps-error").render()) == ""
         screen.query_one("#knob-world-size").value = "4"
         screen.query_one("#knob-model-d-model").value = "30"  # 4 heads do not divide 30

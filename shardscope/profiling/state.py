@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope import events
+from shardscope.numbers import median_rate
 from shardscope.profiling.loss_fold import LossMean
 from shardscope.profiling.stragglers import StragglerWatch
 
@@ -178,8 +179,14 @@ class RunState:
 
     @property
     def rate(self) -> float | None:
-        """Current throughput in ``unit``."""
+        """The last step's throughput in ``unit``."""
         return self.tokens_per_s if self.tokens_per_s is not None else self.samples_per_s
+
+    @property
+    def median(self) -> float | None:
+        """The median throughput so far, as the summary computes it (``numbers.median_rate``: step 0 and
+        profiled steps left out); what every live view shows, labelled "median"."""
+        return median_rate(self.throughput)
 
     @property
     def progress(self) -> float:

@@ -84,7 +84,7 @@ class RunCard(Static):
             head,
             _bar(s.progress, width, self.colour),
             _row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"), width),
-            _row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.rate)} {s.unit}"), width),
+            _row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.median)} {s.unit} median"), width),
             _row(Text("peak memory", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"), width),
         ]
         return Text("\n").join(lines)
