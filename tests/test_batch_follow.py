@@ -34,7 +34,7 @@ def test_world_size_alone_keeps_every_following_runs_micro_batch(preset, ws):
 
 
 def test_explicit_global_batch_is_kept_and_validated():
-    with pytest.raises(ConfigError, match=r"global_batch = 8: must be divisible by dp \(64\)"):
+    with pytest.raises(ConfigError, match=r"--set global_batch=8: must be divisible by dp \(64\)"):
         config.load_preset("ddp-vs-fsdp", ["world_size=64", "global_batch=8"])
     c = config.load_preset("ddp-vs-fsdp", ["world_size=4", "global_batch=8"])
     assert c.global_batch == 8 and c.adjustments == []
