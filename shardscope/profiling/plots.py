@@ -15,7 +15,28 @@ from shardscope.config import write_atomic
 from shardscope.numbers import fmt_bytes
 from shardscope.rundir import plot_file
 
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf")  # matplotlib's tab10
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
+def run_style(i: int, baseline: bool = False) -> dict[str, Any]:
+    """The colour and line style of the ``i``-th run: no two of the first 60 runs look alike (a colour repeats
+    only with another line style); the baseline is drawn solid and thicker."""
+    return {"color": COLORS[i % len(COLORS)], "linewidth": 2.4 if baseline else 1.5,
+            "linestyle": "-" if baseline else LINESTYLES[(1 + i // len(COLORS)) % len(LINESTYLES)]}
+
+
+def legend_outside(ax: Any, **kwargs: Any) -> None:
+    """A legend to the right of the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, **kwargs)
+
+
+def no_data(ax: Any, why: str) -> None:
+    """An empty panel says why it is empty instead of showing a bare axis."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, f"no data: {why}", transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555")
 PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "gathered": "#8172b3",
                "activations": "#c44e52", "other": "#b0b0b0"}
 MIB = 1024 ** 2
@@ -32,8 +53,8 @@ def _pyplot() -> Any:
 
 def _save(fig: Any, path: str) -> str:
     fig.tight_layout()
-    try:  # atomically, never through a symlink (config.write_atomic)
-        write_atomic(path, lambda fh: fig.savefig(fh, dpi=110, format="png"), binary=True)
+    try:  # atomically, never through a symlink (config.write_atomic); legends outside the axes kept in
+        write_atomic(path, lambda fh: fig.savefig(fh, dpi=110, format="png", bbox_inches="tight"), binary=True)
     finally:
         _pyplot().close(fig)
     return path
@@ -51,8 +72,7 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
         if not points:
             continue
         steps, values = zip(*points)
-        style = {"linewidth": 2.2 if name == baseline else 1.4, "color": COLORS[i % len(COLORS)],
-                 "linestyle": "-" if name == baseline else "--"}
+        style = run_style(i, name == baseline)
         top.plot(steps, values, label=f"{name} (baseline)" if name == baseline else name, **style)
         bad = [s for s, v in points if not math.isfinite(v)]
         if bad:  # a line cannot show nan/inf: mark where it stops meaning anything
@@ -71,14 +91,16 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
     top.set_ylabel("loss")
     top.set_title("Training loss")
     top.grid(alpha=0.3)
-    top.legend(fontsize=9)
-    bottom.axhline(0.0, color="black", linewidth=0.8)
+    legend_outside(top)
     bottom.set_ylabel(f"loss − {baseline}")
     bottom.set_xlabel("step")
-    bottom.grid(alpha=0.3)
-    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     if bottom.get_legend_handles_labels()[0]:
-        bottom.legend(fontsize=9)
+        bottom.axhline(0.0, color="black", linewidth=0.8)
+        bottom.grid(alpha=0.3)
+        bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        legend_outside(bottom)
+    else:
+        no_data(bottom, f"no other run has a loss at a step {baseline} has" if base else f"{baseline} has no loss")
     return _save(fig, path)
 
 
@@ -115,7 +137,7 @@ def memory_plot(memory: dict[str, Any], path: str) -> str | None:
     if not runs:
         return None
     plt = _pyplot()
-    rss = memory.get("measured_peak_kind") == "process RSS"
+    rss = memory.get("measured_peak_kind") in ("process RSS", "")  # no allocator peak: model states only
     ncols = 2 if rss else 1
     fig, axes = plt.subplots(1, ncols, figsize=(max(6.5, 2.4 * len(runs) + 2.5) + (3.5 if rss else 0), 4.8),
                              gridspec_kw={"width_ratios": [3, 1.3]} if rss else None, squeeze=False)
@@ -123,8 +145,9 @@ def memory_plot(memory: dict[str, Any], path: str) -> str | None:
     width, labels, ticks = 0.38, set(), []
     for i, (name, m) in enumerate(runs):
         pred, meas = m["predicted"], m.get("measured") or {}
-        pred_parts = [("params", pred["param_bytes"]), ("grads", pred["grad_bytes"]), ("optimizer", pred["optim_bytes"]),
-                      ("gathered", pred.get("gathered_unit_bytes", 0)), ("activations", pred.get("activation_bytes", 0))]
+        pred_parts = [("params", pred["param_bytes"]), ("grads", pred["grad_bytes"]), ("optimizer", pred["optim_bytes"])]
+        if not rss:  # beside an allocator peak, the whole predicted peak; beside model states, model states only
+            pred_parts += [("gathered", pred.get("gathered_unit_bytes", 0)), ("activations", pred.get("activation_bytes", 0))]
         meas_parts = []
         if meas:
             meas_parts = [("params", meas.get("param_bytes") or 0), ("grads", meas.get("grad_bytes") or 0),
@@ -141,23 +164,29 @@ def memory_plot(memory: dict[str, Any], path: str) -> str | None:
                 bottom += mib
             if parts:
                 ax.annotate(tag, (i + offset, bottom), ha="center", va="bottom", fontsize=8)
+            elif tag == "measured":  # a run that never measured (failed early): a note, not a 0 bar
+                ax.text(i + offset, 0, "not\nmeasured", ha="center", va="bottom", fontsize=8, color="#c44e52")
         ticks.append(name)
     ax.set_xticks(range(len(runs)), ticks)
+    ax.set_xlim(-0.6, len(runs) - 0.4)  # room for both bars of every run, drawn or not
     ax.set_ylabel("MiB per rank (rank 0)")
-    ax.set_title("Memory per rank: predicted vs measured" + ("" if rss else "\n(measured other = allocator peak − model states)"),
+    ax.set_title("Model states per rank: predicted vs measured (exact byte counts)" if rss else
+                 "Peak memory per rank: predicted vs the allocator's\n(measured other = allocator peak − model states)",
                  fontsize=11)
-    ax.legend(fontsize=8, loc="upper right")
+    legend_outside(ax)
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
     if rss:
         side = axes[0][1]
-        peaks = [((m.get("measured") or {}).get("peak_bytes") or 0) / MIB for _, m in runs]
-        bars = side.bar(ticks, peaks, color=PART_COLORS["other"])
-        for bar in bars:
-            side.annotate(f"{bar.get_height():,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                          ha="center", va="bottom", fontsize=8)
-        side.set_title("Peak process RSS, MiB\n(runtime, libraries, activations)", fontsize=10)
-        side.set_ylim(0, max(peaks + [1]) * 1.15)
+        peaks = [(m.get("measured") or {}).get("peak_bytes") for _, m in runs]
+        side.bar(range(len(ticks)), [0.0 if p is None else p / MIB for p in peaks], color=PART_COLORS["other"])
+        side.set_xticks(range(len(ticks)), ticks)
+        for j, peak in enumerate(peaks):
+            side.text(j, 0 if peak is None else peak / MIB, "not\nmeasured" if peak is None else f"{peak / MIB:,.0f}",
+                      ha="center", va="bottom", fontsize=8, color="#c44e52" if peak is None else "black")
+        side.set_title("Peak process RSS, MiB\n(runtime, libraries, activations;\nnot comparable across strategies)",
+                       fontsize=9)
+        side.set_ylim(0, max([p / MIB for p in peaks if p] + [1]) * 1.15)
         side.grid(axis="y", alpha=0.3)
         side.tick_params(axis="x", labelrotation=20)
     return _save(fig, path)
@@ -195,7 +224,7 @@ def comm_plot(communication: dict[str, Any], path: str) -> str | None:
     ax.set_xticks(range(len(runs)), [name for name, _ in runs])
     ax.set_ylabel("ms per step (mean over ranks)")
     ax.set_title("Communication per step by collective (labels: count and bytes per step)")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.18)
     return _save(fig, path)

@@ -146,6 +146,7 @@ class RunState:
     peak_mem_bytes: int | None = None  # max over ranks of mem_peak_bytes (allocator or RSS)
     losses: list[tuple[int, float]] = field(default_factory=list)
     throughput: list[tuple[int, float]] = field(default_factory=list)  # (step, tokens/s or samples/s)
+    profiled_steps: set[int] = field(default_factory=set)  # steps inside the profiler's window (they run slower)
     step_times: list[tuple[int, float]] = field(default_factory=list)
     memory: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> latest memory record
     start: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> start record
@@ -272,7 +273,9 @@ class RunState:
             # The norm is global: rank 0's says it (the loss's verdict comes with the mean, in _add_loss).
             self._mark_nonfinite(step, events.nonfinite_fields({"grad_norm": r.get("grad_norm"),
                                                                 "skipped": r.get("skipped")}))
-            if self.rate is not None and not r.get("profiled"):  # profiled steps run slower: keep them out
+            if r.get("profiled"):
+                self.profiled_steps.add(step)
+            elif self.rate is not None:  # profiled steps run slower: keep them out
                 self.throughput.append((step, float(self.rate)))
             if "tokens" in r:
                 self.tokens_per_step = r["tokens"]

@@ -154,23 +154,27 @@ def plot(states: dict[str, RunState], path: str) -> str | None:
     runs = [(n, st) for n, st in states.items() if st.stragglers.timing]
     if not runs:
         return None
-    from shardscope.profiling.plots import _pyplot, _save
+    from shardscope.profiling.plots import _pyplot, _save, legend_outside, run_style
 
     plt = _pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
     for ax, (name, st) in zip(axes[:, 0], runs):
         busy = all(BUSY in figures for steps in st.stragglers.timing.values() for figures in steps.values())
-        for rank, steps in sorted(st.stragglers.timing.items()):
+        for i, (rank, steps) in enumerate(sorted(st.stragglers.timing.items())):
             xs = sorted(steps)
             flagged = rank in st.stragglers.flagged
             ys = [1000 * (steps[s][BUSY] if busy else sum(steps[s].get(k, 0.0) for k in STREAM)) for s in xs]
             ax.plot(xs, ys, label=f"rank {rank}" + (" (straggler)" if flagged else ""),
-                    linewidth=2.0 if flagged else 1.2)
+                    **{**run_style(i), "linewidth": 2.0 if flagged else 1.2})
+        window = sorted(st.profiled_steps)
+        if window:  # the profiler's steps and the one after (its trace export) run slower on every rank
+            ax.axvspan(window[0] - 0.5, window[-1] + 1.5, color="#999", alpha=0.15,
+                       label="profiled steps + trace export")
         what = "busy time per step" if busy else "stream time per step (CUDA events, waits included)"
         ax.set_title(f"{name}: {what}")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        legend_outside(ax)
     axes[-1, 0].set_xlabel("step")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return _save(fig, path)
