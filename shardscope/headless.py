@@ -19,7 +19,7 @@ from shardscope.numbers import fmt_bytes
 from shardscope.profiling import state
 from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.profiling import straggler_report, stragglers
-from shardscope.profiling.summary import throughput_unit
+from shardscope.profiling.summary import memory_headers, throughput_unit
 
 
 def fmt_num(x: float | None, spec: str = ".4f") -> str:
@@ -156,9 +156,10 @@ def comparison_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
+    peak, ratio = memory_headers(runs)
     for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
                 f"median {throughput_unit(runs)}",
-                "speedup", "peak mem", "mem ratio") + (("notes",) if with_notes else ()):
+                "speedup", peak, ratio) + (("notes",) if with_notes else ()):
         table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
                          overflow="fold")
     for r in runs:

@@ -21,7 +21,7 @@ def test_clear_winner_and_what_each_run_saves_and_costs():
     assert rec["fastest"] == "ddp" and rec["no_clear_difference"] == []
     assert "fastest run: ddp (10,000 tokens/s, 1.43x fsdp)" in rec["lines"]
     assert rec["runs"]["fsdp"]["mem_saved_bytes"] == 300 * MiB
-    assert "fsdp vs ddp: saves 300.0 MiB peak memory per rank, costs 30.0% throughput (7,000 vs 10,000 tokens/s)" \
+    assert "fsdp vs ddp: saves 300.0 MiB of allocator peak memory per rank, costs 30.0% throughput (7,000 vs 10,000 tokens/s)" \
         in rec["lines"]
     assert rec["caveats"] == []
 
@@ -117,3 +117,18 @@ def test_device_memory_refits_the_summary_and_report_of_a_run_directory(tmp_path
                          check=False)
     assert bad.returncode == 2 and "--device-memory '80XB'" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_on_cpu_memory_is_judged_by_model_states_never_by_process_rss():
+    """FSDP2 on CPU: its process RSS is 14 MiB above DDP's (runtime, libraries), its model states half of DDP's.
+    The recommendation says what it saves in model states and never that it uses more memory."""
+    s = _summary(_run("ddp", 10000, 368, peak_mem_kind="process RSS"),
+                 _run("fsdp2", 9000, 382, peak_mem_kind="process RSS"))
+    s["memory"] = {"runs": {"ddp": {"measured": {"model_state_bytes": 2 * MiB}},
+                            "fsdp2": {"measured": {"model_state_bytes": 1 * MiB}}}}
+    rec = recommend.recommend(s, {"ddp": 0.01, "fsdp2": 0.01}, "cpu")
+    assert rec["runs"]["fsdp2"]["mem_saved_bytes"] == 1 * MiB
+    line = next(x for x in rec["lines"] if x.startswith("fsdp2 vs ddp"))
+    assert line.startswith("fsdp2 vs ddp: saves 1.0 MiB of model-state memory (counted exactly; process RSS not "
+                           "compared) per rank"), line
+    assert "more" not in line

@@ -59,7 +59,9 @@ def test_fold_and_summary(tmp_path):
     f = by["fsdp2"]
     assert f["status"] == "failed" and f["steps_completed"] == 3 and f["final_loss"] == 3.0
     assert abs(f["loss_max_abs_diff"] - 0.1) < 1e-9 and abs(f["loss_mean_abs_diff"] - 0.1 / 3) < 1e-9
-    assert f["speedup"] == 0.5 and abs(f["mem_ratio"] - 61 / 101) < 1e-9
+    # CPU: the peaks are process RSS, not comparable; the ratio is of model states, which these records lack
+    assert f["speedup"] == 0.5 and f["peak_mem_kind"] == "process RSS" and f["mem_ratio_of"] == "model states"
+    assert f["mem_ratio"] is None
     assert any("precision" in flag for flag in f["fairness_flags"])
     assert (f["initial_loss"], f["min_loss"]) == (5.0, 3.0) and abs(f["mean_loss"] - 12.1 / 3) < 1e-9
     assert abs(f["loss_final_abs_diff"] - 0.0) < 1e-12  # step 2: both 3.0

@@ -102,16 +102,22 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             cost = ("within the noise" if noisy else (f"costs {_pct(1 - ratio)} throughput" if ratio < 1
                                                       else f"gains {_pct(ratio - 1)} throughput"))
             saved = None
-            if r.get("peak_mem_bytes") is not None and base.get("peak_mem_bytes") is not None:
+            states = _model_states(summary, r["name"]), _model_states(summary, base["name"])
+            # A summary from before peak_mem_kind existed compared peaks: read it as it was written.
+            gpu = "process RSS" not in (r.get("peak_mem_kind"), base.get("peak_mem_kind"))
+            if gpu and r.get("peak_mem_bytes") is not None and base.get("peak_mem_bytes") is not None:
                 saved = base["peak_mem_bytes"] - r["peak_mem_bytes"]
+                what = "allocator peak memory"
+            elif not gpu and None not in states:  # process RSS is not comparable: rank by what is
+                saved, what = states[1] - states[0], "model-state memory (counted exactly; process RSS not compared)"
             entry["mem_saved_bytes"] = saved
             mem = ("memory not measured" if saved is None else
-                   (f"saves {fmt_bytes(saved)} peak memory per rank" if saved >= 0
-                    else f"uses {fmt_bytes(-saved)} more peak memory per rank"))
-            states = _model_states(summary, r["name"]), _model_states(summary, base["name"])
+                   (f"saves {fmt_bytes(saved)} of {what} per rank" if saved >= 0
+                    else f"uses {fmt_bytes(-saved)} more {what} per rank"))
             if None not in states:
                 entry["model_states_saved_bytes"] = states[1] - states[0]
-                mem += f" (model states {fmt_bytes(states[1])} -> {fmt_bytes(states[0])}, counted exactly)"
+                if gpu:
+                    mem += f" (model states {fmt_bytes(states[1])} -> {fmt_bytes(states[0])}, counted exactly)"
             lines.append(f"{r['name']} vs {base['name']}: {mem}, {cost} ({_rate(r):,.0f} vs {_rate(base):,.0f} {unit})")
     if device_memory_bytes:
         for r in runs:

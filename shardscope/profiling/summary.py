@@ -78,6 +78,38 @@ def _start_value(state: RunState, key: str) -> Any:
     return str(value) if value is not None else None
 
 
+def on_gpu(state: RunState) -> bool:
+    """True when the run's memory figures come from the CUDA allocator (else process RSS)."""
+    mem0 = state.memory.get(0) or {}
+    return "mem_alloc_bytes" in mem0 or str((state.start.get(0) or {}).get("device", "")).startswith("cuda")
+
+
+def memory_figures(state: RunState, base: RunState) -> dict[str, Any]:
+    """The run's memory headline, like with like: ``peak_mem_kind`` (what ``peak_mem_bytes`` is: the CUDA
+    allocator's peak, or the process's RSS, which holds the runtime and libraries and is not comparable across
+    strategies), ``model_state_bytes`` (rank 0's parameters, gradients and optimizer state, counted exactly),
+    and ``mem_ratio`` against the baseline of the comparable quantity named in ``mem_ratio_of``: the
+    allocator peak on a GPU, the model states on CPU."""
+    gpu = on_gpu(state) and on_gpu(base)
+    states, base_states = ((s.memory.get(0) or {}).get("model_state_bytes") for s in (state, base))
+    if gpu:
+        num, den, of = state.peak_mem_bytes, base.peak_mem_bytes, "allocator peak"
+    else:
+        num, den, of = states, base_states, "model states"
+    return {"peak_mem_kind": "allocator peak" if on_gpu(state) else "process RSS", "model_state_bytes": states,
+            "mem_ratio": (num / den) if num and den else None, "mem_ratio_of": of}
+
+
+def memory_headers(runs: list[dict[str, Any]]) -> tuple[str, str]:
+    """Column titles of ``peak_mem_bytes`` and ``mem_ratio`` for these runs: what they really are."""
+    kinds = {r.get("peak_mem_kind") for r in runs if isinstance(r, dict)}
+    if "process RSS" in kinds:
+        return "peak RSS (process)", "model-state ratio"
+    if kinds == {"allocator peak"}:
+        return "peak mem (allocator)", "peak-mem ratio"
+    return "peak mem", "mem ratio"  # a summary written before the kind was recorded
+
+
 def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
     """Return the summary entry of one run (core keys plus error and fairness details)."""
     rate, base_rate = median_rate(state.throughput), median_rate(base.throughput)
@@ -100,8 +132,7 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "nonfinite": state.nonfinite_what or None,
         **loss_stats(state, base),
         "speedup": (rate / base_rate) if rate and base_rate else None,
-        "mem_ratio": (state.peak_mem_bytes / base.peak_mem_bytes)
-        if state.peak_mem_bytes and base.peak_mem_bytes else None,
+        **memory_figures(state, base),
         "precision": state.precision,
         "options": state.options,
         "tp": (spec and config.registry.get(spec.strategy).tp_degree(state.options)) or 1,

@@ -18,19 +18,20 @@ from textual.widgets import DataTable, Footer, Static
 
 from shardscope.numbers import fmt_sig, median_rate
 from shardscope.profiling import recommend
-from shardscope.profiling.summary import throughput_unit
+from shardscope.profiling.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.rundir import SUMMARY, RunDir, read_summary
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 
-COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "peak memory",
-           "Δloss max", "Δloss mean", "speedup", "memory ratio")
+COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "{peak}",
+           "Δloss max", "Δloss mean", "speedup", "{ratio}")
 
 
 def columns(summary: dict[str, Any]) -> tuple[str, ...]:
     """Return the table's headers, the throughput one in the runs' unit (tokens/s or samples/s)."""
-    unit = throughput_unit([r for r in summary.get("runs", []) if isinstance(r, dict)])
-    return tuple(c.format(unit=unit) for c in COLUMNS)
+    runs = [r for r in summary.get("runs", []) if isinstance(r, dict)]
+    peak, ratio = memory_headers(runs)
+    return tuple(c.format(unit=throughput_unit(runs), peak=peak, ratio=ratio) for c in COLUMNS)
 
 
 def live_summary(board: Board) -> dict[str, Any]:
@@ -40,7 +41,8 @@ def live_summary(board: Board) -> dict[str, Any]:
         runs.append({"name": name, "strategy": s.strategy, "world_size": s.world_size, "status": s.status,
                      "steps_completed": s.steps_completed, "final_loss": s.loss,
                      f"median_{s.unit.replace('/', '_per_')}": median_rate(s.throughput),
-                     "peak_mem_bytes": s.peak_mem_bytes})
+                     "peak_mem_bytes": s.peak_mem_bytes,
+                     "peak_mem_kind": "allocator peak" if on_gpu(s) else "process RSS"})
     return {"baseline": board.baseline, "runs": runs}
 
 

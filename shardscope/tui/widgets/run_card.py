@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.profiling.state import RunState
+from shardscope.profiling.summary import on_gpu
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
 from shardscope.tui.messages import RunSelected
 
@@ -85,7 +86,7 @@ class RunCard(Static):
             _bar(s.progress, width, self.colour),
             _row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"), width),
             _row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.median)} {s.unit} median"), width),
-            _row(Text("peak memory", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"), width),
+            _row(Text("peak mem" if on_gpu(s) else "peak RSS", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"), width),
         ]
         return Text("\n").join(lines)
 
