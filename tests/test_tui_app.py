@@ -209,6 +209,28 @@ async def test_small_terminals_work(size):
 
 
 @run_async
+async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts():
+    """At 100x30 a card shows its loss, labelled median throughput and peak RSS whole; the communication panel
+    abbreviates collective names by rule with their legend on its border; `s` in a replay explains itself."""
+    from shardscope.tui.widgets.comm_panel import CommPanel
+
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await wait_for(pilot, lambda: app.screen.query("#card-0") and "peak RSS" in str(app.screen.query_one("#card-0").render()))
+        card = app.screen.query_one("#card-0")
+        text = str(card.render())
+        assert "0.8694" in text and "median tokens/s" in text and "5.2k" in text and "…" not in text, text
+        comm = app.screen.query_one(CommPanel)
+        await wait_for(pilot, lambda: "AR all-reduce" in str(comm.border_subtitle))
+        notes = []
+        app.notify = lambda message, **kw: notes.append(message)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: notes)
+        assert notes[0].startswith("This is a recorded comparison (shardscope open): it replays")
+
+
+@run_async
 async def test_too_small_notice_comes_and_goes():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=(70, 20)) as pilot:

@@ -69,6 +69,7 @@ class ShardscopeApp(App):
         self.source: sources.Source | None = None
         self.comparison: Comparison | None = None
         self.started = False
+        self.replaying = False  # a recorded run directory (``open``): nothing can be started
         self.quitting = False
         self.latencies: list[float] | None = None  # write-to-display delays, when a benchmark asks
 
@@ -100,6 +101,7 @@ class ShardscopeApp(App):
             source = sources.replay_source(run_dir, self.replay_speed)
         name = comparison.name if comparison else os.path.basename(os.path.normpath(run_dir))
         self.attach(source, comparison, f"{name} (recorded)")
+        self.replaying = True
         self.action_start()
 
     def launch(self, comparison: Comparison, preset: str, overrides: list[str]) -> None:
@@ -218,7 +220,9 @@ class ShardscopeApp(App):
                 screen.action_launch()
             return
         if self.started:
-            self.notify("Already started; r restarts the selected run.")
+            self.notify("This is a recorded comparison (shardscope open): it replays what was written and starts "
+                        "nothing. To run it again: shardscope run --preset <its preset> --headless"
+                        if self.replaying else "Already started; r restarts the selected run.")
             return
         self.started = True
         self.source.start()

@@ -28,6 +28,11 @@ def _first(figs: dict[str, Any], *keys: str) -> Any:
     return None
 
 
+NARROW = 44  # columns below which collective names are abbreviated
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC", "all_to_all": "A2A",
+         "barrier": "BAR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
+
+
 def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
     """Return (name, time in s, count, bytes) per collective and per step, largest time first.
 
@@ -76,11 +81,14 @@ class CommPanel(Static):
              finished: bool = False) -> None:
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
         run's trace analysis."""
+        narrow = 0 < self.content_size.width < NARROW  # abbreviate by rule, with a legend, instead of cutting
         table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False)
-        table.add_column("collective", ratio=1, min_width=8, no_wrap=True, overflow="ellipsis", header_style="dim")
+        table.add_column("coll." if narrow else "collective", ratio=1, min_width=4, no_wrap=True, overflow="ellipsis",
+                         header_style="dim")
         for col in ("time", "count", "bytes"):
             table.add_column(col, justify="right", no_wrap=True, header_style="dim")
         any_rows = False
+        used: set[str] = set()  # abbreviated collective names, for the legend
         notes: list[Text] = []  # runs without figures, each with its reason
         for state, colour in states:
             if state.comm:
@@ -100,8 +108,12 @@ class CommPanel(Static):
                           theory_text(analyses.get(state.name, {}).get("theory")))
             for name, t, count, nbytes in collectives(source):
                 any_rows = True
-                table.add_row(" " + name.replace("_", "-"), "–" if t is None else f"{t * 1000:.1f}ms",
+                shown = SHORT.get(name, name) if narrow else name.replace("_", "-")
+                used.update([name] if narrow and name in SHORT else [])
+                table.add_row(" " + shown, "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
+        # the abbreviations' legend on the border, where a short panel cannot cut it
+        self.border_subtitle = " · ".join(f"{SHORT[n]} {n.replace('_', '-')}" for n in sorted(used))
         if any_rows:
             self.update(Group(Text("collectives per profiled step", "dim italic"), table, *notes))
         elif notes:

@@ -31,7 +31,7 @@ class RunCard(Static):
     """
 
     DEFAULT_CSS = """
-    RunCard { height: 7; border: round $panel-lighten-2; padding: 0 1; }
+    RunCard { height: 8; border: round $panel-lighten-2; padding: 0 1; }
     RunCard.-selected { border: double $accent; }
     RunCard.-failed { border: round $error; }
     RunCard.-failed.-selected { border: double $error; }
@@ -85,7 +85,9 @@ class RunCard(Static):
             head,
             _bar(s.progress, width, self.colour),
             _row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"), width),
-            _row(Text.assemble("loss ", (fmt_loss(s.loss), "bold")), Text(f"{human_rate(s.median)} {s.unit} median"), width),
+            # label left, value right: a narrow card (100 columns) cuts nothing but spaces
+            _row(Text("loss"), Text(fmt_loss(s.loss), "bold"), width),
+            _row(Text(f"median {s.unit}"), Text(human_rate(s.median)), width),
             _row(Text("peak mem" if on_gpu(s) else "peak RSS", "dim"), Text(human_bytes(s.peak_mem_bytes), "dim"), width),
         ]
         return Text("\n").join(lines)
