@@ -57,6 +57,18 @@ def print_explanation(result: dict[str, Any], console: Any = None) -> None:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
+def _sizing_host() -> config.HostInfo:
+    """This machine's device kind, without a limit on ranks: explain uses the sizes a run here would use (a CPU
+    machine shrinks presets through ``[cpu_overrides]``) but may describe more ranks than the machine holds."""
+    from shardscope.orchestrator.devices import resolve_device
+
+    try:
+        device = resolve_device("auto")
+    except ConfigError:
+        device = "cpu"
+    return config.HostInfo(device, 1 << 20, "any number of ranks")
+
+
 @click.command("explain")
 @click.argument("strategy", metavar="STRATEGY")
 @click.argument("out_dir", required=False, type=click.Path(file_okay=False), metavar="[DIR]")
@@ -78,7 +90,10 @@ def explain_cmd(strategy: str, out_dir: str | None, preset: str | None, run_name
         if out_dir:
             result = explain_dir(out_dir, strategy, run_name)
         else:
-            comparison = config.load_preset(preset or "smoke", list(overrides))
+            comparison = config.load_preset(preset or "smoke", list(overrides), host=_sizing_host())
+            if comparison.size_profile == "cpu":
+                click.echo(f"sizes as a run of {comparison.name} on this machine uses them (no GPU: the preset's "
+                           "[cpu_overrides] applied)")
             result = explain.explain_preset(comparison, strategy, run_name)
     except (ConfigError, explain.ExplainError) as err:
         _fail(str(err))

@@ -34,3 +34,12 @@ def test_dry_run_says_it_writes_nothing(tmp_path):
     assert proc.stdout.startswith("# dry run: nothing is written or launched. preset smoke")
     assert f"a real run would write {out}" in proc.stdout and "# run ddp: would write its spec and launch" in proc.stdout
     assert not out.exists()
+
+
+def test_explain_uses_the_sizes_a_run_here_would_use():
+    """Without a GPU a preset shrinks through its [cpu_overrides]; explain says so and describes that model."""
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "explain", "fsdp1", "--preset", "ddp-vs-fsdp"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sizes as a run of ddp-vs-fsdp on this machine uses them (no GPU: the preset's "
+                                  "[cpu_overrides] applied)")
