@@ -142,6 +142,17 @@ def test_init_weights_bytes_depend_only_on_the_weights(tmp_path: Path) -> None:
                                                           "comparison.json"]  # no partial file left
 
 
+def test_content_hash_is_of_the_values_only():
+    """Same values, same hash (whatever file they came from); one changed element, another hash."""
+    from shardscope.engines.init_weights import content_sha256
+
+    a, b = build_model(TINY, seed=11), build_model(TINY, seed=11)
+    assert content_sha256(a) == content_sha256(b)
+    with torch.no_grad():
+        next(b.parameters()).view(-1)[0] += 1.0
+    assert content_sha256(a) != content_sha256(b)
+
+
 def test_ensure_init_writes_once_then_every_rank_loads(tmp_path: Path) -> None:
     """The first run's writer rank saves the freshly built model; the barrier comes before any load; a later
     run (file present) writes nothing and loads it."""

@@ -11,6 +11,7 @@ tensors and ``load_model`` restores them, so tied embeddings survive the round t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -61,6 +62,17 @@ def ensure_init(model: torch.nn.Module, comparison: Comparison, path: str, *, wr
         save_init(model, comparison, path)
     barrier()
     load_init(model, path)
+
+
+def content_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of the weights themselves: every tensor's name, dtype, shape and bytes, in name order (no file
+    metadata, no layout): two runs that start from the same values carry the same hash."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def load_init(model: torch.nn.Module, path: str) -> None:

@@ -17,7 +17,6 @@ import time
 _T_ENTRY = time.time()  # before the imports: where a rank's start-up goes (the start record's ``startup``)
 
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -39,7 +38,7 @@ from shardscope.engines.api import RankContext, TrainSettings
 from shardscope.engines import failure
 from shardscope.engines.data import build_batches
 from shardscope.engines.faults import Fault
-from shardscope.engines.init_weights import ensure_init
+from shardscope.engines.init_weights import content_sha256, ensure_init
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
@@ -80,15 +79,6 @@ def versions() -> dict[str, str]:
         out["cuda"] = str(torch.version.cuda)
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return out
-
-
-def file_sha256(path: str) -> str:
-    """Return the SHA-256 of a file (the shared initial weights this run loaded), read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def device_name(device: torch.device) -> str:
@@ -165,6 +155,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     model = build_model(comparison.model, comparison.seed)
     # identical on every rank and in every run; the first run's local rank 0 writes them
     ensure_init(model, comparison, spec["init_path"], write=ctx.local_rank == 0, barrier=dist.barrier)
+    init_sha256 = content_sha256(model)  # of the values, before any strategy touches them
     n_params = count_parameters(model)
     model.to(ctx.device)
     marks["model"] = time.time()
@@ -180,7 +171,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
                             cuda=ctx.device.type == "cuda", profile_memory=prof.profile_memory)
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
-                 device_name=device_name(ctx.device), host=socket.gethostname(), init_sha256=file_sha256(spec["init_path"]),
+                 device_name=device_name(ctx.device), host=socket.gethostname(), init_sha256=init_sha256,
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes,
