@@ -162,7 +162,7 @@ def layer_rtol_for(base_precision: str, run_precision: str) -> float:
 def compare_runs(base_losses: list[tuple[int, float]], run_losses: list[tuple[int, float]],
                  base_layers: dict[int, dict[str, Any]], run_layers: dict[int, dict[str, Any]],
                  base_start: dict[str, Any], run_start: dict[str, Any], *, tolerance: float,
-                 layer_rtol: float) -> dict[str, Any]:
+                 layer_rtol: float, parity_on: bool = False) -> dict[str, Any]:
     """Locate the divergence of one run from the baseline; return the run's parity entry with a ``finding`` sentence."""
     loss = first_loss_divergence(base_losses, run_losses, tolerance)
     grad = first_layer_divergence(base_layers, run_layers, "grad_norms", layer_rtol) if base_layers and run_layers else None
@@ -179,11 +179,11 @@ def compare_runs(base_losses: list[tuple[int, float]], run_losses: list[tuple[in
         "first_nonfinite_grad_layer": first_nonfinite_layer(run_layers) if run_layers else None,
         "likely_causes": causes,
     }
-    entry["finding"] = _finding(entry, tolerance)
+    entry["finding"] = _finding(entry, tolerance, parity_on)
     return entry
 
 
-def _finding(e: dict[str, Any], tolerance: float) -> str:
+def _finding(e: dict[str, Any], tolerance: float, parity_on: bool = False) -> str:
     parts = []
     if e["loss"]:
         lo = e["loss"]
@@ -199,7 +199,8 @@ def _finding(e: dict[str, Any], tolerance: float) -> str:
     elif e["layers_recorded"]:
         parts.append("per-layer gradient norms agree")
     else:
-        parts.append("no per-layer norms recorded (set parity = true to locate the layer)")
+        parts.append("no per-layer norms recorded (a run ended before writing any)" if parity_on else
+                     "no per-layer norms recorded (set parity = true to locate the layer)")
     bad = e.get("first_nonfinite_grad_layer")
     if bad:
         parts.append(f"first non-finite gradient at step {bad['step']} in {bad['layer']} ({bad['norm']})")
@@ -229,7 +230,7 @@ def parity_section(comparison: Any, states: dict[str, Any], layers: dict[str, di
         rtol = layer_rtol_for(base.precision, st.precision)
         runs[name] = compare_runs(base.losses, st.losses, layers.get(baseline, {}), layers.get(name, {}),
                                   base.start.get(0, {}), st.start.get(0, {}), tolerance=comparison.loss_tolerance,
-                                  layer_rtol=rtol)
+                                  layer_rtol=rtol, parity_on=bool(getattr(comparison, "parity", False)))
         runs[name]["layer_rtol"] = rtol
     nonfinite = {name: found for name in names if (found := first_nonfinite_layer(layers.get(name, {})))}
     return {"baseline": baseline, "tolerance": comparison.loss_tolerance, "runs": runs,
