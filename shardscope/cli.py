@@ -24,6 +24,7 @@ from shardscope.cli_common import (  # noqa: F401  (EXIT_USAGE: importable from 
     tolerance_options,
 )
 from shardscope.explainview import explain_cmd
+from shardscope.predictview import predict_cmd
 from shardscope.recommendview import parse_device_memory, recommend_cmd
 from shardscope.report_commands import diff_cmd, estimate_cmd, presets_cmd, report_cmd, slurm_cmd
 from shardscope.rundir import COMPARISON, RunDir
@@ -40,7 +41,7 @@ def main(ctx: click.Context) -> None:
     if ctx.invoked_subcommand is None:
         _open_app(preset=None)
 
-for _command in (explain_cmd, recommend_cmd, presets_cmd, diff_cmd, report_cmd, estimate_cmd, slurm_cmd):
+for _command in (explain_cmd, recommend_cmd, presets_cmd, diff_cmd, report_cmd, estimate_cmd, slurm_cmd, predict_cmd):
     main.add_command(_command)
 
 

@@ -1,0 +1,178 @@
+"""How right is ``shardscope predict``? Calibrate on smoke, predict every built-in preset's runs, run them, compare.
+
+1. Run the smoke preset (or take ``--calibrate DIR``) and fit the machine model on it; with ``--fresh``
+   (default) a new smoke comparison is run and fitted right before each preset, so that calibration and
+   measurement see the machine under the same load (other jobs sharing the cores move both).
+2. For each built-in preset and world size, predict every run first (before anything of it runs); runs
+   that cannot be predicted are listed with the reason and not run.
+3. Run the predicted runs (the preset with its other runs left out, shrunk by its ``cpu_overrides`` on
+   CPU) through the real command line and read their median tokens/s from summary.json.
+4. Print, per strategy, the median and worst |predicted / measured - 1| of tokens/s, then every run.
+
+    python benchmarks/predict_accuracy.py [--world-sizes 1,2,4] [--presets a,b] [--calibrate DIR]
+                                          [--out DIR] [--json out.json]
+
+Target on CPU: median |error| <= 15%, worst <= 30% per strategy. Nothing here is tuned on the runs it
+predicts: the model is fitted on the calibration only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from shardscope import config  # noqa: E402
+from shardscope.config import ConfigError  # noqa: E402
+from shardscope.predictview import load_for  # noqa: E402
+from shardscope.presets.files import PRESET_DIR  # noqa: E402
+from shardscope.profiling import predict  # noqa: E402
+from shardscope.rundir import load_summary  # noqa: E402
+
+CLI = [sys.executable, "-m", "shardscope.cli"]
+
+
+def run_preset(preset: str, out: Path, sets: list[str], timeout: float = 3600) -> int:
+    """Run a preset headless into ``out``; return the exit code (1 when a run failed: its figures are left out)."""
+    args = [*CLI, "run", "--preset", preset, "--headless", "--out", str(out)]
+    for item in sets:
+        args += ["--set", item]
+    with open(str(out) + ".log", "w") as log:
+        return subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+
+
+def only_runs(preset: str, names: set[str], path: Path) -> Path:
+    """A copy of a built-in preset file with only the ``[[runs]]`` tables named in ``names``."""
+    text = (PRESET_DIR / f"{preset}.toml").read_text()
+    parts = re.split(r"(?m)^(?=\[)", text)
+    kept = []
+    for part in parts:
+        if part.startswith("[[runs]]"):
+            name = re.search(r'(?m)^name\s*=\s*"([^"]+)"', part)
+            if not name or name.group(1) not in names:
+                continue
+        kept.append(part)
+    path.write_text("".join(kept))
+    return path
+
+
+def calibrate(where: Path, run_it: bool) -> "predict.MachineModel":
+    """Run smoke into ``where`` (when ``run_it``) and fit the machine model on it."""
+    if run_it:
+        code = run_preset("smoke", where, [])
+        assert code == 0, f"calibration run failed: see {where}.log"
+    model = predict.calibrate([str(where)])
+    print(f"calibrated on {where.name}: fit error (step time predicted back) "
+          + ", ".join(f"{k} {v['error']:+.1%}" for k, v in model.fit_error["runs"].items()), flush=True)
+    return model
+
+
+def machine() -> str:
+    """One line naming this machine and its load."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    import torch
+
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, torch {torch.__version__}, "
+            f"load average {load}")
+
+
+def main() -> int:
+    """Run the benchmark; print the tables; return 0."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", default="1,2,4")
+    ap.add_argument("--presets", default="")
+    ap.add_argument("--calibrate", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--no-fresh", dest="fresh", action="store_false",
+                    help="calibrate once, not again before each preset")
+    args = ap.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="predict-accuracy-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}\nstarted {time.strftime('%Y-%m-%d %H:%M')}, output under {out}", flush=True)
+    presets = [p for p in args.presets.split(",") if p] or [name for name, _ in config.list_presets()]
+    rows, skipped, fits = [], [], {}
+    model = calibrate(Path(args.calibrate) if args.calibrate else out / "calibration-smoke", not args.calibrate)
+    fits["first"] = model.fit_error
+    for preset in presets:
+        for ws in [int(x) for x in args.world_sizes.split(",")]:
+            if args.fresh and not args.calibrate and rows:
+                model = calibrate(out / f"calibration-before-{preset}-ws{ws}", True)
+                fits[f"{preset}-ws{ws}"] = model.fit_error
+            try:
+                c = load_for(preset, [f"world_size={ws}"], model.backend, False)
+            except ConfigError as err:
+                skipped.append(f"{preset} at {ws}: {err}")
+                continue
+            predicted = {r["name"]: r for r in predict.predict_comparison(c, model)["runs"]}
+            for r in predicted.values():
+                if r["why"]:
+                    skipped.append(f"{preset}/{r['name']} at {r['world_size'] or ws}: not predicted: {r['why']}")
+            names = {n for n, r in predicted.items() if not r["why"]}
+            if not names:
+                continue
+            where = out / f"{preset}-ws{ws}"
+            t0 = time.time()
+            code = run_preset(str(only_runs(preset, names, out / f"{preset}-ws{ws}.toml")), where,
+                              [f"world_size={ws}"])
+            summary = load_summary(str(where))
+            print(f"{preset} at {ws}: ran {len(names)} runs in {time.time() - t0:.0f} s (exit {code})", flush=True)
+            for m in summary["runs"]:
+                p = predicted.get(m["name"])
+                if p is None or p["why"]:
+                    continue
+                measured = m.get("median_tokens_per_s") if m["status"] == "ok" else None
+                rows.append({"preset": preset, "world_size": m["world_size"], "run": m["name"],
+                             "strategy": m["strategy"], "predicted": p["tokens_per_s"], "measured": measured,
+                             "error": p["tokens_per_s"] / measured - 1 if measured else None,
+                             "split_ms": [round(p[k] * 1e3, 1) for k in ("compute_s", "exposed_comm_s", "rest_s")],
+                             "status": m["status"]})
+    report(rows, skipped)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows, "skipped": skipped,
+                                               "fit_error": fits}, indent=2))
+    return 0
+
+
+def report(rows: list[dict], skipped: list[str]) -> None:
+    """Print the per-strategy table and every run."""
+    print(f"\nfinished {time.strftime('%Y-%m-%d %H:%M')}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("\n| strategy | runs | median abs error | worst abs error | within 15% / 30% |\n|---|---|---|---|---|")
+    strategies = sorted({r["strategy"] for r in rows})
+    for s in strategies:
+        errs = [abs(r["error"]) for r in rows if r["strategy"] == s and r["error"] is not None]
+        if not errs:
+            continue
+        print(f"| {s} | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} | "
+              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |")
+    errs = [abs(r["error"]) for r in rows if r["error"] is not None]
+    if errs:
+        print(f"| all | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} | "
+              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |")
+    print("\n| preset | ranks | run | strategy | predicted tokens/s | measured | error | predicted ms compute / exposed comm / rest |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        meas = f"{r['measured']:,.0f}" if r["measured"] else f"({r['status']})"
+        print(f"| {r['preset']} | {r['world_size']} | {r['run']} | {r['strategy']} | {r['predicted']:,.0f} | {meas} | "
+              f"{err} | {' / '.join(str(x) for x in r['split_ms'])} |")
+    if skipped:
+        print("\nnot predicted (not run):")
+        for line in skipped:
+            print(f"- {line}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

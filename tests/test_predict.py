@@ -1,0 +1,194 @@
+"""The predictor's pieces on synthetic inputs (fast, no torchrun): the fit recovers known coefficients,
+the schedules move the theory's bytes and overlap where the strategy does, and the runs it cannot
+support say why."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardscope import config
+from shardscope.config import RunSpec
+from shardscope.profiling import predict, predict_fit
+from shardscope.profiling.predict_devices import device_spec
+from shardscope.profiling.predict_fit import CalibrationRun, CollectiveFit, reference_compute, solve
+from shardscope.profiling.predict_schedule import simulate
+from shardscope.profiling.predict_work import work_of
+
+CPU = config.HostInfo("cpu", 64, "test")
+COLLECTIVES = {k: CollectiveFit(k, 40e-6, bw, 2, 0, 0, None, "measured")
+               for k, bw in (("all_reduce", 2e9), ("all_gather", 1.5e9), ("reduce_scatter", 1e9))}
+FORWARD, BACKWARD, OPTIMIZER = 2e-11, 5e-11, 3e-9
+ONE_SIZE = {"forward": {"per_flop_s": FORWARD}, "backward": {"per_flop_s": BACKWARD},
+            "optimizer": {"per_element_s": OPTIMIZER}}
+OVERHEAD = {"forward": 1e-4, "backward": 5e-5, "optimizer": 2e-4}  # fsdp2's, seconds per parameter tensor
+
+
+def smoke(*sets):
+    return config.load_preset("smoke", list(sets), host=CPU)
+
+
+def _comm(kind, nbytes, n):
+    return COLLECTIVES[kind].seconds(nbytes, n)
+
+
+def synthetic(c, run_name, coefficients, overhead=None, rest=1e-3):
+    """A calibration run whose phases follow ``coefficients`` (plus ``overhead`` per tensor) exactly, with the
+    schedule's exposed communication, and whose traces hold calls timed exactly by COLLECTIVES."""
+    run = c.run(run_name)
+    w = work_of(c, run)
+    ref = reference_compute(w, coefficients)
+    comp = {p: ref[p] + (overhead or {}).get(p, 0.0) * w.param_tensors for p in ref}
+    timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], _comm, overlap=False)
+    calls = [(k, float(size), COLLECTIVES[k].seconds(size, 2), 2) for k in COLLECTIVES for size in (1e3, 1e5, 4e6)]
+    return CalibrationRun("syn", run_name, run.strategy, w, dict(timing.phase_s), timing.step_s + rest, None,
+                          "gloo", "cpu", "synthetic", calls)
+
+
+def test_solve_is_least_squares_with_nonnegative_coefficients():
+    assert solve([[1.0, 2.0], [1.0, 3.0], [1.0, 5.0]], [5.0, 7.0, 11.0]) == pytest.approx([1.0, 2.0])
+    # a column that would come out negative is dropped, the other refitted alone
+    assert solve([[1.0, 1.0], [1.0, 2.0]], [2.0, 1.0]) == pytest.approx([1.5, 0.0])
+
+
+def test_collective_fit_recovers_latency_and_bus_bandwidth():
+    c = smoke()
+    fits = predict_fit.fit_collectives([synthetic(c, "ddp", {})], [])
+    for kind, known in COLLECTIVES.items():
+        got = fits[kind]
+        assert got.source == "measured" and got.points == 3
+        assert got.step_latency_s == pytest.approx(known.step_latency_s, rel=1e-6)
+        assert got.busbw_Bps == pytest.approx(known.busbw_Bps, rel=1e-6)
+        assert got.rel_rms_error == pytest.approx(0.0, abs=1e-9)
+    assert fits["broadcast"].source == "derived from all_gather"  # a type no run did: said where it came from
+
+
+def test_fit_recovers_known_compute_and_overhead_from_one_size():
+    model = predict_fit.fit(_runs(smoke()), cores=8)
+    assert model.coefficients["forward"] == pytest.approx({"per_flop_s": FORWARD}, rel=1e-6)
+    assert model.coefficients["backward"] == pytest.approx({"per_flop_s": BACKWARD}, rel=1e-6)
+    assert model.coefficients["optimizer"] == pytest.approx({"per_element_s": OPTIMIZER}, rel=1e-6)
+    assert model.overhead["ddp"] == pytest.approx(dict.fromkeys(OVERHEAD, 0.0), abs=1e-12)
+    assert model.overhead["fsdp2"] == pytest.approx(OVERHEAD, rel=1e-6)
+    assert model.rest_s == pytest.approx(1e-3, rel=1e-6)
+    assert any("one model size" in n for n in model.notes)
+
+
+def test_fit_recovers_the_per_layer_and_token_cost_from_two_sizes():
+    coefficients = {"forward": {"per_layer_token_s": 3e-7, "per_flop_s": FORWARD},
+                    "backward": {"per_layer_token_s": 6e-7, "per_flop_s": BACKWARD},
+                    "optimizer": {"per_tensor_s": 2e-5, "per_element_s": OPTIMIZER}}
+    small = synthetic(smoke(), "ddp", coefficients)
+    wide = smoke("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.n_layers=3")
+    big = synthetic(wide, "ddp", coefficients)
+    big.out_dir = "syn-wide"
+    model = predict_fit.fit([small, big], cores=8)
+    for phase, known in coefficients.items():
+        assert model.coefficients[phase] == pytest.approx(known, rel=1e-6), phase
+
+
+def _runs(c):
+    return [synthetic(c, "ddp", ONE_SIZE), synthetic(c, "fsdp2", ONE_SIZE, OVERHEAD)]
+
+
+def test_calibration_runs_predict_back_their_own_step_time():
+    c = smoke()
+    runs = _runs(c)
+    model = predict_fit.fit(runs, cores=8)
+    for r in runs:
+        row = predict.predict_run(c, c.run(r.name), model)
+        assert row["why"] is None
+        assert row["step_time_s"] == pytest.approx(r.step_s, rel=1e-6)
+        assert row["compute_s"] + row["exposed_comm_s"] + row["rest_s"] == pytest.approx(row["step_time_s"])
+        assert row["tokens_per_s"] == pytest.approx(c.global_batch * c.model.seq_len / r.step_s)
+        assert row["peak_mem_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "fsdp2"])
+def test_schedule_moves_exactly_the_theorys_bytes(name):
+    c = config.load_preset("zero-stages", host=CPU)
+    w = work_of(c, c.run(name))
+    timing = simulate(w, 0.01, 0.02, 0.005, _comm, overlap=False)
+    moved = {k: v for k, v in timing.bytes_by_type.items() if v}
+    theory = dict(w.by_type)
+    if w.traits.norm_allreduce:  # the global norm's scalar is the only addition
+        theory["all_reduce"] = theory.get("all_reduce", 0) + 8
+    assert moved == pytest.approx(theory)
+
+
+def test_gloo_blocks_on_every_fsdp_collective_and_gpus_overlap_them():
+    c = smoke("model.n_layers=6")
+    w = work_of(c, c.run("fsdp2"))
+    gloo = simulate(w, 0.01, 0.02, 0.005, _comm, overlap=False)
+    nccl = simulate(w, 0.01, 0.02, 0.005, _comm, overlap=True)
+    assert gloo.exposed_comm_s == pytest.approx(gloo.comm_s)
+    assert nccl.comm_s == pytest.approx(gloo.comm_s)
+    assert nccl.exposed_comm_s < 0.5 * gloo.exposed_comm_s  # prefetching hides most gathers behind compute
+
+
+def test_ddp_buckets_overlap_backward_once_there_are_several():
+    one = work_of(smoke(), smoke().run("ddp"))  # 0.5 MB of gradients: one bucket, all-reduced after backward
+    c = smoke("model.d_model=256", "model.d_ff=1024", "model.n_layers=4", "runs.ddp.options.bucket_cap_mb=1")
+    many = work_of(c, c.run("ddp"))
+    slow = (lambda kind, nbytes, n: 1e-3 + nbytes / 1e8)
+    single = simulate(one, 0.01, 0.02, 0.005, slow, overlap=False)
+    assert single.exposed_comm_s == pytest.approx(single.comm_s)
+    several = simulate(many, 0.01, 0.2, 0.005, slow, overlap=False)
+    assert several.exposed_comm_s < 0.7 * several.comm_s
+
+
+def _model():
+    return predict_fit.fit(_runs(smoke()), cores=8)
+
+
+def test_runs_the_calibration_cannot_support_say_why():
+    model = _model()
+    rows = {r["name"]: r for r in predict.predict_comparison(config.load_preset("tp-verification", host=CPU), model)["runs"]}
+    assert rows["ddp"]["why"] is None and rows["ddp"]["tokens_per_s"] > 0
+    for name in ("autotp", "fsdp2-tp"):
+        assert "no tensor-parallel run" in rows[name]["why"]
+        assert all(rows[name][k] is None for k in predict.FIGURES)
+    vit = predict.predict_comparison(config.load_preset("vit", host=CPU), model)["runs"]
+    assert all("FLOPs-per-token" in r["why"] and r["tokens_per_s"] is None for r in vit)
+    bf16 = predict.predict_comparison(config.load_preset("fsdp-impls", host=CPU), model)["runs"]
+    assert {r["name"] for r in bf16 if r["why"] is None} == {"ddp-fp32"}
+    assert all("unmeasured" in r["why"] for r in bf16 if r["name"] != "ddp-fp32")
+    zero = {r["name"]: r for r in predict.predict_comparison(config.load_preset("zero-stages", host=CPU), model)["runs"]}
+    assert any("not calibrated for deepspeed-zero1" in n for n in zero["zero1"]["notes"])
+    assert zero["fsdp2"]["notes"] == []
+
+
+def test_what_if_on_gpus_is_marked_and_lists_its_assumptions():
+    c = config.load_preset("ddp-vs-fsdp", ["world_size=16"])
+    out = predict.predict_comparison(c, _model(), device_spec("h100"))
+    assert out["what_if"] and out["device"] == "H100"
+    assert any(a.startswith("WHAT-IF on H100") for a in out["assumptions"])
+    for r in out["runs"]:
+        assert r["why"] is None and r["tokens_per_s"] > 0 and r["world_size"] == 16
+        assert any("InfiniBand" in n for n in r["notes"]) and any("assumed 40%" in n for n in r["notes"])
+    ddp = out["runs"][0]
+    # 16 x H100 at 40% of the fp32 (non-tensor-core) peak: FLOPs per rank / (0.4 x 67 TFLOP/s) at least
+    w = work_of(c, c.runs[0])
+    assert ddp["compute_s"] >= (w.fwd_flops + w.bwd_flops) / (0.4 * 67e12) * (1 - 1e-9)
+    with pytest.raises(KeyError, match="known: A100, H100, H200, B200"):
+        device_spec("TPU")
+
+
+def test_world_size_one_needs_no_collective_and_more_ranks_than_cores_share_them():
+    model = _model()
+    one = predict.predict_run(smoke("world_size=1"), smoke("world_size=1").run("fsdp2"), model)
+    assert one["why"] is None and one["comm_s"] == 0 and one["exposed_comm_s"] == pytest.approx(0, abs=1e-12)
+    model.cores = 2
+    four = predict.predict_run(smoke("world_size=4"), smoke("world_size=4").run("ddp"), model)
+    assert any("4 ranks share 2 cores" in n for n in four["notes"])
+    assert math.isfinite(four["step_time_s"])
+
+
+def test_no_phase_split_means_no_calibration():
+    run = CalibrationRun("syn", "ddp", "ddp", None, {}, None, None, "gloo", "cpu", "", [],
+                         why_not="ddp: its step records carry no forward/backward/optimizer split")
+    with pytest.raises(predict.NotPredicted, match="no forward/backward/optimizer split"):
+        predict_fit.fit([run])
+    row = predict.predict_run(smoke(), RunSpec("ddp", "ddp"), None)
+    assert row["why"] == "no calibration"

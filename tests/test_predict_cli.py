@@ -1,0 +1,94 @@
+"""``shardscope predict`` through the real command line, calibrated on one real smoke comparison (gloo on
+CPU, a few steps), predicting other presets' runs: complete output, assumptions and fit error printed,
+"not predicted: why" for what the calibration cannot support, the ``--json`` schema. No accuracy
+assertion: accuracy is benchmarks/predict_accuracy.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "shardscope.cli"]
+FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "peak_mem_bytes")
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """One finished smoke comparison (DDP and FSDP2, 2 ranks, 10 steps, steps 4-5 profiled)."""
+    out = tmp_path_factory.mktemp("predict") / "smoke"
+    proc = run_cli("run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=10",
+                   "--set", "profile.start_step=4", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_predicts_another_presets_runs_with_assumptions_and_fit_error(calibration):
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "zero-stages")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "predicted for this machine: zero-stages" in out
+    for name in ("ddp", "zero1", "zero2", "zero3", "fsdp2"):
+        assert f"│ {name}" in out
+    assert "not predicted" not in out
+    assert "assumptions" in out and "framework overhead" in out
+    assert "predicted back" in out and "all_reduce" in out and "measured" in out
+    assert "not calibrated for deepspeed-zero1" in out  # a strategy the calibration lacks says what it took
+
+
+def test_json_schema(calibration):
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["preset"] == "smoke" and data["what_if"] is False
+    assert [r["name"] for r in data["runs"]] == ["ddp", "fsdp2"]
+    for r in data["runs"]:
+        assert r["why"] is None and r["world_size"] == 4
+        assert all(isinstance(r[k], (int, float)) and r[k] > 0 for k in FIGURES), r
+        assert r["compute_s"] + r["exposed_comm_s"] + r["rest_s"] == pytest.approx(r["step_time_s"])
+    assert isinstance(data["assumptions"], list) and data["assumptions"]
+    assert set(data["fit_error"]["runs"]) == {"ddp", "fsdp2"}
+    assert all(isinstance(v["error"], float) for v in data["fit_error"]["runs"].values())
+    assert data["calibration"]["collectives"]["all_reduce"]["source"] == "measured"
+
+
+def test_unsupported_runs_print_not_predicted_why_and_null_in_json(calibration):
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "tp-verification")
+    assert proc.returncode == 0, proc.stderr
+    assert "autotp: not predicted: the calibration has no tensor-parallel run" in " ".join(proc.stdout.split())
+    data = json.loads(run_cli("predict", "--calibrate", str(calibration), "--preset", "tp-verification",
+                              "--json").stdout)
+    rows = {r["name"]: r for r in data["runs"]}
+    assert rows["ddp"]["why"] is None and rows["ddp"]["tokens_per_s"] > 0
+    for name in ("autotp", "fsdp2-tp"):
+        assert rows[name]["why"] and all(rows[name][k] is None for k in FIGURES[:-1])
+
+
+def test_what_if_on_gpus(calibration):
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "ddp-vs-fsdp", "--device", "H100",
+                   "--world-size", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["what_if"] and data["device"] == "H100"
+    assert any(a.startswith("WHAT-IF") for a in data["assumptions"])
+    assert all(r["tokens_per_s"] > 0 and r["world_size"] == 8 for r in data["runs"])
+    assert "WHAT-IF on H100" in run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke",
+                                        "--device", "h100").stdout
+
+
+def test_bad_input_exits_2_in_one_line(calibration, tmp_path):
+    for args, words in ((["--calibrate", str(tmp_path), "--preset", "smoke"], "not a finished"),
+                        (["--calibrate", str(calibration), "--preset", "nope"], "nope"),
+                        (["--calibrate", str(calibration), "--preset", "smoke", "--device", "TPU"], "known: A100"),
+                        (["--calibrate", str(calibration), "--preset", "smoke", "--world-size", "0"], ">= 1")):
+        proc = run_cli("predict", *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert words in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
