@@ -64,8 +64,9 @@ def test_each_ranks_trace_compute_holds_the_slow_ranks_extra_work(run):
     assert slow["steps"] == 2 and slow["source"] == "cpu-operators" and slow["flagged"] == [], slow
     # 60 ms of CPU time in operators: a floor for their wall time (descheduling only adds), on rank 1 alone.
     assert slow["compute_s"]["1"] >= 0.060, slow
+    # No upper bound: a loaded machine descheduling rank 1 inside an operator stretches its wall time without limit.
     extra = slow["compute_s"]["1"] - slow["compute_s"]["0"]
-    assert 0.030 <= extra <= 0.15, slow  # rank 0's own compute may be stretched by a busy machine too
+    assert extra >= 0.030, slow  # rank 0's own compute may be stretched by a busy machine too
     assert ddp["compute_s"]["0"] < 0.6 * slow["compute_s"]["1"] and ddp["compute_s"]["1"] < 0.6 * slow["compute_s"]["1"]
     report = (out / "report.md").read_text()
     assert "From the traces (2 profiled steps), compute per step" in report and "Not judged from CPU traces" in report
