@@ -33,7 +33,7 @@ def test_stop_kills_whole_tree(tmp_path):
     assert len(pids) == 3
     t0 = time.time()
     proc.stop(grace_s=1.0)
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < 60  # a bound for a hang: SIGTERM, 1 s grace, SIGKILL, reap
     time.sleep(0.2)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
