@@ -51,6 +51,7 @@ def load_summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.floor
 def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
     out = tmp_path / "smoke"
     proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=12",

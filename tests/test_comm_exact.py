@@ -25,7 +25,8 @@ SETTINGS = {"fp32": ["precision=fp32"], "bf16-params": ["precision=bf16-params"]
             "fp32-accum2": ["precision=fp32", "grad_accum=2"]}
 
 
-@pytest.fixture(scope="module", params=list(SETTINGS))
+# fp32 also on the floor of the torch range (.ci/run): the trace format is what changes between versions.
+@pytest.fixture(scope="module", params=[pytest.param("fp32", marks=pytest.mark.floor), "bf16-params", "fp32-accum2"])
 def parity_run(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp(f"comm-{request.param}") / "run")
     settings = [arg for item in SETTINGS[request.param] for arg in ("--set", item)]

@@ -16,7 +16,7 @@ from _launch import assert_ok, grad_norms, launch, max_abs_diff, prepare, tiny_c
 from shardscope.config import ModelSpec, RunSpec
 from shardscope import registry
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.floor]  # every strategy once, end to end, on both ends of the range
 TOLERANCE = {"fsdp2-tp": 1e-4, "deepspeed-autotp": 5e-6}
 HF = ModelSpec(kind="hf", hf_arch="qwen2-tiny", hf_layers=2, vocab_size=512, seq_len=16)
 CANDIDATES = [n for n in registry.names() if n != "ddp" and not registry.get(n).gpu_only]
