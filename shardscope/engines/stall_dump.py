@@ -26,14 +26,18 @@ LAST = 8  # flight-recorder entries per process group kept in the record
 
 def flight_recorder() -> list[dict[str, Any]]:
     """The flight recorder's last entries per process group, as small dicts ([] where torch has none)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError:
-        return []
-    try:
-        entries = json.loads(_dump_fr_trace_json(includeCollectives=True)).get("entries") or []
-    except Exception:  # noqa: BLE001 - a diagnosis must never fail the rank
-        return []
+    import torch._C._distributed_c10d as c10d
+
+    entries: list[dict[str, Any]] = []
+    # gloo's recorder, and NCCL's own (a CUDA build records NCCL collectives there, with CUDA events)
+    for dump in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        fn = getattr(c10d, dump, None)
+        if fn is None:
+            continue
+        try:
+            entries += json.loads(fn(includeCollectives=True)).get("entries") or []
+        except Exception:  # noqa: BLE001 - a diagnosis must never fail the rank
+            continue
     by_group: dict[str, list[dict[str, Any]]] = {}
     for e in entries:
         pg = [str(x) for x in (e.get("process_group") or ["?"])]
