@@ -101,6 +101,20 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
         console.print(back)
 
 
+def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
+    """The machine model refitted with collectives timed by a short torchrun job; exits 1 when the job fails."""
+    from shardscope.profiling import predict
+    from shardscope.profiling.predict_collectives import measure
+
+    click.echo(f"timing collectives at {world_size} ranks ({backend}) ...", err=True)
+    try:
+        points = measure(world_size, backend)
+    except RuntimeError as err:
+        click.echo(f"shardscope: error: {err}", err=True)
+        sys.exit(1)
+    return predict.calibrate(dirs, collectives=points)
+
+
 @click.command("predict")
 @click.option("--calibrate", "calibrate_dirs", multiple=True, required=True, type=click.Path(file_okay=False),
               metavar="DIR", help="A finished comparison run on this machine (give it twice, with two model sizes, "
@@ -109,9 +123,11 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
 @click.option("--world-size", "-n", type=int, default=None, help="World size to predict at [default: the preset's].")
 @click.option("--device", default=None, metavar="NAME", help="What-if on GPUs of this kind (A100, H100, H200, B200).")
+@click.option("--collectives", is_flag=True, help="Also time collectives of a few sizes in a short torchrun job "
+              "at the predicted world size (for types or sizes the calibration lacks).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
-                device: str | None, as_json: bool) -> None:
+                device: str | None, collectives: bool, as_json: bool) -> None:
     """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
     from shardscope.profiling import predict
     from shardscope.profiling.predict_devices import DEVICES, device_spec
@@ -134,6 +150,8 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         comparison = load_for(preset, sets, model.backend if model else None, spec is not None)
     except ConfigError as err:
         _fail(str(err))
+    if collectives and model is not None:
+        model = _with_collectives(list(calibrate_dirs), model.backend, world_size or comparison.world_size)
     result = predict.predict_comparison(comparison, model, spec)
     result["calibrated_on"] = list(calibrate_dirs)
     if why:

@@ -92,3 +92,19 @@ def test_bad_input_exits_2_in_one_line(calibration, tmp_path):
         assert proc.returncode == 2, (args, proc.stderr)
         assert words in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_collectives_job_times_every_type_and_leaves_nothing_running(calibration):
+    import psutil
+
+    before = {p.pid for p in psutil.process_iter()}
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--collectives", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    fits = data["calibration"]["collectives"]
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        assert fits[kind]["source"] == "measured" and fits[kind]["sizes"] >= 4, kind
+    assert any("short torchrun job" in a for a in data["assumptions"])
+    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
+            and "predict_collectives" in " ".join(p.info["cmdline"] or [])]
+    assert left == []

@@ -26,14 +26,16 @@ from shardscope.profiling.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotP
 FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
 
 
-def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | None = None) -> MachineModel:
-    """Fit the machine on the finished comparisons ``out_dirs`` (only the runs in ``only`` when given) and
-    record, in ``fit_error["runs"]``, each calibration run's step time predicted back against its measurement.
+def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | None = None,
+              collectives: list[tuple[str, float, float, int]] | None = None) -> MachineModel:
+    """Fit the machine on the finished comparisons ``out_dirs`` (only the runs in ``only`` when given; plus
+    ``collectives`` timed apart) and record, in ``fit_error["runs"]``, each calibration run's step time
+    predicted back against its measurement.
 
     Raises NotPredicted when no run can calibrate, OSError/ValueError when a directory is not a comparison.
     """
     runs = read_calibration(out_dirs, only)
-    model = fit(runs, cores)
+    model = fit(runs, cores, collectives)
     errors = {}
     for r in runs:
         if r.why_not or r.work is None or not r.step_s:

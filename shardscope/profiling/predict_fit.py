@@ -226,13 +226,14 @@ def _rel_rms(pred: list[float], ys: list[float]) -> float | None:
     return math.sqrt(statistics.fmean(e * e for e in errs)) if errs else None
 
 
-def fit_collectives(runs: list[CalibrationRun], notes: list[str]) -> dict[str, CollectiveFit]:
+def fit_collectives(runs: list[CalibrationRun], notes: list[str],
+                    extra: list[tuple[str, float, float, int]] | None = None) -> dict[str, CollectiveFit]:
     """One ``CollectiveFit`` per type measured, plus types derived from the best-measured one.
 
     One least-squares fit over every call: a latency per ring step shared by all types (on one machine it
     is the same wake-up and handshake whatever the type) and a bus bandwidth per type, each call weighted
     by its own time, so that a 100-byte all-reduce and a 10 MB one count alike (relative error)."""
-    points = [p for r in runs if not r.why_not for p in r.collectives if p[3] > 1]
+    points = [p for r in runs if not r.why_not for p in r.collectives if p[3] > 1] + [p for p in extra or [] if p[3] > 1]
     kinds = sorted({k for k, _, _, _ in points})
     fits: dict[str, CollectiveFit] = {}
     if not points:
@@ -323,8 +324,10 @@ def fit_compute(works: list[Work], measured: list[dict[str, float]], notes: list
     return coefficients
 
 
-def fit(runs: list[CalibrationRun], cores: int | None = None) -> MachineModel:
-    """Fit the machine model on calibration runs. Raises NotPredicted when no run can calibrate compute."""
+def fit(runs: list[CalibrationRun], cores: int | None = None,
+        collectives: list[tuple[str, float, float, int]] | None = None) -> MachineModel:
+    """Fit the machine model on calibration runs (and ``collectives``: (type, bytes, seconds, group) timed apart,
+    ``predict_collectives``). Raises NotPredicted when no run can calibrate compute."""
     usable = [r for r in runs if not r.why_not and r.work is not None]
     notes = [f"not used for calibration: {r.why_not}" for r in runs if r.why_not]
     if not usable:
@@ -335,7 +338,10 @@ def fit(runs: list[CalibrationRun], cores: int | None = None) -> MachineModel:
     first = usable[0]
     cores = cores or (os.cpu_count() or 1)
     overlap = backend != "gloo"
-    fits = fit_collectives(usable, notes)
+    fits = fit_collectives(usable, notes, collectives)
+    if collectives:
+        notes.append(f"collectives also timed by a short torchrun job ({len(collectives)} calls at "
+                     f"{sorted({n for *_, n in collectives})} ranks)")
     if not fits and any(r.work and r.work.world_size > 1 for r in usable):
         notes.append("no collective measured in the calibration's traces: runs that communicate are not predicted")
     comp: dict[str, dict[str, float]] = {}
