@@ -64,6 +64,15 @@ def test_collective_fit_recovers_latency_and_bus_bandwidth():
     assert fits["broadcast"].source == "derived from all_gather"  # a type no run did: said where it came from
 
 
+def test_one_size_per_type_charges_its_time_to_bandwidth_and_says_so():
+    run = synthetic(smoke(), "ddp", {})
+    run.collectives = [("all_reduce", 5e5, 1e-3, 2)] * 3
+    notes: list[str] = []
+    fit = predict_fit.fit_collectives([run], notes)["all_reduce"]
+    assert fit.step_latency_s == 0 and fit.seconds(5e5, 2) == pytest.approx(1e-3)
+    assert any("latency not separable" in n for n in notes)
+
+
 def test_fit_recovers_known_compute_and_overhead_from_one_size():
     model = predict_fit.fit(_runs(smoke()), cores=8)
     assert model.coefficients["forward"] == pytest.approx({"per_flop_s": FORWARD}, rel=1e-6)

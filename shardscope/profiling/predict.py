@@ -11,6 +11,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
@@ -63,11 +64,15 @@ def _overhead(w: Work, model: MachineModel) -> tuple[dict[str, float], str]:
 
 
 def _device_comm(device: DeviceSpec) -> Any:
+    """Collective time on the device table: a ring inside a node, a tree's log2(nodes) hops across nodes (NCCL
+    picks trees for latency at scale) for the latency; the bandwidth term at the slowest link's bus bandwidth."""
     def seconds(kind: str, nbytes: float, n: int) -> float:
         if n <= 1:
             return 0.0
         busbw, latency, _ = device.link(n)
-        return latency * ring_steps(kind, n) + nbytes * bus_factor(kind, n) / busbw
+        nodes = math.ceil(n / device.gpus_per_node)
+        steps = ring_steps(kind, min(n, device.gpus_per_node)) + (2 * math.ceil(math.log2(nodes)) if nodes > 1 else 0)
+        return latency * steps + nbytes * bus_factor(kind, n) / busbw
     return seconds
 
 

@@ -16,8 +16,9 @@ Sources (checked against the vendors' datasheets):
   900 GB/s, taken at the same 80%.
 - InfiniBand, one NIC per GPU: DGX A100 8x HDR 200 Gb/s (25 GB/s per GPU), DGX H100 / H200 / B200 8x
   NDR 400 Gb/s ConnectX-7 (50 GB/s per GPU); a ring across nodes runs at the NIC's rate.
-- Latency per ring step: 2 us over NVLink, 5 us over InfiniBand: assumed (small-message NCCL all-reduce
-  on 8 GPUs takes some tens of us), not from a datasheet.
+- Latency per hop: 2 us over NVLink, 5 us over InfiniBand: assumed (small-message NCCL all-reduce on 8 GPUs
+  takes some tens of us), not from a datasheet; a ring's steps inside a node, a tree's 2 log2(nodes) hops
+  across nodes (``predict._device_comm``).
 """
 
 from __future__ import annotations

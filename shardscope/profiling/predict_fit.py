@@ -196,9 +196,9 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
 
 
 def solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least squares with non-negative coefficients (a column whose coefficient comes out negative is dropped
-    and the rest refitted); None when no column is left or the system is singular."""
-    active = list(range(len(rows[0])))
+    """Least squares with non-negative coefficients (a column whose coefficient comes out negative, or that is
+    all zero, is left at 0 and the rest refitted); None when no column is left or the system is singular."""
+    active = [i for i in range(len(rows[0])) if any(r[i] for r in rows)]  # an all-zero column stays 0
     while active:
         k = len(active)
         a = [[sum(r[i] * r[j] for r in rows) for j in active] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in active]
@@ -240,6 +240,10 @@ def fit_collectives(runs: list[CalibrationRun], notes: list[str],
         return fits
     rows = [[ring_steps(k, n) / t] + [b * bus_factor(k, n) / t if k == kind else 0.0 for kind in kinds]
             for k, b, t, n in points]
+    if len({(k, round(b)) for k, b, _, _ in points}) <= len(kinds):  # one size per type: latency not separable
+        notes.append("collectives: one message size per type measured: latency not separable, all their time "
+                     "charged to bandwidth (predict --collectives times several sizes)")
+        rows = [[0.0] + r[1:] for r in rows]
     coef = solve(rows, [1.0] * len(points))
     if coef is None:
         notes.append("collectives: the fit is singular; no collective timing")
