@@ -39,8 +39,10 @@ def _newest(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def where(stalls: dict[int, dict[str, Any]]) -> str:
     """The part of the verdict after ``stalled at step S: ``: per process group with a rank waiting, who never
-    entered the collective it waits in, the earliest wait first (that is where the run stopped; later waits,
-    as in a deadlock across two groups, follow it); "" when no rank is in a collective."""
+    entered the collective it waits in; "" when no rank is in a collective. Waits in several groups are a
+    deadlock, said as such with every direction: which side took the wrong branch is a matter of program order,
+    which the ranks' stacks (in the traceback) show and the entry times do not (ranks do not start a step
+    together)."""
     newest = {rank: _newest(list(rec.get("collectives") or [])) for rank, rec in stalls.items()}
     found = []
     for group in sorted({g for per in newest.values() for g in per}):
@@ -58,7 +60,8 @@ def where(stalls: dict[int, dict[str, Any]]) -> str:
         text = (f"{rank_list(missing)} never entered {what}; {waits}" if missing
                 else f"every rank entered {what} and none finished it; {waits}")
         found.append((since, text))
-    return "; then ".join(text for _, text in sorted(found))
+    texts = [text for _, text in sorted(found)]
+    return ("deadlock across process groups: " + "; and ".join(texts)) if len(texts) > 1 else "".join(texts)
 
 
 def _sizes(entry: dict[str, Any]) -> str:
