@@ -50,9 +50,12 @@ class StrategyInfo:
     tp_option: str | None = None  # name of the option holding the tensor-parallel degree
     models: tuple[str, ...] = ("transformer", "hf", "vit")
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
-    shard_layout: str = "flat"  # "flat": each unit's elements split evenly; "per-parameter": each tensor's dim 0
+    # "flat": each unit's elements split evenly; "flat-views": so, and the optimizer sees the original tensors'
+    # slices of it (FSDP1 use_orig_params: no padding, no state for a tensor without a slice on the rank);
+    # "per-parameter": each tensor's dim 0
+    shard_layout: str = "flat"
     extra_checks: tuple[str, ...] = ()  # names of layout checks in config.LAYOUT_CHECKS
-    # Where it moves other bytes than the textbook formula (profiling/comm_theory.py QUIRKS): "root-kept"
+    # Where it moves other bytes than the textbook formula (profiling/comm_theory.py): "root-kept"
     # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
     # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward),
     # "buffers-broadcast" (DDP broadcasts module buffers every forward), "reduces-per-micro-batch",
@@ -63,11 +66,51 @@ class StrategyInfo:
     # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
     traceable: bool = False
 
+    # Hybrid sharding (HSDP): states sharded within groups of the data-parallel ranks, replicated across the
+    # groups, each gradient shard all-reduced across the replicas after its reduce-scatter (None: never).
+    hybrid: HybridSharding | None = None
+
     def tp_degree(self, options: dict[str, Any]) -> int:
         """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
         if self.tp_option is None:
             return 1
         return int(options.get(self.tp_option, self.options[self.tp_option].default))
+
+
+def split_data_parallel(dp: int, *, shard: int = 0, replicas: int = 0, name: str = "hybrid sharding") -> tuple[int, int]:
+    """Return (replicas, shard group size) for ``dp`` data-parallel ranks given one of the two.
+
+    Raises ValueError, in one line starting with ``name``, when the size does not divide ``dp`` or leaves
+    shard groups of one rank (FSDP1 would fall back to NO_SHARD within the group and skip the all-reduce
+    across replicas; FSDP2 would have nothing to shard)."""
+    size = shard if shard else dp // max(1, replicas)
+    what = f"shard group size {shard}" if shard else f"replicate = {replicas}"
+    if size < 1 or dp % size or (replicas and dp % replicas):
+        raise ValueError(f"{name}: {what} must divide the {dp} data-parallel ranks")
+    if size == 1 and dp > 1:
+        raise ValueError(f"{name} with a shard group of 1 rank ({what}): nothing is sharded across the {dp} "
+                         "replicas; use NO_SHARD or ddp instead")
+    return dp // size, size
+
+
+@dataclass(frozen=True)
+class HybridSharding:
+    """How a strategy's options ask for hybrid sharding (HSDP) over a 2-D ("replicate", "shard") mesh."""
+
+    name: str  # what the messages call it
+    option: str  # the option holding the size
+    counts: str  # "shard": the option is the shard group's size (0 = the ranks of one node); "replicas": the groups
+    when: tuple[str, tuple[Any, ...]] | None = None  # hybrid only while this option holds one of these values
+
+    def groups(self, options: dict[str, Any], dp: int, ranks_per_node: int) -> tuple[int, int] | None:
+        """(replicas, shard group size) these options ask for on ``dp`` data-parallel ranks; None when they
+        ask for no hybrid sharding. Raises ValueError when the size does not divide ``dp``."""
+        if self.when is not None and options.get(self.when[0]) not in self.when[1]:
+            return None
+        value = int(options.get(self.option) or 0)
+        if self.counts == "replicas":
+            return None if value <= 1 else split_data_parallel(dp, replicas=value, name=self.name)
+        return split_data_parallel(dp, shard=value or min(dp, ranks_per_node), name=self.name)
 
 
 _BOOL_RESHARD = OptionSpec(bool, True, "free gathered parameters after forward (re-gather in backward)")
@@ -106,9 +149,15 @@ register(
             "reshard_after_forward": _BOOL_RESHARD,
             "param_dtype": OptionSpec(str, "auto", "dtype of gathered parameters", choices=("auto", "fp32", "bf16", "fp16")),
             "reduce_dtype": OptionSpec(str, "auto", "dtype of gradient reduce-scatter", choices=("auto", "fp32", "bf16", "fp16")),
+            "replicate": OptionSpec(int, 1, "HSDP: replicas of the sharded model (torchtitan's "
+                                    "data_parallel_replicate_degree); parameters sharded over dp / replicate ranks, "
+                                    "gradients all-reduced across the replicas; must divide dp (1 = no HSDP)",
+                                    minimum=1),
         },
         shards="all",
         shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0
+        comm_quirks=("root-kept",),
+        hybrid=HybridSharding("HSDP", "replicate", "replicas"),
         traceable=True,
     )
 )
@@ -129,10 +178,12 @@ register(
             "limit_all_gathers": OptionSpec(bool, True, "rate-limit all-gathers so at most two units are gathered"),
             "use_orig_params": OptionSpec(bool, True, "expose the original parameters (needed for per-layer norms)"),
             "hybrid_shard_size": OptionSpec(int, 0, "HYBRID_SHARD: ranks each parameter is sharded over "
-                                            "(0 = the ranks of one node)", minimum=0),
+                                            "(0 = the ranks of one node); must divide dp", minimum=0),
         },
         shards="all",
+        shard_layout="flat-views",  # with use_orig_params (the default; profiling/memory_model.py LAYOUT_BY_OPTION)
         comm_quirks=("root-kept",),
+        hybrid=HybridSharding("HYBRID_SHARD", "hybrid_shard_size", "shard", ("sharding_strategy", ("HYBRID_SHARD",))),
     )
 )
 
@@ -209,6 +260,7 @@ register(
         tp_option="tp",
         shards="all",
         shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
+        comm_quirks=("root-kept",),  # engines/fsdp2.py shard_model: the root keeps torch's default
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )

@@ -52,7 +52,8 @@ def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir
 @click.command("report")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def report_cmd(out_dir: str) -> None:
-    """Regenerate summary.json, report.md and plots from a run directory alone."""
+    """Regenerate summary.json, report.md and plots from a run directory alone (exit 1 when the full report
+    fails: the core summary is then written and the failure named in one line)."""
     from shardscope.profiling import fold
     from shardscope.profiling.report import write_reports
 
@@ -81,6 +82,8 @@ def report_cmd(out_dir: str) -> None:
     paths = write_reports(out_dir, comparison, states)
     for label, path in sorted(paths.items()):
         click.echo(f"{label}: {path}")
+    if paths.failed:  # write_reports named it on stderr; a report that failed is a failed command
+        sys.exit(EXIT_FAILED)
 
 
 @click.command("estimate")

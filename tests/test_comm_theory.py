@@ -32,17 +32,41 @@ def test_ddp_all_reduces_every_gradient_and_broadcasts_buffers(tmp_path):
     assert any("broadcast" in r for r in hf["reasons"])
 
 
+# FSDP1 with use_orig_params (its default here) starts every tensor of a flat unit at a multiple of 4 fp32
+# elements (16 bytes): odd-sized tensors leave gaps. Counted on the real FlatParameters (torch 2.13):
+ALIGNED_ROOT = ROOT + 3 + 3 + 2  # after tok_emb (8283), pos_emb (1023) and the final norm's bias (33)
+ALIGNED_BLOCK = BLOCK + 3 * 12  # after every tensor but the last: 33, 33*33 and 100 are all 1 mod 4
+
+
 def test_fsdp1_regathers_blocks_not_the_root_and_pads_flat_units(tmp_path):
-    root, block = ROOT + 1, BLOCK + 1  # both odd: each flat unit gets one padding element
-    assert ROOT % 2 == 1 and BLOCK % 2 == 1
+    assert (ALIGNED_ROOT, ALIGNED_BLOCK) == (17663, 11389)
+    root, block = ALIGNED_ROOT + 1, ALIGNED_BLOCK + 1  # both odd: each flat unit gets one padding element
     full = _theory(RunSpec("f", "fsdp1"), tmp_path)
     assert full["by_type"]["all_gather"] == 4 * (root + 2 * block + 2 * block)
     assert full["by_type"]["reduce_scatter"] == 4 * (root + 2 * block)
     assert any("root" in r for r in full["reasons"])
+    flat = _theory(RunSpec("f", "fsdp1", options={"use_orig_params": False}), tmp_path)["by_type"]
+    assert flat["reduce_scatter"] == 4 * (ROOT + 1 + 2 * (BLOCK + 1))  # no alignment without use_orig_params
     sgo = _theory(RunSpec("s", "fsdp1", options={"sharding_strategy": "SHARD_GRAD_OP"}), tmp_path)["by_type"]
     assert sgo["all_gather"] == 4 * (root + 2 * block)
     no = _theory(RunSpec("n", "fsdp1", options={"sharding_strategy": "NO_SHARD"}), tmp_path)["by_type"]
-    assert no == {"all_reduce": 4 * TOTAL}  # nothing sharded, nothing padded
+    assert no == {"all_reduce": 4 * (ALIGNED_ROOT + 2 * ALIGNED_BLOCK)}  # the flat buffers, unsharded
+
+
+def test_hybrid_shard_all_reduces_gradient_shards_across_replicas(tmp_path):
+    """HYBRID_SHARD at 4 ranks in shard groups of 2 (FSDP1), and FSDP2 HSDP with 2 replicas: gathers and
+    reduce-scatters padded to the shard group, plus an all-reduce of each rank's gradient shard."""
+    root, block = ALIGNED_ROOT + 1, ALIGNED_BLOCK + 1
+    opts = {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}
+    t = _theory(RunSpec("h", "fsdp1", world_size=4, options=opts), tmp_path, ws=4)
+    assert t["by_type"] == {"all_gather": 4 * (root + 4 * block), "reduce_scatter": 4 * (root + 2 * block),
+                            "all_reduce": 4 * (root + 2 * block) // 2}
+    assert any("replica" in r for r in t["reasons"])
+    one = _theory(RunSpec("h", "fsdp1", world_size=2, options={"sharding_strategy": "HYBRID_SHARD"}), tmp_path)
+    assert one["by_type"]["all_reduce"] == 4 * (root + 2 * block) // 2  # one replica: FSDP1 all-reduces anyway
+    hsdp = _theory(RunSpec("h", "fsdp2", world_size=4, options={"replicate": 2}), tmp_path, ws=4)["by_type"]
+    plain = _theory(RunSpec("p", "fsdp2"), tmp_path)["by_type"]  # dim 0 padded to 2 as at 2 ranks
+    assert hsdp == {**plain, "all_reduce": plain["reduce_scatter"] // 2}
 
 
 def test_fsdp2_pads_dim0_and_gathers_in_bf16_under_bf16_params(tmp_path):
@@ -50,7 +74,8 @@ def test_fsdp2_pads_dim0_and_gathers_in_bf16_under_bf16_params(tmp_path):
     root = 252 * D * 2 + 32 * D + 2 * 34
     block = 2 * 34 + 4 * (34 * D + 34) + 2 * 34 + F * D + F + 34 * F + 34
     t = _theory(RunSpec("f", "fsdp2"), tmp_path, precision="bf16-params")["by_type"]
-    assert t["all_gather"] == 2 * 2 * (root + 2 * block)  # bf16, forward and backward, root included
+    assert t["all_gather"] == 2 * (root + 2 * block + 2 * block)  # bf16, forward and backward; the root kept
+    assert any("root" in r for r in _theory(RunSpec("f", "fsdp2"), tmp_path)["reasons"])
     assert t["reduce_scatter"] == 4 * (root + 2 * block)  # fp32 reduction
     keep = _theory(RunSpec("k", "fsdp2", options={"reshard_after_forward": False}), tmp_path)["by_type"]
     assert keep["all_gather"] == 4 * (root + 2 * block)

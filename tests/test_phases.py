@@ -91,3 +91,38 @@ def test_sequence_lines_say_not_measured_with_the_reason():
     lines = phases.sequence_lines(theory, measured, "unused")
     assert lines[0].endswith("; none measured")
     assert lines[1] == "- **backward**: no reduce-scatter predicted; measured 1 reduce-scatter = 64 B"
+
+
+def test_a_collective_of_unknown_size_leaves_its_row_not_measured(tmp_path):
+    """A tensor-list all-gather whose group the trace cannot tell (groups of sizes 4, 2, 2, and a thread that
+    ran nothing else): its row's bytes are None, never a partial sum, and the sequence says why."""
+    from test_traces import HYBRID_GROUPS, OTHER_T, _exec, _list_op
+
+    events = [_x("ProfilerStep#2", 0, 1000, cat="user_annotation"),
+              _x("shardscope.forward", 5, 290, cat="user_annotation"),
+              _list_op("c10d::allgather_", 10, [[], [[100]], [], [], []]), _exec("all_gather", 20, 50, OTHER_T, [[100]]),
+              _list_op("c10d::allgather_", 100, [[], [[100]], [], [], []]), _exec("all_gather", 110, 50, OTHER_T, [[100]])]
+    path = write_trace(tmp_path / "rank0.trace.json", events, world=4, groups=HYBRID_GROUPS)
+    m = phases.measured_phases(str(path))
+    row = m["rows"][0]
+    assert (row["phase"], row["count"], row["bytes"], row["bytes_each"]) == ("forward", 2, None, None)
+    theory = [{"phase": "forward", "type": "all_gather", "count": 2, "bytes": 800.0, "bytes_each": 400.0, "what": "w"}]
+    line = phases.sequence_lines(theory, m, "unused")[0]
+    assert line.endswith("measured 2 all-gathers, bytes not measured (size unknown: the trace records neither its "
+                         "buffers nor its group)")
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("fsdp1", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}),
+    ("fsdp2", {"replicate": 2}),
+])
+def test_hybrid_sharding_adds_the_replica_all_reduce_in_backward(strategy, options):
+    c = config.load_preset("ddp-vs-fsdp", ["world_size=4"])
+    run = config.RunSpec("h", strategy, options=options)
+    theory = comm_theory.expected_comm(config.run_spec_payload(c, run, out_dir=".", device="cpu"))
+    rows = phases.theory_phases(c, run, theory)
+    for kind, total in theory["by_type"].items():
+        assert sum(r["bytes"] for r in rows if r["type"] == kind and r["bytes"] is not None) == pytest.approx(total)
+    reduce = next(r for r in rows if (r["phase"], r["type"]) == ("backward", "all_reduce"))
+    assert reduce["count"] == c.model.n_layers + 1 and "2 replica(s)" in reduce["what"]
+    assert reduce["bytes"] == theory["by_type"]["reduce_scatter"] / 2

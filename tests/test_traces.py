@@ -24,10 +24,14 @@ def _x(name, ts, dur, *, cat="cpu_op", tid=MAIN, args=None):
     return event
 
 
-def write_trace(path: Path, events: list[dict], *, rank: int = 0, world: int = 2, indent: int | None = 2) -> Path:
-    """Write a trace the way torch's exporter lays it out (metadata first, fixed key order)."""
-    doc = {"schemaVersion": 1, "deviceProperties": [],
-           "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
+def write_trace(path: Path, events: list[dict], *, rank: int = 0, world: int = 2, indent: int | None = 2,
+                groups: list[list[int]] | None = None) -> Path:
+    """Write a trace the way torch's exporter lays it out (metadata first, fixed key order); ``groups``: the
+    ranks of each process group this rank belongs to (``pg_config``)."""
+    info = {"backend": "gloo", "rank": rank, "world_size": world}
+    if groups is not None:
+        info["pg_config"] = [{"pg_name": str(i), "pg_size": len(g), "ranks": g} for i, g in enumerate(groups)]
+    doc = {"schemaVersion": 1, "deviceProperties": [], "distributedInfo": info,
            "traceEvents": [{"ph": "M", "name": "thread_name", "pid": MAIN, "tid": GLOO,
                             "args": {"name": "thread 101 (pt_gloo_runloop)"}}] + events}
     path.write_text(json.dumps(doc, indent=indent))
@@ -110,6 +114,71 @@ def test_other_layouts_fall_back_to_json(tmp_path):
     path = write_trace(tmp_path / "rank0.trace.json", events, indent=None)
     out = traces.analyse_rank(traces.load_rank_trace(str(path)))
     assert out["collectives"]["all_reduce"]["bytes_per_step"] == 4000
+
+
+# A rank in groups of sizes 4, 2 and 2 (FSDP1 HYBRID_SHARD at 4 ranks: the world, its replicate group, its
+# shard group). gloo runs each group's collectives on that group's own threads.
+HYBRID_GROUPS = [[0, 1, 2, 3], [0, 2], [0, 1]]
+SHARD_T, REPLICA_T, OTHER_T = 201, 202, 203
+
+
+def _list_op(name, ts, dims, async_op="False"):
+    """A c10d tensor-list launch as torch 2.13 records it (Tensor[][] outputs not recorded)."""
+    n = len(dims)
+    return _x(name, ts, 5, args={"Input Dims": dims, "Input type": ["TensorList" if d and isinstance(d[0], list) else ""
+                                                                     for d in dims],
+                                 "Concrete Inputs": [""] * (n - 2) + [async_op, "-1"]})
+
+
+def _exec(kind, ts, dur, tid, dims):
+    return _x(f"gloo:{kind}", ts, dur, cat="user_annotation", tid=tid, args={"Input Dims": dims, "Input type": ["float"]})
+
+
+def hybrid_step_events() -> list[dict]:
+    """One HYBRID_SHARD step on rank 0: a tensor-list all-gather (its group size only on its thread), a flat
+    reduce-scatter (group 2 from its shapes), the gradient shard's all-reduce across replicas (its own thread,
+    no size there), and the norm's scalar all-reduce whose execution runs before the replica all-reduce's."""
+    return [_x("ProfilerStep#2", 0, 2000, cat="user_annotation"),
+            _list_op("c10d::allgather_", 10, [[], [[100]], [], [], []]), _exec("all_gather", 20, 50, SHARD_T, [[100]]),
+            _x("c10d::_reduce_scatter_base_", 300, 5, args={"Input Dims": [[100], [200], [], [], [], []],
+                                                            "Input type": ["float", "float", "", "", "Scalar", "Scalar"]}),
+            _exec("all_reduce", 310, 60, SHARD_T, [[200]]),
+            _list_op("c10d::allreduce_", 400, [[[100]], [], [], [], [], []]),
+            _list_op("c10d::allreduce_", 450, [[[]], [], [], [], [], []]),
+            _exec("all_reduce", 460, 5, SHARD_T, [[]]),  # the scalar, done before the replicas' all-reduce
+            _exec("all_reduce", 470, 100, REPLICA_T, [[100]])]
+
+
+def test_groups_of_different_sizes_size_every_collective(tmp_path):
+    path = write_trace(tmp_path / "rank0.trace.json", hybrid_step_events(), world=4, groups=HYBRID_GROUPS)
+    out = traces.analyse_rank(traces.load_rank_trace(str(path)))
+    ag, rs, ar = (out["collectives"][k] for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    assert (ag["bytes_per_step"], ag["group_size"]) == (800, 2)  # 100 floats x its thread's group of 2
+    assert ag["busbw_GBps"] == pytest.approx(ag["algbw_GBps"] / 2)
+    assert (rs["bytes_per_step"], rs["group_size"]) == (800, 2)
+    assert ar["count_per_step"] == 2 and ar["bytes_per_step"] == 404  # paired by size: each on its own thread
+    assert ar["time_per_step_s"] == pytest.approx(105e-6)
+    # the replica all-reduce's thread ran nothing else: its group is unknown, and so is busbw; never 1, never 0
+    assert ar["group_size"] is None and ar["group_sizes"] == [2] and ar["busbw_GBps"] is None
+    assert ar["algbw_GBps"] == pytest.approx(404 / 105e-6 / 1e9)
+    assert "c10d::allreduce_ (1x)" in ar["not_measured"]["group_size"] and "busbw_GBps" in ar["not_measured"]
+    assert out["comm_bytes_per_step"] == 2004 and not out["unknown_sizes"]
+
+
+def test_a_size_that_cannot_be_derived_is_null_with_its_reason(tmp_path):
+    events = [_x("ProfilerStep#2", 0, 1000, cat="user_annotation"),
+              _list_op("c10d::allgather_", 10, [[], [[100]], [], [], []]), _exec("all_gather", 20, 50, OTHER_T, [[100]]),
+              _list_op("c10d::allreduce_", 400, [[[100]], [], [], [], [], []]),
+              _exec("all_reduce", 410, 50, REPLICA_T, [[100]])]
+    rank_traces = [write_trace(tmp_path / f"rank{r}.trace.json", events, rank=r, world=4, groups=HYBRID_GROUPS)
+                   for r in (0, 1)]
+    out = traces.analyse_traces([str(p) for p in rank_traces])
+    ag = out["collectives"]["all_gather"]
+    assert ag["count_per_step"] == 1 and ag["bytes_per_step"] is None and ag["mean_bytes"] is None
+    assert ag["algbw_GBps"] is None and ag["busbw_GBps"] is None and ag["group_size"] is None
+    assert "size unknown for c10d::allgather_" in ag["not_measured"]["bytes_per_step"]
+    assert out["collectives"]["all_reduce"]["bytes_per_step"] == 400  # an all-reduce's size needs no group
+    assert out["comm_bytes_per_step"] is None and out["unknown_sizes"] == {"c10d::allgather_": 2}
 
 
 def test_peak_flops_and_mfu():

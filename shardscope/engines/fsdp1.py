@@ -4,7 +4,9 @@ ranks; the root unit holds the rest (embeddings, final norm, head).
 
 Sharding strategies: FULL_SHARD (parameters, gradients and optimizer state sharded; parameters
 re-gathered in backward), SHARD_GRAD_OP (parameters kept gathered from forward to the end of
-backward), HYBRID_SHARD (FULL_SHARD inside a node, replicated across nodes), NO_SHARD (DDP-like).
+backward), HYBRID_SHARD (FULL_SHARD inside a shard group of ``hybrid_shard_size`` ranks, default one
+node, replicated across the groups: each unit's reduce-scattered gradient shard is then all-reduced
+across the replicas), NO_SHARD (DDP-like).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shardscope.engines import memory_accounting, norms
 from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import blocks_of, parallelize
+from shardscope.registry import split_data_parallel
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 
@@ -40,24 +43,23 @@ def hybrid_mesh(ctx: RankContext, shard_size: int) -> Any:
     ``shard_size`` ranks (0 = the ranks of one node) and replicated across the groups.
 
     Given explicitly because FSDP1's default groups are sized by the CUDA device count, which is
-    wrong on CPU. Raises ValueError when ``shard_size`` does not divide the data-parallel size, or
-    is 1 with several replicas: FSDP1 then clamps the unit to NO_SHARD over its one-rank shard group
-    and never all-reduces across replicas (measured: gradients silently stay per-rank).
+    wrong on CPU. Raises ValueError (``registry.split_data_parallel``) when ``shard_size`` does not
+    divide the data-parallel size, or is 1 with several replicas: FSDP1 then clamps the unit to
+    NO_SHARD over its one-rank shard group and never all-reduces across replicas (measured: gradients
+    silently stay per-rank).
     """
-    size = shard_size or min(ctx.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dp_size)))
-    if ctx.dp_size % size:
-        raise ValueError(f"hybrid_shard_size = {size} must divide the data-parallel size {ctx.dp_size}")
-    if size == 1 and ctx.dp_size > 1:
-        raise ValueError("HYBRID_SHARD with a shard group of 1 rank: FSDP1 falls back to NO_SHARD within that "
-                         "group and skips the all-reduce across replicas; use NO_SHARD or ddp instead")
-    return init_device_mesh(ctx.device.type, (ctx.dp_size // size, size), mesh_dim_names=("replicate", "shard"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dp_size))
+    replicas, size = split_data_parallel(ctx.dp_size, shard=shard_size or min(ctx.dp_size, per_node),
+                                         name="HYBRID_SHARD")
+    return init_device_mesh(ctx.device.type, (replicas, size), mesh_dim_names=("replicate", "shard"))
 
 
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
     """Wrap ``model`` with FSDP1, one unit per block; return the Prepared the loop drives.
 
     Options: ``sharding_strategy`` (FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD),
-    ``backward_prefetch`` (pre | post | none), ``limit_all_gathers`` (bool), ``use_orig_params`` (bool).
+    ``backward_prefetch`` (pre | post | none), ``limit_all_gathers`` (bool), ``use_orig_params`` (bool),
+    ``hybrid_shard_size`` (HYBRID_SHARD's shard group; its replicas all-reduce each gradient shard).
     """
     strategy = ShardingStrategy[options["sharding_strategy"]]
     mp = mixed_precision(settings.precision)
@@ -82,7 +84,8 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     optimizer = make_optimizer(params, settings)
 
     def clip_and_step(max_norm: float) -> float:
-        # FSDP1's own clip computes the norm across every shard (and, for HYBRID, every replica).
+        # FSDP1's own clip computes the norm across every shard (for HYBRID, over the shard group: every
+        # replica holds the same all-reduced gradient shards).
         norm = fsdp.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
         optimizer.step()
         return float(norm)
@@ -96,6 +99,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     notes = {"sharding_strategy": strategy.name, "backward_prefetch": options["backward_prefetch"],
              "limit_all_gathers": options["limit_all_gathers"], "use_orig_params": options["use_orig_params"],
              "shard_group_size": fsdp.process_group.size(),
+             "replicas": mesh.size(0) if mesh is not None else 1,
              "param_dtype": str(mp.param_dtype if mp else torch.float32), "units": len(blocks_of(model)) + 1}
     return Prepared(
         model=fsdp,

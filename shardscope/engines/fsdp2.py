@@ -1,7 +1,13 @@
 """FSDP2 (``fully_shard``): every parameter becomes a DTensor sharded on dim 0 across the
 data-parallel mesh. One FSDP unit per transformer block, then the root (embeddings, final norm,
 head). Each unit all-gathers its parameters before its forward, frees them after it when
-``reshard_after_forward`` (re-gathering in backward), and reduce-scatters gradients in backward."""
+``reshard_after_forward`` (re-gathering in backward), and reduce-scatters gradients in backward.
+The root is left to torch's default: it stays gathered from forward to backward.
+
+HSDP (``replicate`` > 1, torchtitan's ``data_parallel_replicate_degree``): ``fully_shard`` on a 2-D
+("replicate", "shard") mesh built here from the data-parallel ranks; parameters are sharded over
+the shard dimension (dp / replicate ranks) and replicated across the other, and each unit's
+reduce-scattered gradient shard is all-reduced across the replicas."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardscope.engines import memory_accounting, norms
@@ -17,6 +24,7 @@ from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, Train
 from shardscope.engines.optim import make_optimizer, optimizer_clip_and_step
 from shardscope.engines.parallelize import blocks_of, parallelize
 from shardscope.engines.precision import option_dtype
+from shardscope.registry import split_data_parallel
 
 
 def mixed_precision(options: dict[str, Any], policy: PrecisionPolicy) -> MixedPrecisionPolicy:
@@ -37,13 +45,28 @@ def dp_mesh(ctx: RankContext) -> Any:
     return ctx.mesh["dp"] if len(names) > 1 else ctx.mesh
 
 
+def hsdp_mesh(ctx: RankContext, replicas: int) -> Any:
+    """Return the 2-D ("replicate", "shard") mesh of HSDP over the data-parallel ranks (``replicas`` x
+    dp / ``replicas``, consecutive ranks in one shard group), or the data-parallel mesh when ``replicas``
+    is 1. Raises ValueError when ``replicas`` does not divide the data-parallel size or leaves shard
+    groups of one rank."""
+    if replicas <= 1:
+        return dp_mesh(ctx)
+    if ctx.tp_size > 1:
+        raise ValueError("replicate > 1 (HSDP) is built over the whole world: it does not combine with tensor parallel")
+    replicas, shard = split_data_parallel(ctx.dp_size, replicas=replicas, name="HSDP")
+    return init_device_mesh(ctx.device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model: nn.Module, mesh: Any, *, reshard_after_forward: bool, mp: MixedPrecisionPolicy) -> nn.Module:
-    """``fully_shard`` each block, then the root; return the model (now an FSDPModule)."""
+    """``fully_shard`` each block, then the root; return the model (now an FSDPModule).
+
+    The root's ``reshard_after_forward`` is left to torch (None): its parameters are used first in
+    forward and first again in backward, so torch keeps them gathered in between. Passing True there
+    would free them after forward and all-gather them again at the start of backward."""
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    # The root's parameters are used first and last in each step; FSDP2 never reshards the root
-    # after forward, so the flag does not matter there.
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp)
     return model
 
 
@@ -77,14 +100,18 @@ def fsdp2_prepared(model: nn.Module, settings: TrainSettings, mp: MixedPrecision
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
     """Shard ``model`` with FSDP2 over the data-parallel mesh; return the Prepared the loop drives.
 
-    Options: ``reshard_after_forward`` (bool), ``param_dtype`` and ``reduce_dtype`` ("auto" | fp32 | bf16 | fp16).
+    Options: ``reshard_after_forward`` (bool), ``param_dtype`` and ``reduce_dtype`` ("auto" | fp32 | bf16 | fp16),
+    ``replicate`` (HSDP replicas; 1 = shard over every data-parallel rank).
     """
     mp = mixed_precision(options, settings.precision)
     reshard = options["reshard_after_forward"]
+    mesh = hsdp_mesh(ctx, int(options.get("replicate", 1)))
     sharded = parallelize(
         model, ctx, settings,
-        data_parallel=lambda m: shard_model(m, dp_mesh(ctx), reshard_after_forward=reshard, mp=mp),
+        data_parallel=lambda m: shard_model(m, mesh, reshard_after_forward=reshard, mp=mp),
     )
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
     notes = {"param_dtype": str(mp.param_dtype or "float32"), "reduce_dtype": str(mp.reduce_dtype or "float32"),
-             "reshard_after_forward": reshard, "units": len(blocks_of(sharded)) + 1}
+             "reshard_after_forward": reshard, "units": len(blocks_of(sharded)) + 1,
+             "replicas": replicas, "shard_group_size": mesh.size(mesh.ndim - 1)}
     return fsdp2_prepared(sharded, settings, mp, notes)

@@ -17,9 +17,13 @@ Plain Python (no torch). Every form torch (2.13 to 2.15) and DeepSpeed leave in 
   never a message size.
 
 A tensor-list op's element type comes from the execution event paired with it (``gloo:<op>``
-or an NCCL kernel); a tensor-list all-gather's group size from the trace's ``pg_config`` when
-the rank's groups all have one size. A size that cannot be derived is left ``None`` ("unknown",
-with the op's name), never 0.
+or an NCCL kernel). A tensor-list all-gather or reduce-scatter records one rank's part, so its size
+needs its group's size, taken in this order: the op's own arguments (output/input ratio, a
+functional op's ``group_size``, ``record_param_comms``' ``Group size``), the trace's ``pg_config``
+when every group of the rank has one size, else the gloo thread that executed it: gloo runs each
+process group's collectives on that group's own threads, so a thread that also ran collectives of a
+known group size (a flat reduce-scatter, say) belongs to a group of that size. A size that cannot be
+derived is left ``None`` ("unknown", with the op's name), never 0; so is a group size.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class Collective:
 
     type: str
     size_bytes: int | None  # nccl-tests size; None: not derivable from the trace ("unknown")
-    group_size: int
+    group_size: int | None  # None: not derivable from the trace
     dtype: str
     launch_ts: float  # microseconds, trace clock
     start_us: float  # execution start (the launch itself when no execution event was paired)
@@ -68,6 +72,9 @@ class Collective:
     op: str = ""  # the launching op's name
     numel: int | None = None  # elements, when known but the dtype is not (yet)
     instrumentation: bool = False  # run by shardscope itself (parity-mode norms), not by the strategy
+    part_numel: int | None = None  # a tensor-list all-gather/reduce-scatter: one rank's part (x group = numel)
+    group_source: str = ""  # where group_size came from: "op" (its arguments), "pg_config", "thread", "" unknown
+    exec_tid: Any = None  # the thread (gloo) or stream (GPU) its paired execution ran on
 
 
 def dtype_bytes(name: str) -> int | None:
@@ -117,8 +124,12 @@ def _from_rpc(kind: str, rpcs: list[dict[str, Any]]) -> tuple[int | None, str]:
     return (total or None), dtype
 
 
-def _from_args(name: str, kind: str, args: dict[str, Any], group_hint: int | None) -> tuple[int | None, str, int]:
-    """(numel, dtype, group size) of a c10d or functional launch from its recorded inputs."""
+def _from_args(name: str, kind: str, args: dict[str, Any]) -> tuple[int | None, str, int | None, int | None]:
+    """(numel, dtype, group size, one rank's part) of a c10d or functional launch from its recorded inputs.
+
+    The group size is the op's own (an output/input ratio, a functional op's ``group_size``), else None;
+    a tensor-list all-gather or reduce-scatter gives only one rank's part (numel None until its group is known).
+    """
     dims, types = args.get("Input Dims", []) or [], args.get("Input type", []) or []
     dtype = next((t for t in types if dtype_bytes(t)), "")
     op = name.split("::", 1)[1].rstrip("_")
@@ -126,25 +137,26 @@ def _from_args(name: str, kind: str, args: dict[str, Any], group_hint: int | Non
     second = numel(dims[1]) if len(dims) > 1 and dims[1] != [] else 0
     if name.startswith(("_c10d_functional::", "c10d_functional::")):
         if kind == "all_gather":
-            group = _concrete_int(args, 1) or group_hint or 0
-            return (first * group if group else None), dtype, group
+            group = _concrete_int(args, 1)
+            return (first * group if group else None), dtype, group, first or None
         if kind == "reduce_scatter":
-            return first, dtype, _concrete_int(args, 2) or group_hint or 0
-        return first, dtype, group_hint or 0
+            return first or None, dtype, _concrete_int(args, 2), None
+        return first or None, dtype, None, None
     if op in ("_allgather_base", "_reduce_scatter_base", "alltoall_base", "allgather_into_tensor_coalesced",
               "reduce_scatter_tensor_coalesced", "alltoall"):
         out_n, in_n = first, second
         group = max(out_n, in_n) // max(1, min(out_n, in_n)) if kind != "all_to_all" and out_n and in_n else 0
-        return (out_n if kind == "all_gather" else in_n) or None, dtype, group or group_hint or 0
+        return (out_n if kind == "all_gather" else in_n) or None, dtype, group or None, None
     if op in ("allgather", "allgather_coalesced"):  # Tensor[][] outputs are not recorded
-        return (second * group_hint if second and group_hint else None), dtype, group_hint or 0
+        return None, dtype, None, second or None
     if op == "reduce_scatter":  # Tensor[] outputs recorded, Tensor[][] inputs not
-        return (first * group_hint if first and group_hint else None), dtype, group_hint or 0
-    return first or None, dtype, group_hint or 0  # in place: tensors
+        return None, dtype, None, first or None
+    return first or None, dtype, None, None  # in place: tensors
 
 
 def group_hint(info: dict[str, Any], rank: int) -> int | None:
-    """The group size of a tensor-list collective: the one size every group of this rank has, else None."""
+    """The group size of a collective whose op does not say it: the one size every group of this rank has
+    (the world size when the trace lists no groups), else None."""
     sizes = {int(g.get("pg_size", 0) or 0) for g in info.get("pg_config") or []
              if isinstance(g, dict) and rank in (g.get("ranks") or [rank])}
     sizes.discard(0)
@@ -182,18 +194,41 @@ def launches(comm_events: list[dict[str, Any]], hint: int | None, annotations: l
             end = ts + float(e.get("dur", 0.0))
         for e, kind, rpcs in outer:
             name, args, ts = str(e["name"]), e.get("args") or {}, float(e["ts"])
-            n, dtype, group = (_from_rpc(kind, rpcs) + (int(rpcs[0].get("Group size", 0) or 0) or hint or 0,)
-                               if rpcs else _from_args(name, kind, args, hint))
-            elem = dtype_bytes(dtype)
-            c = Collective(kind, n * elem if n is not None and elem else None, max(1, group or 1), dtype, ts, ts,
-                           float(e.get("dur", 0.0)), "launch", op=name, numel=n)
+            if rpcs:
+                n, dtype = _from_rpc(kind, rpcs)
+                own, part = int(rpcs[0].get("Group size", 0) or 0) or None, None
+            else:
+                n, dtype, own, part = _from_args(name, kind, args)
+            c = Collective(kind, None, own or hint, dtype, ts, ts, float(e.get("dur", 0.0)), "launch", op=name, numel=n,
+                           part_numel=part, group_source="op" if own else ("pg_config" if hint else ""))
             c.instrumentation = any(t == tid and s <= ts <= f for t, s, f in annotations)
             out.append(c)
+    for c in out:
+        resize(c)
     return out
 
 
-def fill_dtypes(collectives: list[Collective]) -> None:
-    """Size tensor-list launches whose element type only the paired execution event gave."""
+def resize(c: Collective) -> None:
+    """Fill ``numel`` of a tensor-list launch once its group size is known, and ``size_bytes`` once its
+    element count and type are."""
+    if c.numel is None and c.part_numel and c.group_size:
+        c.numel = c.part_numel * c.group_size
+    if c.size_bytes is None and c.numel is not None and dtype_bytes(c.dtype):
+        c.size_bytes = c.numel * (dtype_bytes(c.dtype) or 0)
+
+
+def groups_from_threads(collectives: list[Collective]) -> None:
+    """Give a collective of unknown group size the size of the other collectives its gloo thread ran.
+
+    gloo runs each process group's work on that group's own threads, so collectives executed on one
+    thread share a group; a thread whose collectives of known size (from their own arguments) disagree,
+    or that ran none, tells nothing. Sizes are filled in afterwards (``resize``)."""
+    sizes: dict[Any, set[int]] = {}
     for c in collectives:
-        if c.size_bytes is None and c.numel is not None and dtype_bytes(c.dtype):
-            c.size_bytes = c.numel * (dtype_bytes(c.dtype) or 0)
+        if c.timed_by == "gloo-thread" and c.group_source == "op" and c.group_size:
+            sizes.setdefault(c.exec_tid, set()).add(c.group_size)
+    for c in collectives:
+        known = sizes.get(c.exec_tid) if c.timed_by == "gloo-thread" else None
+        if not c.group_source and known and len(known) == 1:
+            c.group_size, c.group_source = next(iter(known)), "thread"
+        resize(c)

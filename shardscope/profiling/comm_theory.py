@@ -12,7 +12,11 @@ reduce-scatter's full input). The textbook figures, then what each strategy does
   reshard-after-forward is off (FSDP1 and the hand-written FSDP keep the root unit gathered from
   forward to backward), and a reduce-scatter of the gradients (the hand-written FSDP after every
   micro-batch);
-- flat buffers are padded to a multiple of the data-parallel degree (FSDP1, ZeRO), FSDP2 pads
+- hybrid sharding (FSDP1 HYBRID_SHARD, FSDP2 on a 2-D mesh; the registry's ``hybrid``): the
+  gathers and reduce-scatters run within a shard group, and each unit's reduce-scattered gradient
+  shard is then all-reduced across the replicas (1/S of the gradients, S the shard group's size;
+  FSDP1 runs that all-reduce even with one replica, over a group of one rank);
+- flat buffers are padded to a multiple of the ranks they are split over (FSDP1, ZeRO), FSDP2 pads
   each tensor's dim 0;
 - DeepSpeed under bf16 parameters reduces gradients in fp32 (``communication_data_type``, which
   engines/deepspeed_zero.py sets);
@@ -31,12 +35,15 @@ from shardscope.config import Comparison, RunSpec
 from shardscope import registry
 from shardscope.profiling.memory_model import (
     ARCHS,
+    FLAT_VIEW_ALIGN,
     PRECISION_BYTES,
+    flat_offsets,
     layout_for,
     model_params,
     reshards_after_forward,
     tp_local,
     unit_numels,
+    unit_sizes,
 )
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -96,8 +103,10 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
     accum = max(1, comp.grad_accum)
     dp = layout.dp
     if dp > 1:
-        if layout.shards == "none":
-            parts["all_reduce"] = local * reduce_bytes
+        if layout.shards == "none":  # FSDP1's NO_SHARD all-reduces its flat buffers, alignment padding included
+            flat = (sum(flat_offsets(sizes, FLAT_VIEW_ALIGN)[-1][1] for sizes in unit_sizes(params, layout.tp).values())
+                    if layout.shard_layout == "flat-views" else local)
+            parts["all_reduce"] = flat * reduce_bytes
             basis.append("all-reduce of every gradient")
             if "buffers-broadcast" in quirks and buffer_bytes(comp):
                 parts["broadcast"] = buffer_bytes(comp)
@@ -135,6 +144,15 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                 reasons.append(_PER_MICRO)
             basis.append("all-gather in forward" + (" and backward" if regather else "")
                          + " + reduce-scatter of gradients")
+            if layout.hybrid:
+                parts["all_reduce"] = parts["reduce_scatter"] // layout.shard_size
+                replicas = dp // layout.shard_size
+                basis.append(f"hybrid: sharded over {layout.shard_size} ranks + all-reduce of the gradient shards "
+                             f"across {replicas} replica(s)")
+                reasons.append(f"hybrid sharding: parameters are gathered and gradients reduce-scattered within "
+                               f"shard groups of {layout.shard_size} ranks, then each rank all-reduces its gradient "
+                               f"shard (1/{layout.shard_size} of the gradients) across the {replicas} replica(s)"
+                               + (" (run even without another replica)" if replicas == 1 else ""))
             if regather and len(backward) < len(units):
                 reasons.append("the root unit stays gathered from forward to backward: it is not re-gathered")
     if layout.tp > 1:
@@ -156,7 +174,8 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _units(params: list, layout: Any) -> dict[str, int]:
-    """Gathered elements per unit, padded as the strategy pads: each tensor's dim 0 (FSDP2), else the flat unit."""
+    """Gathered elements per unit, padded as the strategy pads over the ranks it shards across: each tensor's
+    dim 0 (FSDP2), else the flat unit."""
     if layout.shard_layout == "per-parameter":
         units = unit_numels(params, layout.tp)
         out: dict[str, int] = {}
@@ -164,6 +183,9 @@ def _units(params: list, layout: Any) -> dict[str, int]:
             shape = tp_local(p, layout.tp)
             key = next((k for k in units if k != "root" and k in p.name), "root")
             rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-            out[key] = out.get(key, 0) + _pad(shape[0], layout.dp) * rest
+            out[key] = out.get(key, 0) + _pad(shape[0], layout.shard_size) * rest
         return out
-    return {k: _pad(n, layout.dp) for k, n in unit_numels(params, layout.tp).items()}
+    if layout.shard_layout == "flat-views":  # FSDP1 use_orig_params aligns each tensor in its flat buffer
+        return {k: _pad(flat_offsets(sizes, FLAT_VIEW_ALIGN)[-1][1], layout.shard_size)
+                for k, sizes in unit_sizes(params, layout.tp).items()}
+    return {k: _pad(n, layout.shard_size) for k, n in unit_numels(params, layout.tp).items()}

@@ -33,6 +33,7 @@ PLACEHOLDERS = {
     "block_grad_bytes": "one block's gradients in the dtype they are reduced in",
     "root_bytes": "parameters outside the blocks (embeddings, final norm, head)",
     "options": "this run's option values",
+    "sharding": "the ranks each state is split over: all data-parallel ranks, or shard groups x replicas (hybrid)",
     "memory": "model states per rank: the formula evaluated, predicted beside measured",
     "comm": "communication per optimizer step by collective: theory beside the profiled step",
 }
@@ -99,8 +100,9 @@ def in_unit(values: list[float], unit_on_all: bool = False) -> list[str]:
     return [f"{v} {name}" if unit_on_all or i == len(out) - 1 else v for i, v in enumerate(out)]
 
 
-def _memory_line(shards: str, full: dict[str, int], dp: int, predicted: int, measured: Any) -> str:
-    """The model-state formula of ``shards`` evaluated, then predicted and measured."""
+def _memory_line(shards: str, full: dict[str, int], dp: int, predicted: int, measured: Any, replicas: int = 0) -> str:
+    """The model-state formula of ``shards`` evaluated, then predicted and measured; ``dp`` is N, the ranks
+    states are split over (the shard group under hybrid sharding, whose ``replicas`` hold the same)."""
     p, g, o = in_unit([full[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")])
     forms = {"none": (f"P + G + O = {p} + {g} + {o}", "nothing is sharded"),
              "optim": (f"P + G + O/N = {p} + {g} + {o} / {dp}", "optimizer states sharded"),
@@ -112,9 +114,22 @@ def _memory_line(shards: str, full: dict[str, int], dp: int, predicted: int, mea
         meas += " measured"
     else:
         pred, meas = in_unit([predicted])[0], str(measured)
+    ranks = (f"N = {dp} ranks of a shard group, replicated {replicas} time(s) across the data-parallel ranks"
+             if replicas else f"N = {dp} data-parallel ranks")
     return (f"model states per rank = {formula} = **{pred} predicted**, **{meas}** "
-            f"({what}; N = {dp} data-parallel ranks; P, G, O = parameters, gradients, optimizer states of the "
+            f"({what}; {ranks}; P, G, O = parameters, gradients, optimizer states of the "
             f"whole model on one tensor-parallel rank)")
+
+
+def _sharding_text(layout: memory_model.Layout, theory: dict[str, Any] | None) -> str:
+    """How the run splits its data-parallel ranks, with the all-reduce across replicas under hybrid sharding."""
+    if not layout.hybrid:
+        return f"no hybrid sharding: states split over all {layout.dp} data-parallel rank(s)"
+    replicas = layout.dp // layout.shard_size
+    reduce = ((theory or {}).get("by_type") or {}).get("all_reduce")
+    return (f"hybrid: {replicas} replica(s) of a shard group of {layout.shard_size} ranks ({layout.dp} data-parallel "
+            f"ranks); each gradient shard is all-reduced across the replicas"
+            + (f", {fmt_bytes(reduce)} per step" if reduce else ""))
 
 
 def _comm_lines(theory: dict[str, Any] | None, measured: dict[str, Any] | None, why_not: str) -> str:
@@ -126,10 +141,15 @@ def _comm_lines(theory: dict[str, Any] | None, measured: dict[str, Any] | None, 
     lines = []
     for kind in kinds:
         row = (measured or {}).get(kind)
-        both = in_unit([by_type.get(kind, 0), row["bytes_per_step"] if row else 0], unit_on_all=True)
+        got = row.get("bytes_per_step") if row else None
+        both = in_unit([by_type.get(kind, 0), got or 0], unit_on_all=True)
         pred = f"{both[0]} predicted" if kind in by_type else "none predicted"
-        meas = (f"{both[1]} measured in {row['count_per_step']:g} call(s)" if row
-                else (why_not if measured is None else "none measured"))
+        if row and got is None:
+            reason = (row.get("not_measured") or {}).get("bytes_per_step", "size unknown")
+            meas = f"{row['count_per_step']:g} call(s), bytes not measured ({reason})"
+        else:
+            meas = (f"{both[1]} measured in {row['count_per_step']:g} call(s)" if row
+                    else (why_not if measured is None else "none measured"))
         lines.append(f"- {kind.replace('_', '-')} per step: {pred}, {meas}")
     if theory and theory.get("basis"):
         lines.append(f"- theory: {theory['basis']}")
@@ -149,7 +169,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
     params = memory_model.model_params(c.model)
     options = config.resolved_options(run)
     predicted = (memory or {}).get("predicted") or memory_model.predict_run(c, run)
-    full = memory_model.model_state_bytes(params, dataclasses.replace(layout, dp=1))
+    full = memory_model.model_state_bytes(params, dataclasses.replace(layout, dp=1, shard_group=0))
     if memory is None:
         measured: Any = NOT_RUN
     else:
@@ -174,12 +194,14 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         "block_grad_bytes": fmt_bytes(max(blocks, default=0) * g_bytes),
         "root_bytes": fmt_bytes(units.get("root", 0) * p_bytes),
         "options": ", ".join(f"`{k} = {v}`" for k, v in options.items()) or "none",
-        "memory": _memory_line(layout.shards, full, layout.dp, predicted["model_state_bytes"], measured),
+        "sharding": _sharding_text(layout, theory),
+        "memory": _memory_line(layout.shards, full, layout.shard_size, predicted["model_state_bytes"], measured,
+                               layout.dp // layout.shard_size if layout.hybrid else 0),
         "comm": _comm_lines(theory, collectives, why) + _phase_text(c, run, theory, steps, why),
     }
     numbers = {"model_state_bytes_predicted": predicted["model_state_bytes"],
                "model_state_bytes_measured": measured if isinstance(measured, (int, float)) else None,
-               "full": full, "shards": layout.shards, "dp": layout.dp,
+               "full": full, "shards": layout.shards, "dp": layout.dp, "shard_group": layout.shard_size,
                "comm_bytes_predicted": (theory or {}).get("bytes_per_step"),
                "comm_bytes_measured": ({k: v["bytes_per_step"] for k, v in collectives.items()}
                                        if collectives else None),

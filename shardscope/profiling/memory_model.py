@@ -1,8 +1,8 @@
 """Memory model: predicted per-rank bytes of parameters, gradients, optimizer state and activations.
 
 Pure Python (no torch), so ``shardscope estimate`` and the report work anywhere. The model
-starts from the *parameter shapes* of the comparison's model (the built-in transformer, a
-Hugging Face architecture from ``hf_archs``, the ViT), so sharding is computed tensor by tensor
+starts from the *parameter shapes* of the comparison's model (``param_shapes``: the built-in
+transformer, a Hugging Face architecture from ``hf_archs``, the ViT), so sharding is computed tensor by tensor
 the way the strategies shard (FSDP2 chunks dim 0 of each parameter over the data-parallel ranks;
 ZeRO partitions one flat buffer), not from a rounded total. Which states a strategy shards comes
 from the registry (``StrategyInfo.shards``: none | optim | grads | all), its tensor-parallel
@@ -23,16 +23,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from shardscope.config import Comparison, ModelSpec, RunSpec, resolved_options, resolved_precision, resolved_world_size
+from shardscope.config import Comparison, RunSpec, resolved_options, resolved_precision, resolved_world_size
 from shardscope import registry
 from shardscope.hf_archs import ARCHS
+# The shapes live in param_shapes; callers read them through this module too.
+from shardscope.profiling.param_shapes import (  # noqa: F401
+    PARAM_SHAPES,
+    TP_SPLIT,
+    Param,
+    embedding_count,
+    flops_per_token,
+    hf_params,
+    model_params,
+    param_count,
+    transformer_params,
+    vit_params,
+)
 
-# Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1
-# (bias replicated), absent = replicated. Megatron-style plan for attention and MLP projections.
-TP_SPLIT = {
-    "q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row",
-    "fc_in": "col", "fc_out": "row", "gate_proj": "col", "up_proj": "col", "down_proj": "row",
-}
 PRECISION_BYTES = {  # precision policy -> (param held, grad, compute) bytes for strategies keeping fp32 params
     "fp32": (4, 4, 4),
     "bf16-autocast": (4, 4, 2),
@@ -43,121 +50,6 @@ _LAYER = re.compile(r"layers\.\d+\.")
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 STEP_COUNTER_BYTES = 4  # torch AdamW keeps a float32 scalar "step" per parameter tensor
 MASTER_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter tensor: its name, shape and tensor-parallel split."""
-
-    name: str
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def tp_split(self) -> str:
-        """'col', 'row' or '' (replicated) under tensor parallelism."""
-        parts = self.name.split(".")
-        module = parts[-2] if len(parts) >= 2 else ""
-        split = TP_SPLIT.get(module, "")
-        if split == "row" and parts[-1] == "bias":
-            return ""
-        return split
-
-
-# --- parameter shapes per model kind ----------------------------------------------------------
-
-
-def transformer_params(m: ModelSpec) -> list[Param]:
-    """Shapes of the built-in decoder-only transformer (engines/model.py): untied embeddings,
-    learned positions, pre-norm LayerNorm blocks with biased q/k/v/o and a GELU MLP."""
-    d, f = m.d_model, m.d_ff
-    out = [Param("tok_emb.weight", (m.vocab_size, d)), Param("pos_emb.weight", (m.seq_len, d))]
-    for i in range(m.n_layers):
-        p = f"layers.{i}."
-        out += [Param(p + "ln1.weight", (d,)), Param(p + "ln1.bias", (d,))]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out += [Param(f"{p}attn.{proj}.weight", (d, d)), Param(f"{p}attn.{proj}.bias", (d,))]
-        out += [Param(p + "ln2.weight", (d,)), Param(p + "ln2.bias", (d,))]
-        out += [Param(p + "mlp.fc_in.weight", (f, d)), Param(p + "mlp.fc_in.bias", (f,)),
-                Param(p + "mlp.fc_out.weight", (d, f)), Param(p + "mlp.fc_out.bias", (d,))]
-    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("lm_head.weight", (m.vocab_size, d))]
-    return out
-
-
-def hf_params(m: ModelSpec) -> list[Param]:
-    """Shapes of a Qwen2-style causal LM from ``hf_archs`` with ``m.hf_layers`` decoder layers
-    (q/k/v with bias, o and the SwiGLU MLP without, RMSNorm weights, tied output embedding)."""
-    a = ARCHS[m.hf_arch]
-    h, inter, vocab = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
-    heads, kv = a["num_attention_heads"], a["num_key_value_heads"]
-    hd = h // heads
-    out = [Param("model.embed_tokens.weight", (vocab, h))]
-    for i in range(m.hf_layers):
-        p = f"model.layers.{i}."
-        out += [Param(p + "self_attn.q_proj.weight", (heads * hd, h)), Param(p + "self_attn.q_proj.bias", (heads * hd,)),
-                Param(p + "self_attn.k_proj.weight", (kv * hd, h)), Param(p + "self_attn.k_proj.bias", (kv * hd,)),
-                Param(p + "self_attn.v_proj.weight", (kv * hd, h)), Param(p + "self_attn.v_proj.bias", (kv * hd,)),
-                Param(p + "self_attn.o_proj.weight", (h, heads * hd)),
-                Param(p + "mlp.gate_proj.weight", (inter, h)), Param(p + "mlp.up_proj.weight", (inter, h)),
-                Param(p + "mlp.down_proj.weight", (h, inter)),
-                Param(p + "input_layernorm.weight", (h,)), Param(p + "post_attention_layernorm.weight", (h,))]
-    out.append(Param("model.norm.weight", (h,)))
-    if not a.get("tie_word_embeddings", False):
-        out.append(Param("lm_head.weight", (vocab, h)))
-    return out
-
-
-def vit_params(m: ModelSpec) -> list[Param]:
-    """Shapes of the ViT classifier (engines/vit.py): a linear patch projection, learned position
-    embeddings (one per patch, no class token), the transformer's pre-norm blocks, a final LayerNorm
-    and a linear head over the mean-pooled patches."""
-    d, f = m.d_model, m.d_ff
-    n_patches = (m.image_size // m.patch_size) ** 2
-    out = [Param("pos_emb", (n_patches, d)), Param("patch_proj.weight", (d, m.channels * m.patch_size ** 2)),
-           Param("patch_proj.bias", (d,))]
-    blocks = transformer_params(ModelSpec(vocab_size=1, d_model=d, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=f,
-                                          seq_len=1))
-    out += [p for p in blocks if p.name.startswith("layers.")]
-    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("head.weight", (m.num_classes, d)),
-            Param("head.bias", (m.num_classes,))]
-    return out
-
-
-PARAM_SHAPES = {"transformer": transformer_params, "hf": hf_params, "vit": vit_params}
-
-
-def model_params(m: ModelSpec) -> list[Param]:
-    """Parameter tensors of the model a ``ModelSpec`` describes; raises ValueError for an unknown kind."""
-    fn = PARAM_SHAPES.get(m.kind)
-    if fn is None:
-        raise ValueError(f"model.kind = {m.kind!r}: allowed: {', '.join(PARAM_SHAPES)}")
-    return fn(m)
-
-
-def param_count(m: ModelSpec) -> int:
-    """Total parameter elements of the model (shared tensors once)."""
-    return sum(p.numel for p in model_params(m))
-
-
-def embedding_count(m: ModelSpec) -> int:
-    """Parameter elements in embedding tables (left out of FLOPs per token)."""
-    return sum(p.numel for p in model_params(m) if "emb" in p.name)
-
-
-def flops_per_token(m: ModelSpec) -> float | None:
-    """Training FLOPs per token, as torchtitan counts: 6 (N - N_emb) + 12 L H d_head T; None for images."""
-    if m.kind == "vit":
-        return None
-    if m.kind == "hf":
-        a = ARCHS[m.hf_arch]
-        layers, heads, hd, t = m.hf_layers, a["num_attention_heads"], a["hidden_size"] // a["num_attention_heads"], m.seq_len
-    else:
-        layers, heads, hd, t = m.n_layers, m.n_heads, m.d_model // m.n_heads, m.seq_len
-    return 6.0 * (param_count(m) - embedding_count(m)) + 12.0 * layers * heads * hd * t
 
 
 # --- sharding ---------------------------------------------------------------------------------
@@ -195,14 +87,24 @@ class Layout:
     activation_checkpointing: bool
     master_copy: bool = False  # the optimizer keeps its own fp32 copy of its partition (ZeRO-1/2, 16-bit params)
     flat_optimizer: bool = False  # the optimizer sees flat partitions (one step counter), not the model's tensors
-    shard_layout: str = "flat"  # "flat": each unit's elements split evenly (FSDP1, ZeRO-3, hand-written FSDP);
-    # "per-parameter": dim 0 of every tensor chunked (FSDP2's DTensors), so ranks can hold different amounts
+    shard_layout: str = "flat"  # "flat": each unit's elements split evenly (ZeRO-3, hand-written FSDP); "flat-views":
+    # so, seen as the tensors' slices (FSDP1 use_orig_params); "per-parameter": dim 0 of every tensor chunked
+    # (FSDP2's DTensors), so ranks can hold different amounts
     grads_of_overlapping_tensors: bool = False  # ZeRO-2: whole gradients of every tensor its partition touches
+    shard_group: int = 0  # hybrid sharding: ranks each sharded state is split over (0 = all dp ranks)
+    hybrid: bool = False  # hybrid sharding: gradient shards all-reduced across the dp / shard_size replicas
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each sharded model state is split over: the shard group under hybrid sharding, else dp."""
+        return self.shard_group or self.dp
 
 
 # Options that change what a strategy shards, by option name and value (the registry's ``shards``
 # is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option. FSDP1's SHARD_GRAD_OP
 # holds sharded parameters at rest too; it only keeps them gathered from forward to backward.
+# LAYOUT_BY_OPTION: FSDP1 without use_orig_params hands its flat shards themselves to the optimizer.
+LAYOUT_BY_OPTION: dict[str, dict[Any, str]] = {"use_orig_params": {False: "flat"}}
 SHARDS_BY_OPTION: dict[str, dict[Any, str]] = {
     "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "all", "NO_SHARD": "none"},
     "stage": {0: "none", 1: "optim", 2: "grads", 3: "all"},
@@ -224,11 +126,9 @@ def shards_for(info: registry.StrategyInfo, options: dict[str, Any]) -> str:
 
 def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
                notes: dict[str, Any] | None = None) -> Layout:
-    """Return the run's layout at ``world_size`` (default: the run's own).
-
-    ``notes`` (the strategy facts of a run's ``start`` record) may say ``shard_layout``; else the
-    registry entry's ``shard_layout`` attribute if it has one; else "flat".
-    """
+    """Return the run's layout at ``world_size`` (default: the run's own). ``notes`` (a run's ``start``
+    record's strategy facts) may say ``shard_layout``, else the registry's. Raises ValueError when the
+    run's hybrid sharding does not divide its data-parallel ranks."""
     info = registry.get(run.strategy)
     ws = world_size or resolved_world_size(c, run)
     options = resolved_options(run)
@@ -241,19 +141,52 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     # ``reuse_fp32_partitions`` fix is on (then it steps its partitions in place).
     copy = shards in ("optim", "grads") or not options.get("reuse_fp32_partitions", False)
     master = low or (info.needs_deepspeed and copy)
-    shard_layout = str((notes or {}).get("shard_layout") or getattr(info, "shard_layout", "") or "flat")
-    return Layout(ws, tp, max(1, ws // tp), shards, precision, low, run.activation_checkpointing, master,
-                  info.needs_deepspeed, shard_layout, info.needs_deepspeed and shards == "grads")
+    by_option = next((t[options[k]] for k, t in LAYOUT_BY_OPTION.items() if k in info.options and options.get(k) in t), "")
+    shard_layout = str((notes or {}).get("shard_layout") or by_option or info.shard_layout or "flat")
+    dp = max(1, ws // tp)  # hybrid sharding (the registry's ``hybrid``): sharded over a group, replicated across
+    groups = info.hybrid.groups(options, dp, max(1, ws // c.launch.nnodes)) if info.hybrid else None
+    return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
+                  shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups))
+
+
+def unit_sizes(params: list[Param], tp: int = 1) -> dict[str, list[int]]:
+    """Elements of each tensor of each sharding unit, in order: one unit per block (``layers.<i>.``), the
+    rest in a "root" unit."""
+    units: dict[str, list[int]] = {}
+    for p in params:
+        match = _LAYER.search(p.name)
+        units.setdefault(match.group(0) if match else "root", []).append(math.prod(tp_local(p, tp)))
+    return units
 
 
 def unit_numels(params: list[Param], tp: int = 1) -> dict[str, int]:
-    """Elements per sharding unit: one per block (``layers.<i>.``), the rest in a "root" unit."""
-    units: dict[str, int] = {}
-    for p in params:
-        match = _LAYER.search(p.name)
-        key = match.group(0) if match else "root"
-        units[key] = units.get(key, 0) + math.prod(tp_local(p, tp))
-    return units
+    """Elements per sharding unit (``unit_sizes`` summed)."""
+    return {k: sum(sizes) for k, sizes in unit_sizes(params, tp).items()}
+
+
+FLAT_VIEW_ALIGN = 4  # FSDP1 use_orig_params: each tensor starts 16 bytes into the fp32 flat buffer
+
+
+def flat_offsets(sizes: list[int], align: int = 1) -> list[tuple[int, int]]:
+    """(start, end) of each tensor in a flat buffer holding ``sizes`` in order, each starting at a multiple
+    of ``align`` elements (FSDP1 pads between them so, with ``use_orig_params``)."""
+    out, start = [], 0
+    for size in sizes:
+        start = -(-start // align) * align
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def flat_views(sizes: list[int], parts: int, rank: int, align: int = 1) -> tuple[int, int]:
+    """(elements, tensors) of the tensors' slices in ``rank``'s 1/``parts`` chunk of the flat buffer of
+    ``sizes`` (``flat_offsets``, padded to a multiple of ``parts``): what FSDP1 with ``use_orig_params``
+    exposes, so the optimizer holds state for exactly those tensors and elements, padding left out."""
+    offsets = flat_offsets(sizes, align)
+    chunk = -(-(offsets[-1][1] if offsets else 0) // parts)
+    lo, hi = rank * chunk, (rank + 1) * chunk
+    held = [min(hi, end) - max(lo, start) for start, end in offsets if start < hi and end > lo]
+    return sum(held), len(held)
 
 
 def overlapping_tensor_numel(sizes: list[int], dp: int, rank: int, align: int = 2) -> int:
@@ -280,17 +213,26 @@ def overlapping_tensor_numel(sizes: list[int], dp: int, rank: int, align: int = 
 def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
     """Predicted ``param_bytes``, ``grad_bytes``, ``optim_bytes`` and ``model_state_bytes`` on ``rank``.
 
-    ``rank`` is the data-parallel rank (it matters only where dim-0 chunks are uneven).
+    ``rank`` is the data-parallel rank (it matters only where dim-0 chunks are uneven). States are
+    split over ``layout.shard_size`` ranks: the shard group under hybrid sharding (replicas hold the same).
     """
     p_bytes, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
     if layout.low_precision_params:
         p_bytes = g_bytes = compute_bytes
-    dp, r = layout.dp, rank % max(1, layout.dp)
+    dp = layout.shard_size
+    r = rank % dp  # the ("replicate", "shard") mesh: consecutive ranks form a shard group
     full = sum(math.prod(tp_local(p, layout.tp)) for p in params)
+    viewed = len(params)  # tensors the optimizer keeps a step counter for
     if layout.shard_layout == "per-parameter":
         shard = sum(dim0_shard_numel(tp_local(p, layout.tp), dp, r) for p in params)
-    else:  # every rank holds ceil(unit / dp) of each unit (padding included)
-        shard = sum(math.ceil(n / dp) for n in unit_numels(params, layout.tp).values())
+    elif layout.shard_layout == "flat-views":  # the tensors' slices of each unit's flat shard
+        views = [flat_views(sizes, dp, r, FLAT_VIEW_ALIGN) for sizes in unit_sizes(params, layout.tp).values()]
+        shard = sum(v[0] for v in views)
+        viewed = sum(v[1] for v in views) if layout.shards == "all" else viewed
+    else:  # every rank holds ceil(unit / dp) of each unit (padding included): one flat tensor per unit
+        units = unit_numels(params, layout.tp)
+        shard = sum(math.ceil(n / dp) for n in units.values())
+        viewed = len(units) if layout.shards == "all" else viewed
     flat_shard = math.ceil(full / dp)
     sharded_p = layout.shards == "all"
     sharded_g = layout.shards in ("grads", "all")
@@ -300,8 +242,9 @@ def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dic
     if layout.grads_of_overlapping_tensors and dp > 1:
         grad_numel = overlapping_tensor_numel([math.prod(tp_local(p, layout.tp)) for p in params], dp, r)
     optim_numel = (shard if sharded_p else flat_shard) if sharded_o else full
-    # One step counter per tensor the optimizer sees: the model's tensors, or one flat partition.
-    counters = 1 if layout.flat_optimizer else len(params)
+    # One step counter per tensor the optimizer sees: the model's tensors (those with a slice on this rank,
+    # for flat views), each unit's flat shard, or one flat partition (DeepSpeed).
+    counters = 1 if layout.flat_optimizer else viewed
     optim = optim_numel * ADAM_MOMENT_BYTES + counters * STEP_COUNTER_BYTES
     if layout.master_copy:
         optim += optim_numel * MASTER_BYTES
@@ -352,14 +295,16 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
     params = model_params(c.model)
     states = model_state_bytes(params, layout)
     acts = activation_bytes(c, layout)
-    # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one.
+    # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one, plus the root
+    # where the strategy keeps it gathered from forward to backward.
     gathered = 0
-    if layout.shards == "all" and layout.dp > 1:
+    if layout.shards == "all" and layout.shard_size > 1:
         blocks = unit_numels(params, layout.tp)
         compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         # Without reshard-after-forward every unit stays gathered from its forward to its backward.
         keep = not reshards_after_forward(resolved_options(run))
-        gathered = (sum(blocks.values()) if keep else max(blocks.values(), default=0)) * compute_bytes
+        root = blocks.pop("root", 0) if "root-kept" in registry.get(run.strategy).comm_quirks else 0
+        gathered = (sum(blocks.values()) + root if keep else root + max(blocks.values(), default=0)) * compute_bytes
     activation_total = acts["layers"] + acts["logits"]
     return {
         "run": run.name,
@@ -368,6 +313,8 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
         "dp": layout.dp,
         "tp": layout.tp,
         "shards": layout.shards,
+        "shard_group": layout.shard_size,  # ranks each sharded state is split over (dp unless hybrid)
+        "replicas": layout.dp // layout.shard_size if layout.hybrid else 1,
         "precision": layout.precision,
         "activation_checkpointing": layout.activation_checkpointing,
         "param_count": sum(p.numel for p in params),

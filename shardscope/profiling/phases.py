@@ -90,7 +90,8 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
         back = {k: n for k, n in units.items() if not ("root-kept" in quirks and k == "root")} if regather else {}
         gathers = by_type.get("all_gather", 0.0)
         fwd = gathers * sum(units.values()) / (sum(units.values()) + sum(back.values()))
-        unit_text = f"one per unit: the root and {n_blocks} block(s)"
+        unit_text = f"one per unit: the root and {n_blocks} block(s)" + (
+            f", within a shard group of {layout.shard_size}" if layout.hybrid else "")
         rep = accum if regather or kept_per_micro else 1
         rows.append(_row("forward", "all_gather", n_units * rep, fwd,
                          unit_text + (", kept until backward" if not regather else ", each freed after use"
@@ -99,9 +100,14 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
             rows.append(_row("backward", "all_gather", len(back) * accum, gathers - fwd,
                              "the units freed after forward, again, in reverse order"
                              + ("; the root stayed gathered" if len(back) < n_units else "")))
-        rows.append(_row("backward", "reduce_scatter", n_units * (accum if "reduces-per-micro-batch" in quirks else 1),
-                         by_type.get("reduce_scatter", 0.0),
-                         "each unit's gradients as soon as they are computed; each rank keeps its shard"))
+        per_micro = accum if "reduces-per-micro-batch" in quirks else 1
+        rows.append(_row("backward", "reduce_scatter", n_units * per_micro, by_type.get("reduce_scatter", 0.0),
+                         "each unit's gradients as soon as they are computed; each rank keeps its shard"
+                         + (f" (within its shard group of {layout.shard_size})" if layout.hybrid else "")))
+        if layout.hybrid:
+            rows.append(_row("backward", "all_reduce", n_units * per_micro, dp_reduce,
+                             f"each unit's gradient shard, right after its reduce-scatter, across the "
+                             f"{layout.dp // layout.shard_size} replica(s) of the shard group"))
     if by_type.get("broadcast"):
         rows.append(_row("forward", "broadcast", 1, by_type["broadcast"],
                          "the module's buffers from rank 0, before the step's first forward"))
@@ -190,9 +196,12 @@ def measured_phases(trace_path: str) -> dict[str, Any]:
     for e in events:
         row = rows.setdefault((e["phase"], e["type"]), {"phase": e["phase"], "type": e["type"], "count": 0, "bytes": 0})
         row["count"] += 1
-        row["bytes"] += e["bytes"]
+        # one launch of unknown size makes the row's bytes unknown: a partial sum would look measured
+        row["bytes"] = None if row["bytes"] is None or e["bytes"] is None else row["bytes"] + e["bytes"]
     for row in rows.values():
-        row["bytes_each"] = row["bytes"] / row["count"]
+        row["bytes_each"] = None if row["bytes"] is None else row["bytes"] / row["count"]
+        if row["bytes"] is None:
+            row["why"] = "size unknown: the trace records neither its buffers nor its group"
     ordered = sorted(rows.values(), key=lambda r: (PHASES.index(r["phase"]), r["type"]))
     return {"rank": trace.rank, "step": number, "step_time_s": (hi - lo) / 1e6, "marked": marked,
             "events": events, "rows": ordered}
@@ -229,7 +238,9 @@ def sequence_lines(theory: list[dict[str, Any]], measured: dict[str, Any] | None
             pred = f"{_count(key[1], p['count'])} = {_bytes(p['bytes'])}{each} predicted ({p['what']})"
         else:
             pred = f"no {key[1].replace('_', '-')} predicted"
-        if m is not None:
+        if m is not None and m["bytes"] is None:
+            meas = f"measured {_count(key[1], m['count'])}, bytes not measured ({m.get('why', 'size unknown')})"
+        elif m is not None:
             each = f" (mean {_bytes(m['bytes_each'])})" if m["count"] != 1 else ""
             meas = f"measured {_count(key[1], m['count'])} = {_bytes(m['bytes'])}{each}"
         elif measured and "rows" in measured:

@@ -136,45 +136,56 @@ def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
 # --- the entry point ---------------------------------------------------------------------------
 
 
+class Reports(dict):
+    """{label: path} of what ``write_reports`` wrote; ``failed``: what failed, in one line ("" = nothing)."""
+
+    failed: str = ""
+
+
 def write_reports(out_dir: str, comparison: Comparison | None = None,
-                  states: dict[str, RunState] | None = None) -> dict[str, str]:
+                  states: dict[str, RunState] | None = None) -> Reports:
     """Write ``summary.json``, ``report.md``, ``plots/*.png`` and ``merged_trace.json`` for ``out_dir``.
 
     The one report writer: the session calls it when a comparison ends, ``shardscope report DIR`` from
     files alone. Everything is rebuilt from the directory's files (the same fold as live), so both give
     the same report. Should the full report fail (a bug, a full disk), the core summary is written from
-    ``comparison`` and ``states`` (folded from files when not given), so a summary always exists.
-    Returns {"summary", "report", "plots", "merged_trace"} -> paths ("merged_trace" only when some
-    run has traces; only "summary" after the fallback). Raises OSError or ValueError when
-    ``comparison.json`` cannot be read and no comparison was given.
-    """
+    ``comparison`` and ``states`` (folded from files when not given), so a summary always exists; the
+    result's ``failed`` then names what failed (the commands exit 1). Returns {"summary", "report", "plots",
+    "merged_trace"} -> paths ("merged_trace" only when some run has traces; only "summary" after the
+    fallback). Raises OSError or ValueError when ``comparison.json`` cannot be read and no comparison was given."""
+    stage = ["reading the run directory"]
     try:
-        return _full_reports(out_dir)
+        return _full_reports(out_dir, stage)
     except Exception as err:  # noqa: BLE001 - any failure of the full report falls back to the core summary
         disk = disk_error(err)
         why = describe(disk) if disk is not None else repr(err)
-        print(f"shardscope: full report failed, writing the core summary: {why}", file=sys.stderr)
+        print(f"shardscope: full report failed ({stage[0]}), writing the core summary: {why}", file=sys.stderr)
     comparison = comparison or fold.load_comparison(out_dir)
     states = states if states is not None else fold.replay_states(out_dir)
     path = RunDir(out_dir).summary
     dump_json(path, summary.build_summary(comparison, states, out_dir))
-    return {"summary": path}
+    (done := Reports(summary=path)).failed = f"full report failed ({stage[0]}): {why}"
+    return done
 
 
-def _full_reports(out_dir: str) -> dict[str, str]:
+def _full_reports(out_dir: str, stage: list[str]) -> Reports:
+    """The full report; ``stage[0]`` says what it is doing, for the line naming a failure."""
     c = fold.load_comparison(out_dir)
     states = fold.replay_states(out_dir)
     data = summary.build_summary(c, states, out_dir)
-    data["memory"] = memory_section(c, states)
-    data["communication"] = communication_section(c, states, out_dir)
-    layers = {name: divergence.read_layers(RunDir(out_dir).run(name).path) for name in states}
-    data["parity"] = divergence.parity_section(c, states, layers)
-    data["traces"] = traces_section(c, out_dir)
-    data["stragglers"] = straggler_report.section(states, data["communication"]["runs"])
-    data["explain"] = explain_report.section(c, data, out_dir)
-    data["recommendation"] = recommend.section(c, states, data)
+    for key, build in (("memory", lambda: memory_section(c, states)),
+                       ("communication", lambda: communication_section(c, states, out_dir)),
+                       ("parity", lambda: divergence.parity_section(c, states, {
+                           name: divergence.read_layers(RunDir(out_dir).run(name).path) for name in states})),
+                       ("traces", lambda: traces_section(c, out_dir)),
+                       ("stragglers", lambda: straggler_report.section(states, data["communication"]["runs"])),
+                       ("explain", lambda: explain_report.section(c, data, out_dir)),
+                       ("recommendation", lambda: recommend.section(c, states, data))):
+        stage[0] = f"the {key} section"
+        data[key] = build()
+    stage[0] = "writing the files"
     out = RunDir(out_dir)
-    paths = {"summary": out.summary, "report": out.report}
+    paths = Reports(summary=out.summary, report=out.report)
     dump_json(paths["summary"], data)  # the figures first: on a disk that fills, the summary is what must exist
     try:
         if data["traces"]:
@@ -200,7 +211,9 @@ def _full_reports(out_dir: str) -> dict[str, str]:
         # summary.json (written above) stays; what did not fit is named, nothing partial is left.
         print(f"shardscope: {describe(disk)}: {SUMMARY} is written; not all of {REPORT}, {PLOTS}/ and "
               f"{MERGED_TRACE} are", file=sys.stderr)
-        return {k: v for k, v in paths.items() if os.path.exists(v)}
+        written = Reports({k: v for k, v in paths.items() if os.path.exists(v)})
+        written.failed = f"{describe(disk)}: not all of {REPORT}, {PLOTS}/ and {MERGED_TRACE} are written"
+        return written
     return paths
 
 
@@ -299,7 +312,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
     runs = comm.get("runs") or {}
     if not runs:
         return "## Communication\n\nNot measured: no run was analysed.\n"
-    rows, steps = [], []
+    rows, steps, unmeasured = [], [], []  # unmeasured: figures the traces cannot give, with why (never 0)
     missing = {name: c["not_measured"] for name, c in runs.items() if c.get("not_measured")}
     runs = {name: c for name, c in runs.items() if name not in missing}
     gaps = "".join(f"- {name}: {not_measured(reason)}\n" for name, reason in missing.items())
@@ -307,10 +320,12 @@ def _comm_md(comm: dict[str, Any]) -> str:
         return "## Communication\n\n" + gaps
     for name, c in runs.items():
         for kind, row in (c.get("collectives") or {}).items():
-            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), f"{row['bytes_per_step'] / 2**20:,.3f}",
+            size, group = row["bytes_per_step"], row.get("group_size") or "/".join(
+                [*map(str, row.get("group_sizes") or []), *(["?"] if row.get("unknown_groups") else [])])
+            rows.append([name, kind, _num(row["count_per_step"], "{:.1f}"), _num(size and size / 2**20, "{:,.3f}"),
                          _num(row["time_per_step_s"] * 1e3, "{:.3f}"), _num(row["algbw_GBps"], "{:.3f}"),
-                         _num(row["busbw_GBps"], "{:.3f}"), str(row["group_size"]), row["dtype"] or "-",
-                         row["timed_by"]])
+                         _num(row["busbw_GBps"], "{:.3f}"), str(group or "-"), row["dtype"] or "-", row["timed_by"]])
+            unmeasured += [f"- {name} {kind} {key}: {not_measured(why)}\n" for key, why in row.get("not_measured", {}).items()]
         ps = c.get("per_step") or {}
         theory = c.get("theory") or {}
         ratio = theory.get("ratio")
@@ -319,12 +334,13 @@ def _comm_md(comm: dict[str, Any]) -> str:
         observed = c.get("comm_bytes_per_step")
         steps.append([name, _num(ms["step_time_s"], "{:.2f}"), _num(ms["compute_time_s"], "{:.2f}"),
                       _num(ms["comm_time_s"], "{:.2f}"), _num(ms["exposed_comm_s"], "{:.2f}"),
-                      _num(None if observed is None else observed / 2**20, "{:,.3f}"),
+                      "not measured" if observed is None else f"{observed / 2**20:,.3f}",
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
     text = ["## Communication\n\n", gaps + "\n" if gaps else "",
             _table(["run", "collective", "count/step", "MiB/step", "ms/step", "algbw GB/s", "busbw GB/s", "group",
                     "dtype", "timed by"], rows),
+            "".join(["\n", *unmeasured]) if unmeasured else "",
             "\nSizes as nccl-tests counts them (all-gather: gathered output; reduce-scatter: full input); busbw = "
             "algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter.\n\n",
             _table(["run", "step ms", "compute ms", "comm ms", "exposed comm ms", "observed MiB/step",

@@ -12,8 +12,9 @@ What torch emits (checked on torch 2.13):
   ``c10d::_allgather_base_``...), with NCCL also a ``record_param_comms`` op (see ``collectives``).
 - The collective's execution: ``gloo:<op>`` annotations on gloo's runloop threads (gloo runs a
   reduce-scatter as an all-reduce, so the launch names the type), or ``nccl*`` GPU kernels.
-  Launches and executions are paired in time order; the execution gives the time, the launch
-  gives type and size.
+  Launches and executions are paired in time order (by size where both record it: launches on
+  several process groups interleave); the execution gives the time and, for gloo, the thread that
+  tells a tensor-list op's group; the launch gives type and size.
 
 Parsing is a regular expression over the exporter's fixed key order (``ph, cat, name, pid, tid,
 ts, dur``), about ten times faster than ``json.loads``; a file the expression does not fit is
@@ -34,8 +35,9 @@ from shardscope.profiling.collectives import (
     INSTRUMENTATION,
     Collective,
     dtype_bytes,
-    fill_dtypes,
     group_hint,
+    groups_from_threads,
+    numel,
 )
 from shardscope.profiling.collectives import launches as collective_launches
 from shardscope.profiling.intervals import subtract, union
@@ -181,23 +183,33 @@ def _exec_type(name: str) -> str | None:
     return None
 
 
-def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, str]]) -> None:
-    """Give each launch the time of its execution: the next unclaimed compatible one in time order."""
+def _exec_numel(c: Collective) -> int | None:
+    """Elements the execution event of launch ``c`` records (its input), where the launch says."""
+    if c.type == "all_gather":
+        return c.part_numel or (c.numel // c.group_size if c.numel and c.group_size else None)
+    return c.numel
+
+
+def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, str, Any, int | None]]) -> None:
+    """Give each launch the time of its execution: in time order, the next unclaimed compatible one, one
+    recording the launch's input size where both say (launches on several process groups interleave)."""
     compatible = {"reduce_scatter": ("reduce_scatter", "all_reduce"), "all_gather": ("all_gather",)}
     used = [False] * len(execs)
     first_free = 0
     for c in sorted(launches, key=lambda c: c.launch_ts):
         kinds = compatible.get(c.type, (c.type,))
+        want = _exec_numel(c)
         while first_free < len(execs) and used[first_free]:
             first_free += 1
-        for i in range(first_free, min(len(execs), first_free + 64)):
-            kind, start, dur, timed_by, dtype = execs[i]
-            if not used[i] and kind in kinds and start >= c.launch_ts - 1.0:
-                used[i] = True
-                c.start_us, c.dur_us, c.timed_by = start, dur, timed_by
-                if not c.dtype and dtype:  # tensor-list launches do not say their dtype
-                    c.dtype = dtype
-                break
+        window = [i for i in range(first_free, min(len(execs), first_free + 64))
+                  if not used[i] and execs[i][0] in kinds and execs[i][1] >= c.launch_ts - 1.0]
+        same = [i for i in window if want is not None and execs[i][6] == want]
+        for i in (same or window)[:1]:
+            kind, start, dur, timed_by, dtype, tid, _ = execs[i]
+            used[i] = True
+            c.start_us, c.dur_us, c.timed_by, c.exec_tid = start, dur, timed_by, tid
+            if not c.dtype and dtype:  # tensor-list launches do not say their dtype
+                c.dtype = dtype
 
 
 def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
@@ -232,13 +244,15 @@ def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
         name = str(e.get("name", ""))
         kind = _exec_type(name)
         if kind is not None:
-            types = (e.get("args") or {}).get("Input type", [])
-            dtype = next((t for t in types if dtype_bytes(t)), "")
+            args = e.get("args") or {}
+            dtype = next((t for t in args.get("Input type", []) if dtype_bytes(t)), "")
+            dims = args.get("Input Dims") or []
             timed_by = "gloo-thread" if name.startswith("gloo:") else "gpu-kernel"
-            execs.append((kind, float(e["ts"]), float(e.get("dur", 0.0)), timed_by, dtype))
+            execs.append((kind, float(e["ts"]), float(e.get("dur", 0.0)), timed_by, dtype, e.get("tid"),
+                          numel(dims[0]) if dims else None))
     execs.sort(key=lambda x: x[1])
     _pair(launches, execs)
-    fill_dtypes(launches)
+    groups_from_threads(launches)
     for c in launches:
         c.step = _step_index(steps, c.launch_ts)
 

@@ -64,43 +64,13 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
     """
     n_steps = trace.window_steps
     inside = [c for c in trace.collectives if c.step is not None or not trace.steps]
-    per_type: dict[str, dict[str, Any]] = {}
-    unknown: Counter[str] = Counter()
-    own_bytes = 0
+    per_type: dict[str, list[Any]] = {}
+    own = [c.size_bytes for c in inside if c.instrumentation]  # shardscope's own (parity-mode norms): apart
     for c in inside:
-        if c.instrumentation:  # shardscope's own (parity-mode norms): reported apart, not the strategy's
-            own_bytes += c.size_bytes or 0
-            continue
-        t = per_type.setdefault(c.type, {"count": 0, "bytes": 0, "time_us": 0.0, "group_size": c.group_size,
-                                         "dtype": c.dtype, "timed_by": c.timed_by, "unknown": Counter()})
-        t["count"] += 1
-        if c.size_bytes is None:
-            t["unknown"][c.op] += 1
-            unknown[c.op] += 1
-        else:
-            t["bytes"] += c.size_bytes
-        t["time_us"] += c.dur_us
-        t["group_size"] = max(t["group_size"], c.group_size)
-        t["dtype"] = t["dtype"] or c.dtype
-    collectives = {}
-    for kind, t in sorted(per_type.items()):
-        secs = t["time_us"] / 1e6
-        algbw = t["bytes"] / secs / 1e9 if secs > 0 else None
-        factor = BUS_FACTORS.get(kind)
-        busbw = algbw * factor(t["group_size"]) if algbw is not None and factor else None
-        collectives[kind] = {
-            "count_per_step": t["count"] / n_steps,
-            "bytes_per_step": t["bytes"] / n_steps,
-            "time_per_step_s": secs / n_steps,
-            "mean_time_s": secs / t["count"] if t["count"] else 0.0,
-            "mean_bytes": t["bytes"] / t["count"] if t["count"] else 0.0,
-            "algbw_GBps": algbw,
-            "busbw_GBps": busbw,
-            "group_size": t["group_size"],
-            "dtype": t["dtype"],
-            "timed_by": t["timed_by"],
-            "unknown_sizes": dict(t["unknown"]),  # op name -> launches whose size the trace does not give
-        }
+        if not c.instrumentation:
+            per_type.setdefault(c.type, []).append(c)
+    collectives = {kind: type_row(kind, cs, n_steps) for kind, cs in sorted(per_type.items())}
+    unknown = sum((Counter(r["unknown_sizes"]) for r in collectives.values()), Counter())
     steps = []
     comm_all = union((c.start_us, c.start_us + c.dur_us) for c in trace.collectives)
     compute_all = union(trace.compute)
@@ -128,9 +98,58 @@ def analyse_rank(trace: RankTrace) -> dict[str, Any]:
         "collectives": collectives,
         "steps": steps,
         "per_step": {k: mean(k) for k in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s")},
-        "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+        "comm_bytes_per_step": _total(collectives),
         "unknown_sizes": dict(unknown),
-        "instrumentation_bytes_per_step": own_bytes / n_steps,
+        "instrumentation_bytes_per_step": None if None in own else sum(own) / n_steps,
+    }
+
+
+def _total(collectives: dict[str, dict[str, Any]]) -> float | None:
+    """Bytes per step over every type; None when a type's size is unknown (a partial sum would look measured)."""
+    values = [c["bytes_per_step"] for c in collectives.values()]
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _ops(counts: Counter[str]) -> str:
+    return ", ".join(f"{op} ({n}x)" for op, n in sorted(counts.items()))
+
+
+def type_row(kind: str, cs: list[Any], n_steps: int) -> dict[str, Any]:
+    """One collective type's figures per profiled step from its launches ``cs``; a figure that needs a size
+    or a group size the trace does not give is None, and ``not_measured`` says why."""
+    unknown = Counter(c.op for c in cs if c.size_bytes is None)
+    no_group = Counter(c.op for c in cs if not c.group_size)
+    secs = sum(c.dur_us for c in cs) / 1e6
+    total = None if unknown else sum(c.size_bytes for c in cs)
+    groups = sorted({c.group_size for c in cs if c.group_size})
+    factor = BUS_FACTORS.get(kind)
+    bus = None
+    if total is not None and not no_group and factor and secs > 0:
+        bus = sum(c.size_bytes * factor(c.group_size) for c in cs) / secs / 1e9
+    why: dict[str, str] = {}
+    if unknown:
+        why["bytes_per_step"] = f"size unknown for {_ops(unknown)}: the trace records neither its buffers nor its group"
+    if no_group:
+        why["group_size"] = f"group size unknown for {_ops(no_group)}"
+    elif len(groups) > 1:
+        why["group_size"] = "groups of sizes " + ", ".join(map(str, groups)) + " (group_sizes)"
+    if bus is None and factor and secs > 0:
+        why["busbw_GBps"] = why.get("bytes_per_step") or why["group_size"]
+    return {
+        "count_per_step": len(cs) / n_steps,
+        "bytes_per_step": None if total is None else total / n_steps,
+        "time_per_step_s": secs / n_steps,
+        "mean_time_s": secs / len(cs),
+        "mean_bytes": None if total is None else total / len(cs),
+        "algbw_GBps": total / secs / 1e9 if total is not None and secs > 0 else None,
+        "busbw_GBps": bus,
+        "group_size": groups[0] if len(groups) == 1 and not no_group else None,
+        "group_sizes": groups,
+        "dtype": next((c.dtype for c in cs if c.dtype), ""),
+        "timed_by": cs[0].timed_by,
+        "unknown_sizes": dict(unknown),  # op name -> launches whose size the trace does not give
+        "unknown_groups": dict(no_group),  # op name -> launches whose group size the trace does not give
+        "not_measured": why,
     }
 
 
@@ -144,18 +163,28 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     kinds = sorted({k for r in per_rank for k in r["collectives"]})
     collectives = {}
+    mean_or_none = (lambda xs: None if not xs or any(x is None for x in xs) else statistics.fmean(xs))
     for kind in kinds:
         rows = [r["collectives"][kind] for r in per_rank if kind in r["collectives"]]
         row: dict[str, Any] = {}
-        for key in ("count_per_step", "bytes_per_step", "time_per_step_s", "mean_time_s", "mean_bytes"):
+        for key in ("count_per_step", "time_per_step_s", "mean_time_s"):
             row[key] = statistics.fmean(x[key] for x in rows)
-        for key in ("algbw_GBps", "busbw_GBps"):
-            vals = [x[key] for x in rows if x[key] is not None]
-            row[key] = statistics.fmean(vals) if vals else None
-        row["group_size"] = max(x["group_size"] for x in rows)
+        for key in ("bytes_per_step", "mean_bytes", "algbw_GBps", "busbw_GBps"):
+            row[key] = mean_or_none([x.get(key) for x in rows])
+        sizes = {x.get("group_size") for x in rows}
+        row["group_size"] = sizes.pop() if len(sizes) == 1 else None
+        row["group_sizes"] = sorted({g for x in rows for g in x.get("group_sizes", [])})
         row["dtype"] = rows[0]["dtype"]
         row["timed_by"] = rows[0]["timed_by"]
-        row["unknown_sizes"] = dict(sum((Counter(x.get("unknown_sizes", {})) for x in rows), Counter()))
+        for key in ("unknown_sizes", "unknown_groups"):
+            row[key] = dict(sum((Counter(x.get(key, {})) for x in rows), Counter()))
+        why: dict[str, str] = {}
+        for x in rows:
+            for key, reason in (x.get("not_measured") or {}).items():
+                why.setdefault(key, reason)
+        if row["group_size"] is None and "group_size" not in why:
+            why["group_size"] = "ranks differ: groups of sizes " + ", ".join(map(str, row["group_sizes"]))
+        row["not_measured"] = {k: v for k, v in why.items() if row.get(k) is None}
         collectives[kind] = row
     per_step = {}
     for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s"):
@@ -171,10 +200,10 @@ def combine_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_source": per_rank[0].get("compute_source", "cpu-operators"),
         "collectives": collectives,
         "per_step": per_step,
-        "comm_bytes_per_step": sum(c["bytes_per_step"] for c in collectives.values()),
+        "comm_bytes_per_step": _total(collectives),
         "unknown_sizes": dict(sum((Counter(r.get("unknown_sizes", {})) for r in per_rank), Counter())),
-        "instrumentation_bytes_per_step": statistics.fmean(r.get("instrumentation_bytes_per_step", 0.0)
-                                                           for r in per_rank),
+        "instrumentation_bytes_per_step": mean_or_none([r.get("instrumentation_bytes_per_step", 0.0)
+                                                        for r in per_rank]),
     }
 
 
@@ -219,15 +248,14 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
             theory = comm_theory.expected_comm(spec)
         except (OSError, ValueError, KeyError) as err:
             theory = {"error": str(err)}
-        if theory.get("bytes_per_step") and out["comm_bytes_per_step"] and not out.get("unknown_sizes"):
+        if theory.get("bytes_per_step") and out["comm_bytes_per_step"] is not None:
             theory["ratio"] = out["comm_bytes_per_step"] / theory["bytes_per_step"]
         out["theory"] = theory
     if out.get("unknown_sizes"):  # a ratio over a partial sum would look measured: leave it out
-        out["note"] = "collective sizes unknown for: " + ", ".join(
-            f"{op} ({n}x)" for op, n in sorted(out["unknown_sizes"].items()))
-    elif out.get("collectives") and not out["comm_bytes_per_step"]:
-        # gloo's launch events carry sizes only in their recorded input shapes
-        out["note"] = "collective sizes unknown: traces recorded without shapes (set profile.record_shapes = true)"
+        out["note"] = "collective sizes unknown for: " + _ops(Counter(out["unknown_sizes"]))
+        if all(c["bytes_per_step"] is None for c in out.get("collectives", {}).values()):
+            # gloo's launch events carry sizes only in their recorded input shapes
+            out["note"] += " (were the traces recorded without shapes? set profile.record_shapes = true)"
     return out
 
 

@@ -1,0 +1,136 @@
+"""Parameter shapes of the comparison's models, tensor by tensor, as the engines build them.
+
+Pure Python (no torch): the memory model, the communication theory and FLOPs per token start from
+these shapes (the built-in transformer, a Hugging Face architecture from ``hf_archs``, the ViT), so
+sharding can be computed per tensor the way the strategies shard. ``memory_model`` re-exports them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardscope.config import ModelSpec
+from shardscope.hf_archs import ARCHS
+
+# Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1
+# (bias replicated), absent = replicated. Megatron-style plan for attention and MLP projections.
+TP_SPLIT = {
+    "q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row",
+    "fc_in": "col", "fc_out": "row", "gate_proj": "col", "up_proj": "col", "down_proj": "row",
+}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor: its name, shape and tensor-parallel split."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def tp_split(self) -> str:
+        """'col', 'row' or '' (replicated) under tensor parallelism."""
+        parts = self.name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        split = TP_SPLIT.get(module, "")
+        if split == "row" and parts[-1] == "bias":
+            return ""
+        return split
+
+
+# --- parameter shapes per model kind ----------------------------------------------------------
+
+
+def transformer_params(m: ModelSpec) -> list[Param]:
+    """Shapes of the built-in decoder-only transformer (engines/model.py): untied embeddings,
+    learned positions, pre-norm LayerNorm blocks with biased q/k/v/o and a GELU MLP."""
+    d, f = m.d_model, m.d_ff
+    out = [Param("tok_emb.weight", (m.vocab_size, d)), Param("pos_emb.weight", (m.seq_len, d))]
+    for i in range(m.n_layers):
+        p = f"layers.{i}."
+        out += [Param(p + "ln1.weight", (d,)), Param(p + "ln1.bias", (d,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out += [Param(f"{p}attn.{proj}.weight", (d, d)), Param(f"{p}attn.{proj}.bias", (d,))]
+        out += [Param(p + "ln2.weight", (d,)), Param(p + "ln2.bias", (d,))]
+        out += [Param(p + "mlp.fc_in.weight", (f, d)), Param(p + "mlp.fc_in.bias", (f,)),
+                Param(p + "mlp.fc_out.weight", (d, f)), Param(p + "mlp.fc_out.bias", (d,))]
+    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("lm_head.weight", (m.vocab_size, d))]
+    return out
+
+
+def hf_params(m: ModelSpec) -> list[Param]:
+    """Shapes of a Qwen2-style causal LM from ``hf_archs`` with ``m.hf_layers`` decoder layers
+    (q/k/v with bias, o and the SwiGLU MLP without, RMSNorm weights, tied output embedding)."""
+    a = ARCHS[m.hf_arch]
+    h, inter, vocab = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
+    heads, kv = a["num_attention_heads"], a["num_key_value_heads"]
+    hd = h // heads
+    out = [Param("model.embed_tokens.weight", (vocab, h))]
+    for i in range(m.hf_layers):
+        p = f"model.layers.{i}."
+        out += [Param(p + "self_attn.q_proj.weight", (heads * hd, h)), Param(p + "self_attn.q_proj.bias", (heads * hd,)),
+                Param(p + "self_attn.k_proj.weight", (kv * hd, h)), Param(p + "self_attn.k_proj.bias", (kv * hd,)),
+                Param(p + "self_attn.v_proj.weight", (kv * hd, h)), Param(p + "self_attn.v_proj.bias", (kv * hd,)),
+                Param(p + "self_attn.o_proj.weight", (h, heads * hd)),
+                Param(p + "mlp.gate_proj.weight", (inter, h)), Param(p + "mlp.up_proj.weight", (inter, h)),
+                Param(p + "mlp.down_proj.weight", (h, inter)),
+                Param(p + "input_layernorm.weight", (h,)), Param(p + "post_attention_layernorm.weight", (h,))]
+    out.append(Param("model.norm.weight", (h,)))
+    if not a.get("tie_word_embeddings", False):
+        out.append(Param("lm_head.weight", (vocab, h)))
+    return out
+
+
+def vit_params(m: ModelSpec) -> list[Param]:
+    """Shapes of the ViT classifier (engines/vit.py): a linear patch projection, learned position
+    embeddings (one per patch, no class token), the transformer's pre-norm blocks, a final LayerNorm
+    and a linear head over the mean-pooled patches."""
+    d, f = m.d_model, m.d_ff
+    n_patches = (m.image_size // m.patch_size) ** 2
+    out = [Param("pos_emb", (n_patches, d)), Param("patch_proj.weight", (d, m.channels * m.patch_size ** 2)),
+           Param("patch_proj.bias", (d,))]
+    blocks = transformer_params(ModelSpec(vocab_size=1, d_model=d, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=f,
+                                          seq_len=1))
+    out += [p for p in blocks if p.name.startswith("layers.")]
+    out += [Param("norm.weight", (d,)), Param("norm.bias", (d,)), Param("head.weight", (m.num_classes, d)),
+            Param("head.bias", (m.num_classes,))]
+    return out
+
+
+PARAM_SHAPES = {"transformer": transformer_params, "hf": hf_params, "vit": vit_params}
+
+
+def model_params(m: ModelSpec) -> list[Param]:
+    """Parameter tensors of the model a ``ModelSpec`` describes; raises ValueError for an unknown kind."""
+    fn = PARAM_SHAPES.get(m.kind)
+    if fn is None:
+        raise ValueError(f"model.kind = {m.kind!r}: allowed: {', '.join(PARAM_SHAPES)}")
+    return fn(m)
+
+
+def param_count(m: ModelSpec) -> int:
+    """Total parameter elements of the model (shared tensors once)."""
+    return sum(p.numel for p in model_params(m))
+
+
+def embedding_count(m: ModelSpec) -> int:
+    """Parameter elements in embedding tables (left out of FLOPs per token)."""
+    return sum(p.numel for p in model_params(m) if "emb" in p.name)
+
+
+def flops_per_token(m: ModelSpec) -> float | None:
+    """Training FLOPs per token, as torchtitan counts: 6 (N - N_emb) + 12 L H d_head T; None for images."""
+    if m.kind == "vit":
+        return None
+    if m.kind == "hf":
+        a = ARCHS[m.hf_arch]
+        layers, heads, hd, t = m.hf_layers, a["num_attention_heads"], a["hidden_size"] // a["num_attention_heads"], m.seq_len
+    else:
+        layers, heads, hd, t = m.n_layers, m.n_heads, m.d_model // m.n_heads, m.seq_len
+    return 6.0 * (param_count(m) - embedding_count(m)) + 12.0 * layers * heads * hd * t
