@@ -138,7 +138,6 @@ def traces_section(c: Comparison, out_dir: str) -> dict[str, Any]:
 
 class Reports(dict):
     """{label: path} of what ``write_reports`` wrote; ``failed``: what failed, in one line ("" = nothing)."""
-
     failed: str = ""
 
 
@@ -168,8 +167,7 @@ def write_reports(out_dir: str, comparison: Comparison | None = None,
     return done
 
 
-def _full_reports(out_dir: str, stage: list[str]) -> Reports:
-    """The full report; ``stage[0]`` says what it is doing, for the line naming a failure."""
+def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what it is doing, to name a failure
     c = fold.load_comparison(out_dir)
     states = fold.replay_states(out_dir)
     data = summary.build_summary(c, states, out_dir)
@@ -334,7 +332,7 @@ def _comm_md(comm: dict[str, Any]) -> str:
         observed = c.get("comm_bytes_per_step")
         steps.append([name, _num(ms["step_time_s"], "{:.2f}"), _num(ms["compute_time_s"], "{:.2f}"),
                       _num(ms["comm_time_s"], "{:.2f}"), _num(ms["exposed_comm_s"], "{:.2f}"),
-                      "not measured" if observed is None else f"{observed / 2**20:,.3f}",
+                      _num(None if observed is None else observed / 2**20, "{:,.3f}"),
                       f"{theory['bytes_per_step'] / 2**20:,.3f}" if theory.get("bytes_per_step") else "-",
                       _num(ratio, "{:.3f}"), _num(c.get("mfu"), "{:.1%}")])
     text = ["## Communication\n\n", gaps + "\n" if gaps else "",
