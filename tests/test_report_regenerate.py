@@ -157,3 +157,26 @@ def test_a_disk_that_fills_during_the_reports_keeps_the_summary(tmp_path, monkey
     assert {r["name"] for r in data["runs"]} == {"ddp", "fsdp2"} and "communication" in data
     assert not list(out.rglob("*.tmp"))
     assert not (out / "report.md").exists()
+
+
+def test_a_comparison_whose_report_failed_exits_1(tmp_path, monkeypatch):
+    """Every run ok but a part of the report failed (its summary written by the fallback): the command exits 1
+    and says what failed, instead of 0."""
+    from shardscope.orchestrator import session_ends
+    from shardscope.orchestrator.session import Session
+    from shardscope.profiling import state
+    from shardscope.profiling.report import Reports
+
+    c = config.validate(config.Comparison(name="fake", runs=[RunSpec("ddp", "ddp")], model=MODEL, steps=2,
+                                          global_batch=4))
+    session = Session(c, str(tmp_path / "out"), sample_devices=False)
+    session._define(c.runs[0])
+    session._emit(state.StatusChanged("ddp", state.OK))
+    seen = []
+    session.subscribe(seen.extend)
+    made = Reports(summary=str(tmp_path / "out" / "summary.json"))
+    made.failed = "full report failed (the communication section): TypeError('x')"
+    monkeypatch.setattr(session_ends, "write_reports", lambda *a, **k: made)
+    session._finish()
+    assert session.exit_code == 1
+    assert any(getattr(u, "text", "") == made.failed for u in seen)

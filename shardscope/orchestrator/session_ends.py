@@ -84,9 +84,14 @@ class SessionEnds:
         try:
             self.paths = write_reports(self.out_dir, self.comparison, self.states)
             summary_path, report_path = self.paths.get("summary", ""), self.paths.get("report", "")
+            failed = getattr(self.paths, "failed", "")
+            if failed:  # the summary exists, but a part of the report is missing: not a clean result
+                self.exit_code = 1
+                self._emit(state.Notice(failed, "error"))
         except Exception as err:
             disk = outspace.disk_error(err)
             why = outspace.describe(disk) if disk is not None else repr(err)
+            self.exit_code = 1
             self._emit(state.Notice(f"writing the reports failed: {why}", "error"))
         self._emit(state.ComparisonFinished(self.out_dir, self.exit_code, summary_path, report_path))
         self._flush()
