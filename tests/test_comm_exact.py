@@ -1,8 +1,8 @@
 """Communication bytes are exact: trace analysis == the in-rank count, and observed/theory == 1.
 
 Through the real command line: the parity preset (every strategy, world size 2, tensor parallel
-at 4) with profiling and ``profile.count_collectives`` on: in fp32, with bf16 parameters, and in fp32
-with two micro-batches per step. The in-rank count (engines/comm_count.py) reads the tensors handed to each
+at 4) with profiling and ``profile.count_collectives`` on: in fp32, and in fp32 with two micro-batches per
+step (bf16 parameters: tests/test_layout_matrix.py). The in-rank count (engines/comm_count.py) reads the tensors handed to each
 collective; the trace analysis reads only the profiler's trace; the theory reads only the spec.
 """
 
