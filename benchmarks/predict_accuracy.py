@@ -9,7 +9,7 @@
    CPU) through the real command line and read their median tokens/s from summary.json.
 4. Print, per strategy, the median and worst |predicted / measured - 1| of tokens/s, then every run.
 
-    python benchmarks/predict_accuracy.py [--world-sizes 1,2,4] [--presets a,b] [--calibrate DIR]
+    python benchmarks/predict_accuracy.py [--world-sizes 1,2,4] [--presets a,b] [--calibrate DIR[,DIR]]
                                           [--out DIR] [--json out.json]
 
 Target on CPU: median |error| <= 15%, worst <= 30% per strategy. Nothing here is tuned on the runs it
@@ -67,13 +67,13 @@ def only_runs(preset: str, names: set[str], path: Path) -> Path:
     return path
 
 
-def calibrate(where: Path, run_it: bool) -> "predict.MachineModel":
-    """Run smoke into ``where`` (when ``run_it``) and fit the machine model on it."""
+def calibrate(where: list[Path], run_it: bool) -> "predict.MachineModel":
+    """Run smoke into ``where[0]`` (when ``run_it``) and fit the machine model on ``where``."""
     if run_it:
-        code = run_preset("smoke", where, [])
-        assert code == 0, f"calibration run failed: see {where}.log"
-    model = predict.calibrate([str(where)])
-    print(f"calibrated on {where.name}: fit error (step time predicted back) "
+        code = run_preset("smoke", where[0], [])
+        assert code == 0, f"calibration run failed: see {where[0]}.log"
+    model = predict.calibrate([str(w) for w in where])
+    print(f"calibrated on {', '.join(w.name for w in where)}: fit error (step time predicted back) "
           + ", ".join(f"{k} {v['error']:+.1%}" for k, v in model.fit_error["runs"].items()), flush=True)
     return model
 
@@ -93,7 +93,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", default="1,2,4")
     ap.add_argument("--presets", default="")
-    ap.add_argument("--calibrate", default="")
+    ap.add_argument("--calibrate", default="", help="finished comparisons to calibrate on (comma-separated) "
+                    "instead of a smoke run; leave the presets they ran out of --presets")
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-fresh", dest="fresh", action="store_false",
@@ -104,18 +105,20 @@ def main() -> int:
     print(f"machine: {machine()}\nstarted {time.strftime('%Y-%m-%d %H:%M')}, output under {out}", flush=True)
     presets = [p for p in args.presets.split(",") if p] or [name for name, _ in config.list_presets()]
     rows, skipped, fits = [], [], {}
-    model = calibrate(Path(args.calibrate) if args.calibrate else out / "calibration-smoke", not args.calibrate)
+    given = [Path(d) for d in args.calibrate.split(",") if d]
+    model = calibrate(given or [out / "calibration-smoke"], not given)
     fits["first"] = model.fit_error
     for preset in presets:
         for ws in [int(x) for x in args.world_sizes.split(",")]:
-            if args.fresh and not args.calibrate and rows:
-                model = calibrate(out / f"calibration-before-{preset}-ws{ws}", True)
-                fits[f"{preset}-ws{ws}"] = model.fit_error
             try:
                 c = load_for(preset, [f"world_size={ws}"], model.backend, False)
             except ConfigError as err:
                 skipped.append(f"{preset} at {ws}: {err}")
                 continue
+            anything = any(r["why"] is None for r in predict.predict_comparison(c, model)["runs"])
+            if args.fresh and not args.calibrate and rows and anything:
+                model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True)
+                fits[f"{preset}-ws{ws}"] = model.fit_error
             predicted = {r["name"]: r for r in predict.predict_comparison(c, model)["runs"]}
             for r in predicted.values():
                 if r["why"]:

@@ -1,7 +1,7 @@
 """``shardscope predict`` through the real command line, calibrated on one real smoke comparison (gloo on
 CPU, a few steps), predicting other presets' runs: complete output, assumptions and fit error printed,
-"not predicted: why" for what the calibration cannot support, the ``--json`` schema. No accuracy
-assertion: accuracy is benchmarks/predict_accuracy.py's."""
+"not predicted: why" for what the calibration cannot support, the ``--json`` schema, the report's section.
+No accuracy assertion: accuracy is benchmarks/predict_accuracy.py's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from shardscope.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -108,3 +110,16 @@ def test_collectives_job_times_every_type_and_leaves_nothing_running(calibration
     left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
             and "predict_collectives" in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_the_report_sets_predictions_beside_measurements(calibration):
+    summary = json.loads(open(RunDir(str(calibration)).summary).read())
+    section = summary["prediction"]
+    assert section["calibrated_on"].startswith("ddp")
+    ddp, fsdp2 = section["runs"]["ddp"], section["runs"]["fsdp2"]
+    assert ddp["calibration_run"] and not fsdp2["calibration_run"]
+    for row in (ddp, fsdp2):
+        assert row["tokens_per_s"] > 0 and row["measured_tokens_per_s"] > 0
+        assert row["error"] == pytest.approx(row["tokens_per_s"] / row["measured_tokens_per_s"] - 1)
+    report = open(RunDir(str(calibration)).report).read()
+    assert "## Predicted beside measured" in report and "(calibration run: fit error)" in report

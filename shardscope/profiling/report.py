@@ -18,7 +18,7 @@ from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
 from shardscope.outspace import describe, disk_error
 from shardscope.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
-from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, recommend, straggler_report, summary, traces
+from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, predict_report, recommend, straggler_report, summary, traces
 from shardscope.numbers import fmt_bytes, median_rate
 from shardscope.profiling.summary import throughput_unit
 
@@ -178,7 +178,7 @@ def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what 
                        ("traces", lambda: traces_section(c, out_dir)),
                        ("stragglers", lambda: straggler_report.section(states, data["communication"]["runs"])),
                        ("explain", lambda: explain_report.section(c, data, out_dir)),
-                       ("recommendation", lambda: recommend.section(c, states, data))):
+                       ("recommendation", lambda: recommend.section(c, states, data)), ("prediction", lambda: predict_report.section(c, states, out_dir))):
         stage[0] = f"the {key} section"
         data[key] = build()
     stage[0] = "writing the files"
@@ -263,7 +263,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("plots"):
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
-    out.append(explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"))
+    out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {})]
     out.append(recommend.markdown(s.get("recommendation") or {}))
     return "\n".join(x for x in out if x)
 
