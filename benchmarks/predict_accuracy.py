@@ -1,8 +1,10 @@
 """How right is ``shardscope predict``? Calibrate on smoke, predict every built-in preset's runs, run them, compare.
 
-1. Run the smoke preset (or take ``--calibrate DIR``) and fit the machine model on it; with ``--fresh``
-   (default) a new smoke comparison is run and fitted right before each preset, so that calibration and
-   measurement see the machine under the same load (other jobs sharing the cores move both).
+1. Run the smoke preset (or take ``--calibrate DIR``) and fit the machine model on it, with collectives of
+   four sizes timed at the predicted world size by ``predict --collectives``' short torchrun job (smoke's
+   traces hold two sizes per type); a new smoke comparison is run and fitted right before each preset,
+   so that calibration and measurement see the machine under the same load (other jobs sharing the
+   cores move both); ``--no-fresh`` and ``--no-collectives`` turn these off.
 2. For each built-in preset and world size, predict every run first (before anything of it runs); runs
    that cannot be predicted are listed with the reason and not run.
 3. Run the predicted runs (the preset with its other runs left out, shrunk by its ``cpu_overrides`` on
@@ -38,6 +40,7 @@ from shardscope.config import ConfigError  # noqa: E402
 from shardscope.predictview import load_for  # noqa: E402
 from shardscope.presets.files import PRESET_DIR  # noqa: E402
 from shardscope.profiling import predict  # noqa: E402
+from shardscope.profiling.predict_collectives import measure  # noqa: E402
 from shardscope.rundir import load_summary  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -67,12 +70,14 @@ def only_runs(preset: str, names: set[str], path: Path) -> Path:
     return path
 
 
-def calibrate(where: list[Path], run_it: bool) -> "predict.MachineModel":
-    """Run smoke into ``where[0]`` (when ``run_it``) and fit the machine model on ``where``."""
+def calibrate(where: list[Path], run_it: bool, collectives_at: int = 0) -> "predict.MachineModel":
+    """Run smoke into ``where[0]`` (when ``run_it``) and fit the machine model on ``where``, plus collectives
+    timed by ``predict --collectives``' short job at ``collectives_at`` ranks (when 2 or more)."""
     if run_it:
         code = run_preset("smoke", where[0], [])
         assert code == 0, f"calibration run failed: see {where[0]}.log"
-    model = predict.calibrate([str(w) for w in where])
+    points = measure(collectives_at) if collectives_at >= 2 else None
+    model = predict.calibrate([str(w) for w in where], collectives=points)
     print(f"calibrated on {', '.join(w.name for w in where)}: fit error (step time predicted back) "
           + ", ".join(f"{k} {v['error']:+.1%}" for k, v in model.fit_error["runs"].items()), flush=True)
     return model
@@ -99,6 +104,8 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--no-fresh", dest="fresh", action="store_false",
                     help="calibrate once, not again before each preset")
+    ap.add_argument("--no-collectives", dest="collectives", action="store_false",
+                    help="fit collectives on the calibration's traces only (no short torchrun job per world size)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="predict-accuracy-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -116,9 +123,11 @@ def main() -> int:
                 skipped.append(f"{preset} at {ws}: {err}")
                 continue
             anything = any(r["why"] is None for r in predict.predict_comparison(c, model)["runs"])
-            if args.fresh and not args.calibrate and rows and anything:
-                model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True)
+            if anything and args.fresh and not given and rows:
+                model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True, ws if args.collectives else 0)
                 fits[f"{preset}-ws{ws}"] = model.fit_error
+            elif anything and args.collectives:
+                model = calibrate(given or [out / "calibration-smoke"], False, ws)
             predicted = {r["name"]: r for r in predict.predict_comparison(c, model)["runs"]}
             for r in predicted.values():
                 if r["why"]:

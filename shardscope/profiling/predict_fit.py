@@ -259,6 +259,11 @@ def fit_collectives(runs: list[CalibrationRun], notes: list[str],
                             len({round(b) for _, b, _, _ in mine}), None, "measured")
         fit.rel_rms_error = _rel_rms([fit.seconds(b, n) for _, b, _, n in mine], [t for _, _, t, _ in mine])
         fits[kind] = fit
+    weak = [f"{f.kind} ({f.points} calls, {f.sizes} sizes, rms error {f.rel_rms_error:.0%})" for f in fits.values()
+            if f.sizes < 3 or (f.rel_rms_error or 0) > 0.5]
+    if weak:
+        notes.append("collective fits resting on few sizes or scattered calls: " + ", ".join(weak)
+                     + "; predict --collectives times four sizes of every type")
     base = max(fits.values(), key=lambda f: f.points)
     for kind in DERIVABLE:
         if kind not in fits:
