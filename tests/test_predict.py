@@ -42,7 +42,7 @@ def synthetic(c, run_name, coefficients, overhead=None, rest=1e-3):
     comp = {p: ref[p] + (overhead or {}).get(p, 0.0) * w.param_tensors for p in ref}
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], _comm, overlap=False)
     calls = [(k, float(size), COLLECTIVES[k].seconds(size, 2), 2) for k in COLLECTIVES for size in (1e3, 1e5, 4e6)]
-    return CalibrationRun("syn", run_name, run.strategy, w, dict(timing.phase_s), timing.step_s + rest, None,
+    return CalibrationRun("syn", run_name, run.strategy, w, dict(timing.phase_s), timing.step_s + rest, None, None,
                           "gloo", "cpu", "synthetic", calls)
 
 
@@ -54,7 +54,7 @@ def test_solve_is_least_squares_with_nonnegative_coefficients():
 
 def test_collective_fit_recovers_latency_and_bus_bandwidth():
     c = smoke()
-    fits = predict_fit.fit_collectives([synthetic(c, "ddp", {})], [])
+    fits = predict_fit.fit_collectives(synthetic(c, "ddp", {}).collectives, [])
     for kind, known in COLLECTIVES.items():
         got = fits[kind]
         assert got.source == "measured" and got.points == 3
@@ -65,10 +65,8 @@ def test_collective_fit_recovers_latency_and_bus_bandwidth():
 
 
 def test_one_size_per_type_charges_its_time_to_bandwidth_and_says_so():
-    run = synthetic(smoke(), "ddp", {})
-    run.collectives = [("all_reduce", 5e5, 1e-3, 2)] * 3
     notes: list[str] = []
-    fit = predict_fit.fit_collectives([run], notes)["all_reduce"]
+    fit = predict_fit.fit_collectives([("all_reduce", 5e5, 1e-3, 2)] * 3, notes)["all_reduce"]
     assert fit.step_latency_s == 0 and fit.seconds(5e5, 2) == pytest.approx(1e-3)
     assert any("latency not separable" in n for n in notes)
 
@@ -184,6 +182,26 @@ def test_what_if_on_gpus_is_marked_and_lists_its_assumptions():
         device_spec("TPU")
 
 
+def test_background_load_read_from_cpu_time_scales_compute_with_the_ranks():
+    runs = _runs(smoke())
+    for r in runs:  # each rank got 40% of a core: 2 cores shared by 2 ranks and 3 other busy processes
+        r.busy_s = 0.4 * r.step_s
+    model = predict_fit.fit(runs, cores=2)
+    assert model.background == pytest.approx(3.0)
+    assert any("3.0 other busy processes" in n for n in model.notes)
+    for r in runs:  # normalised to a core of its own and back: the calibration runs predict back unchanged
+        row = predict.predict_run(smoke(), smoke().run(r.name), model)
+        assert row["step_time_s"] == pytest.approx(r.step_s, rel=1e-6)
+    one = predict.predict_run(smoke("world_size=1"), smoke("world_size=1").run("ddp"), model)
+    four = predict.predict_run(smoke("world_size=4"), smoke("world_size=4").run("ddp"), model)
+    assert predict_fit.cpu_share(1, 2, 3.0) == pytest.approx(0.5) and predict_fit.cpu_share(4, 2, 3.0) == pytest.approx(2 / 7)
+    # per rank, compute at 1 rank is 2.5/2 times faster than at 2 ranks, at 4 ranks 2.5/3.5 as fast
+    w2 = predict.predict_run(smoke(), smoke().run("ddp"), model)
+    assert one["compute_s"] == pytest.approx(w2["compute_s"] * 0.4 / 0.5)
+    assert four["compute_s"] == pytest.approx(w2["compute_s"] * 0.4 / (2 / 7))
+    assert any("with 3.0 other busy processes" in n for n in four["notes"])
+
+
 def test_world_size_one_needs_no_collective_and_more_ranks_than_cores_share_them():
     model = _model()
     one = predict.predict_run(smoke("world_size=1"), smoke("world_size=1").run("fsdp2"), model)
@@ -195,7 +213,7 @@ def test_world_size_one_needs_no_collective_and_more_ranks_than_cores_share_them
 
 
 def test_no_phase_split_means_no_calibration():
-    run = CalibrationRun("syn", "ddp", "ddp", None, {}, None, None, "gloo", "cpu", "", [],
+    run = CalibrationRun("syn", "ddp", "ddp", None, {}, None, None, None, "gloo", "cpu", "", [],
                          why_not="ddp: its step records carry no forward/backward/optimizer split")
     with pytest.raises(predict.NotPredicted, match="no forward/backward/optimizer split"):
         predict_fit.fit([run])

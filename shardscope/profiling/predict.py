@@ -18,7 +18,7 @@ from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import memory_model
 from shardscope.profiling.predict_devices import ADAMW_BYTES_PER_ELEMENT, ASSUMED_MFU, DeviceSpec
 from shardscope.profiling.predict_fit import (
-    PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, _oversubscribed, fit, read_calibration, reference_compute,
+    PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, fit, slowdown, read_calibration, reference_compute,
     ring_steps, bus_factor,
 )
 from shardscope.profiling.predict_schedule import simulate
@@ -119,7 +119,7 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         if w.family == TENSOR_PARALLEL and TENSOR_PARALLEL not in model.families:
             raise NotPredicted("the calibration has no tensor-parallel run: this machine's speed on matmuls split "
                                f"{w.tp} ways and on the per-layer activation all-reduces that block them is unmeasured")
-        slow = _oversubscribed(w, model.backend, model.cores)
+        slow = slowdown(w, model.backend, model.cores, model.background)
         reference = {p: v * slow for p, v in reference_compute(w, model.coefficients).items()}
         extra, why = _overhead(w, model)
         notes += [why] if why else []
@@ -127,7 +127,8 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         comp = {p: max(0.25 * reference[p], reference[p] + extra[p] * w.param_tensors * slow) for p in PHASE_KEYS}
         comm, overlap, rest = _comm_fn(model.collectives), model.backend != "gloo", model.rest_s
         if slow > 1:
-            notes.append(f"{w.world_size} ranks share {model.cores} cores: compute x{slow:g}")
+            notes.append(f"{w.world_size} ranks share {model.cores} cores" + (f" with {model.background:.1f} other "
+                         "busy processes" if model.background > 0.05 else "") + f": compute x{slow:.2f}")
         derived = sorted({k for k in w.by_type if model.collectives.get(k) and model.collectives[k].source != "measured"})
         if derived and w.world_size > 1:
             notes.append("timed from another type's fit: " + ", ".join(

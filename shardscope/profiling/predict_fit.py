@@ -19,7 +19,10 @@ What is fitted, and from what:
   parameter tensor (hooks, flat-parameter views, DTensor dispatch are per tensor, not per FLOP); a
   strategy the calibration lacks takes its family's, else none, and the prediction says so.
 - **The rest**: step time outside the three phases (learning rate, zero_grad, loss read-back).
-- On CPU, ranks beyond the cores share them: compute is normalised by max(1, ranks / cores).
+- On CPU, ranks share the cores with each other and with whatever else runs: each rank gets
+  min(1, cores / (ranks + background)) of a core, ``background`` read from the CPU time the calibration's
+  ranks got (``background_load``); compute is normalised to a core of its own and scaled back at the
+  predicted world size (on an idle machine, ranks beyond the cores slow each other by ranks / cores).
 
 ``fit_error``: each calibration run predicted back from the fit, and each collective type's relative
 RMS error. Pure Python, no torch.
@@ -34,48 +37,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardscope.profiling import fold, memory_model
+from shardscope.profiling.predict_comm_fit import (  # noqa: F401  (predict_fit.X for callers)
+    DERIVABLE, CollectiveFit, bus_factor, fit_collectives, rel_rms, ring_steps, solve,
+)
 from shardscope.profiling.predict_schedule import simulate
 from shardscope.profiling.predict_work import NotPredicted, REPLICATED, Work, work_of
 from shardscope.profiling.trace_reading import load_rank_trace, rank_trace_paths
-from shardscope.profiling.traces import BUS_FACTORS
 from shardscope.rundir import RunDir
 
-DERIVABLE = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # the types comm_theory moves
 PHASE_KEYS = {"forward": "time_forward_s", "backward": "time_backward_s", "optimizer": "time_optimizer_s"}
 COMPUTE_BYTES = {4: "fp32", 2: "16-bit"}
-
-
-def ring_steps(kind: str, n: int) -> float:
-    """Latency steps of a ring collective over ``n`` ranks (an all-reduce is two passes)."""
-    if n <= 1:
-        return 0.0
-    return 2.0 * (n - 1) if kind == "all_reduce" else (math.ceil(math.log2(n)) if kind == "broadcast" else n - 1.0)
-
-
-def bus_factor(kind: str, n: int) -> float:
-    """nccl-tests' busbw / algbw factor of ``kind`` over ``n`` ranks (1 for unknown types)."""
-    factor = BUS_FACTORS.get(kind)
-    return factor(n) if factor and n > 1 else 1.0
-
-
-@dataclass
-class CollectiveFit:
-    """time = step_latency_s x ring_steps(n) + bytes x bus_factor(n) / busbw_Bps."""
-
-    kind: str
-    step_latency_s: float  # per ring step, shared by every type of the calibration
-    busbw_Bps: float
-    group: int  # the group size it was measured at
-    points: int  # collectives measured (each the fastest rank's time of one call)
-    sizes: int  # distinct message sizes seen
-    rel_rms_error: float | None
-    source: str  # "measured" | "derived from <type>"
-
-    def seconds(self, nbytes: float, n: int) -> float:
-        """Predicted seconds for one collective of ``nbytes`` over ``n`` ranks."""
-        if n <= 1:
-            return 0.0
-        return self.step_latency_s * ring_steps(self.kind, n) + nbytes * bus_factor(self.kind, n) / self.busbw_Bps
 
 
 @dataclass
@@ -89,6 +60,7 @@ class CalibrationRun:
     phases: dict[str, float]  # forward / backward / optimizer medians (seconds)
     step_s: float | None
     measured_rate: float | None
+    busy_s: float | None  # process CPU time per step (mean over ranks, median over steps; CPU only)
     backend: str
     device: str
     device_name: str
@@ -109,6 +81,7 @@ class MachineModel:
     overhead: dict[str, dict[str, float]]  # strategy -> phase -> seconds per parameter tensor beyond the reference
     family_overhead: dict[str, dict[str, float]]
     rest_s: float
+    background: float  # other busy processes sharing the CPU cores during the calibration (gloo), see background_load
     collectives: dict[str, CollectiveFit]
     runs: list[str]
     families: list[str]
@@ -124,9 +97,15 @@ def _compute_bytes(precision: str) -> int:
     return memory_model.PRECISION_BYTES.get(precision, (4, 4, 4))[2]
 
 
-def _oversubscribed(w: Work, backend: str, cores: int) -> float:
-    """Compute slowdown when CPU ranks outnumber the cores (1 on GPUs)."""
-    return max(1.0, w.world_size / max(1, cores)) if backend == "gloo" else 1.0
+def cpu_share(ranks: int, cores: int, background: float) -> float:
+    """The fraction of a core each of ``ranks`` single-threaded ranks gets beside ``background`` other busy
+    processes on ``cores`` cores (a fair scheduler): min(1, cores / (ranks + background))."""
+    return min(1.0, cores / max(1e-9, ranks + background))
+
+
+def slowdown(w: Work, backend: str, cores: int, background: float) -> float:
+    """How much longer a rank's compute takes than on a core of its own (1 on GPUs)."""
+    return 1.0 / cpu_share(w.world_size, cores, background) if backend == "gloo" else 1.0
 
 
 def read_calibration(out_dirs: list[str], only: list[str] | None = None) -> list[CalibrationRun]:
@@ -148,7 +127,7 @@ def read_calibration(out_dirs: list[str], only: list[str] | None = None) -> list
 
 def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
     start = (st.start.get(0) if st else None) or {}
-    cal = CalibrationRun(d, run.name, run.strategy, None, {}, None, None, str(start.get("backend") or ""),
+    cal = CalibrationRun(d, run.name, run.strategy, None, {}, None, None, None, str(start.get("backend") or ""),
                          str(start.get("device") or ""), str(start.get("device_name") or ""), [])
     if st is None or st.status != "ok":
         cal.why_not = f"{run.name} did not end ok ({st.status if st else 'no records'})"
@@ -164,10 +143,11 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
         for s, figures in rank_steps.items():
             if s in timed:
                 per_step.setdefault(s, []).append(figures)
-    for phase, key in PHASE_KEYS.items():
+    for phase, key in {**PHASE_KEYS, "busy": "busy_s"}.items():
         values = [statistics.fmean(f[key] for f in fs) for fs in per_step.values() if all(key in f for f in fs)]
         if values:
             cal.phases[phase] = statistics.median(values)
+    cal.busy_s = cal.phases.pop("busy", None)
     steps = [t for s, t in st.step_times if s in timed]
     cal.step_s = statistics.median(steps) if steps else None
     cal.measured_rate = statistics.median(r for s, r in st.throughput if s in timed) if timed else None
@@ -193,83 +173,6 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
                 calls[key] = item
     cal.collectives = list(calls.values())
     return cal
-
-
-def solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least squares with non-negative coefficients (a column whose coefficient comes out negative, or that is
-    all zero, is left at 0 and the rest refitted); None when no column is left or the system is singular."""
-    active = [i for i in range(len(rows[0])) if any(r[i] for r in rows)]  # an all-zero column stays 0
-    while active:
-        k = len(active)
-        a = [[sum(r[i] * r[j] for r in rows) for j in active] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in active]
-        for col in range(k):  # Gaussian elimination with partial pivoting
-            pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
-            if abs(a[pivot][col]) < 1e-300:
-                return None
-            a[col], a[pivot] = a[pivot], a[col]
-            for i in range(k):
-                if i != col:
-                    f = a[i][col] / a[col][col]
-                    a[i] = [x - f * y for x, y in zip(a[i], a[col])]
-        coef = [a[i][k] / a[i][i] for i in range(k)]
-        if all(x >= 0 for x in coef):
-            out = [0.0] * len(rows[0])
-            for i, x in zip(active, coef):
-                out[i] = x
-            return out
-        active.pop(min(range(k), key=lambda i: coef[i]))
-    return None
-
-
-def _rel_rms(pred: list[float], ys: list[float]) -> float | None:
-    errs = [(p - y) / y for p, y in zip(pred, ys) if y > 0]
-    return math.sqrt(statistics.fmean(e * e for e in errs)) if errs else None
-
-
-def fit_collectives(runs: list[CalibrationRun], notes: list[str],
-                    extra: list[tuple[str, float, float, int]] | None = None) -> dict[str, CollectiveFit]:
-    """One ``CollectiveFit`` per type measured, plus types derived from the best-measured one.
-
-    One least-squares fit over every call: a latency per ring step shared by all types (on one machine it
-    is the same wake-up and handshake whatever the type) and a bus bandwidth per type, each call weighted
-    by its own time, so that a 100-byte all-reduce and a 10 MB one count alike (relative error)."""
-    points = [p for r in runs if not r.why_not for p in r.collectives if p[3] > 1] + [p for p in extra or [] if p[3] > 1]
-    kinds = sorted({k for k, _, _, _ in points})
-    fits: dict[str, CollectiveFit] = {}
-    if not points:
-        return fits
-    rows = [[ring_steps(k, n) / t] + [b * bus_factor(k, n) / t if k == kind else 0.0 for kind in kinds]
-            for k, b, t, n in points]
-    if len({(k, round(b)) for k, b, _, _ in points}) <= len(kinds):  # one size per type: latency not separable
-        notes.append("collectives: one message size per type measured: latency not separable, all their time "
-                     "charged to bandwidth (predict --collectives times several sizes)")
-        rows = [[0.0] + r[1:] for r in rows]
-    coef = solve(rows, [1.0] * len(points))
-    if coef is None:
-        notes.append("collectives: the fit is singular; no collective timing")
-        return fits
-    latency = coef[0]
-    for i, kind in enumerate(kinds, 1):
-        mine = [p for p in points if p[0] == kind]
-        if coef[i] <= 0:  # all of its time went to latency: its bandwidth is not measurable here
-            per_byte = sum(max(0.0, t - latency * ring_steps(k, n)) for k, _, t, n in mine) / sum(
-                b * bus_factor(k, n) for k, b, _, n in mine)
-            coef[i] = per_byte or 1e-12
-        fit = CollectiveFit(kind, latency, 1.0 / coef[i], statistics.mode(n for _, _, _, n in mine), len(mine),
-                            len({round(b) for _, b, _, _ in mine}), None, "measured")
-        fit.rel_rms_error = _rel_rms([fit.seconds(b, n) for _, b, _, n in mine], [t for _, _, t, _ in mine])
-        fits[kind] = fit
-    weak = [f"{f.kind} ({f.points} calls, {f.sizes} sizes, rms error {f.rel_rms_error:.0%})" for f in fits.values()
-            if f.sizes < 3 or (f.rel_rms_error or 0) > 0.5]
-    if weak:
-        notes.append("collective fits resting on few sizes or scattered calls: " + ", ".join(weak)
-                     + "; predict --collectives times four sizes of every type")
-    base = max(fits.values(), key=lambda f: f.points)
-    for kind in DERIVABLE:
-        if kind not in fits:
-            fits[kind] = CollectiveFit(kind, base.step_latency_s, base.busbw_Bps, base.group, 0, 0, None,
-                                       f"derived from {base.kind}")
-    return fits
 
 
 def _comm_fn(fits: dict[str, CollectiveFit]) -> Any:
@@ -306,6 +209,18 @@ def _measured_compute(r: CalibrationRun, fits: dict[str, CollectiveFit], overlap
         timing = simulate(r.work, comp["forward"], comp["backward"], comp["optimizer"], _comm_fn(fits), overlap)
         comp = {p: max(0.1 * r.phases[p], r.phases[p] - timing.exposed_s[p]) for p in PHASE_KEYS}
     return comp
+
+
+def background_load(runs: list[CalibrationRun], cores: int) -> float:
+    """Other busy processes the calibration's CPU ranks shared the cores with, from the CPU time its ranks got
+    (``busy_s``, the process's CPU time in a step) over their step time: share = cores / (ranks + background).
+    Waits in collectives count as not getting the CPU, so this leans high. 0 without busy times."""
+    timed = [r for r in runs if r.busy_s and r.step_s and r.work is not None]
+    if not timed:
+        return 0.0
+    share = min(1.0, sum(r.busy_s for r in timed) / sum(r.step_s for r in timed))  # type: ignore[misc]
+    ranks = statistics.median(r.work.world_size for r in timed)  # type: ignore[union-attr]
+    return max(0.0, cores / share - ranks) if share < min(1.0, cores / ranks) else 0.0
 
 
 def fit_compute(works: list[Work], measured: list[dict[str, float]], notes: list[str]) -> dict[str, dict[str, float]]:
@@ -347,19 +262,24 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
     first = usable[0]
     cores = cores or (os.cpu_count() or 1)
     overlap = backend != "gloo"
-    fits = fit_collectives(usable, notes, collectives)
+    fits = fit_collectives([p for r in usable for p in r.collectives] + list(collectives or []), notes)
     if collectives:
         notes.append(f"collectives also timed by a short torchrun job ({len(collectives)} calls at "
                      f"{sorted({n for *_, n in collectives})} ranks)")
     if not fits and any(r.work and r.work.world_size > 1 for r in usable):
         notes.append("no collective measured in the calibration's traces: runs that communicate are not predicted")
+    background = background_load(usable, cores) if backend == "gloo" else 0.0
+    if background > 0.05:
+        notes.append(f"the calibration's ranks got {cpu_share(usable[0].work.world_size, cores, background):.0%} of a "  # type: ignore[union-attr]
+                     f"core each (process CPU time / step time): {background:.1f} other busy processes assumed to "
+                     "share the cores, as then")
     comp: dict[str, dict[str, float]] = {}
     for r in usable:
         try:
             measured = _measured_compute(r, fits, overlap) if fits or r.work.world_size == 1 else dict(r.phases)  # type: ignore[union-attr]
         except NotPredicted:
             measured = dict(r.phases)
-        slow = _oversubscribed(r.work, backend, cores)  # type: ignore[arg-type]
+        slow = slowdown(r.work, backend, cores, background)  # type: ignore[arg-type]
         comp[r.name + "@" + r.out_dir] = {p: v / slow for p, v in measured.items()}
     reference = [r for r in usable if r.work.family == REPLICATED] or usable  # type: ignore[union-attr]
     if reference is usable and len({r.strategy for r in usable}) > 1:
@@ -382,7 +302,7 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
         backend=backend, device=first.device, device_name=first.device_name, cores=cores,
         compute_bytes=sorted({_compute_bytes(r.work.precision) for r in usable}),  # type: ignore[union-attr]
         coefficients=coefficients, overhead=overhead, family_overhead=family_overhead,
-        rest_s=max(0.0, statistics.median(rests)) if rests else 0.0, collectives=fits,
+        rest_s=max(0.0, statistics.median(rests)) if rests else 0.0, background=background, collectives=fits,
         runs=[f"{os.path.basename(os.path.normpath(r.out_dir))}/{r.name}" for r in usable],
         families=sorted(families), notes=notes)
     model.fit_error = {"collectives": {k: f.rel_rms_error for k, f in fits.items() if f.source == "measured"}}
