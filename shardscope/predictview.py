@@ -60,15 +60,22 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
         table.add_row(r["name"], r["strategy"], ranks, f"{r['tokens_per_s']:,.0f}", _ms(r["step_time_s"]),
                       _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem)
     console.print(table)
-    whys = {r["why"] for r in result["runs"]}
-    if len(result["runs"]) > 1 and len(whys) == 1 and None not in whys:  # one reason for all: said once
+    runs = result["runs"]
+    whys = {r["why"] for r in runs}
+    if len(runs) > 1 and len(whys) == 1 and None not in whys:  # one reason for all: said once
         console.print(f"  every run: not predicted: {whys.pop()}", highlight=False, markup=False)
-    for r in result["runs"]:
-        if r["why"] and len(whys) != 0:
+        whys = set()
+    shared = set.intersection(*(set(r["notes"]) for r in runs)) if len(runs) > 1 else set()
+    for note in sorted(shared):
+        console.print(f"  every run: {note}", highlight=False, markup=False)
+    for r in runs:
+        if r["why"] and whys:
             console.print(f"  {r['name']}: not predicted: {r['why']}", highlight=False, markup=False)
         for note in r["notes"]:
-            console.print(f"  {r['name']}: {note}", highlight=False, markup=False)
-    console.print("[bold]assumptions[/]")
+            if note not in shared:
+                console.print(f"  {r['name']}: {note}", highlight=False, markup=False)
+    if result["assumptions"]:
+        console.print("[bold]assumptions[/]")
     for line in result["assumptions"]:
         console.print(f"  - {line}", highlight=False, markup=False)
     _print_fit(result.get("calibration"), result.get("fit_error"), console)

@@ -180,8 +180,9 @@ def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) ->
         fwd = model.coefficients.get("forward", {})
         if device is None and fwd.get("per_flop_s"):
             out.append(f"compute calibrated at {1 / fwd['per_flop_s'] / 1e9:.3g} GFLOP/s per rank in forward "
-                       f"({model.backend} on {model.device_name or model.device or '?'}, {model.cores} cores), "
-                       "same per-FLOP speed at other model sizes unless two sizes were calibrated")
+                       f"({model.backend} on {model.device_name or model.device or '?'}, {model.cores} cores"
+                       + ("; a core of its own" if model.backend == "gloo" else "")
+                       + "), same per-FLOP speed at other model sizes unless two sizes were calibrated")
         out.append("a step's collectives move exactly the communication theory's bytes (comm_theory), placed and "
                    "overlapped as each strategy's schedule does (predict_schedule.py)")
         if device is None:
