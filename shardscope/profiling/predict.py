@@ -67,6 +67,7 @@ def _device_comm(device: DeviceSpec) -> Any:
     """Collective time on the device table: a ring inside a node, a tree's log2(nodes) hops across nodes (NCCL
     picks trees for latency at scale) for the latency; the bandwidth term at the slowest link's bus bandwidth."""
     def seconds(kind: str, nbytes: float, n: int) -> float:
+        """One collective's seconds on the device table."""
         if n <= 1:
             return 0.0
         busbw, latency, _ = device.link(n)

@@ -75,6 +75,7 @@ def solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
 
 
 def rel_rms(pred: list[float], ys: list[float]) -> float | None:
+    """Root mean square of (predicted - measured) / measured over the measured values above 0; None without."""
     errs = [(p - y) / y for p, y in zip(pred, ys) if y > 0]
     return math.sqrt(statistics.fmean(e * e for e in errs)) if errs else None
 

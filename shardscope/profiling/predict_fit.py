@@ -177,6 +177,7 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
 
 def _comm_fn(fits: dict[str, CollectiveFit]) -> Any:
     def seconds(kind: str, nbytes: float, n: int) -> float:
+        """One collective's seconds from its type's fit; raises NotPredicted without one."""
         fit = fits.get(kind)
         if fit is None:
             raise NotPredicted(f"no {kind} timing: the calibration measured no collective of any type "
@@ -188,6 +189,7 @@ def _comm_fn(fits: dict[str, CollectiveFit]) -> Any:
 def reference_compute(w: Work, coefficients: dict[str, dict[str, float]]) -> dict[str, float]:
     """The reference's compute per phase for ``w`` (seconds; backward includes a recomputed forward)."""
     def phase(name: str, small: float, big: float) -> float:
+        """One phase's seconds from its coefficients."""
         co = coefficients.get(name, {})
         return co.get("per_layer_token_s", co.get("per_tensor_s", 0.0)) * small + co.get("per_flop_s", co.get("per_element_s", 0.0)) * big
     fwd = phase("forward", w.layer_tokens, w.fwd_flops)

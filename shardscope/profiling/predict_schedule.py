@@ -84,6 +84,7 @@ class _Sim:
         self.comm_s = 0.0
 
     def enter(self, phase: str) -> None:
+        """Start ``phase`` (forward, backward or optimizer) at the compute thread's time."""
         self._close()
         self.phase = phase
         self.start[phase] = self.t
@@ -93,6 +94,7 @@ class _Sim:
         self.start[self.phase] = self.t
 
     def compute(self, seconds: float) -> None:
+        """Advance the compute thread by ``seconds`` of work."""
         self.t += seconds
         self.computed[self.phase] += seconds
 
@@ -118,16 +120,19 @@ class _Sim:
         self.comm_s += seconds
 
     def wait(self, key: object) -> None:
+        """Block the compute thread until collective ``key`` has finished (nothing when never issued)."""
         end = self.pending.pop(key, None)
         if end is not None and end > self.t:
             self.t = end
 
     def blocking(self, kind: str, weight: float, group: int, exact: bool = False) -> None:
+        """Issue a collective and wait for it at once."""
         key = object()
         self.issue(key, kind, weight, group, exact)
         self.wait(key)
 
     def wait_all(self) -> None:
+        """Wait for every collective still in flight."""
         for key in list(self.pending):
             self.wait(key)
 
