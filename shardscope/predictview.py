@@ -57,7 +57,8 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
         if r["why"]:
             table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem)
             continue
-        table.add_row(r["name"], r["strategy"], ranks, f"{r['tokens_per_s']:,.0f}", _ms(r["step_time_s"]),
+        table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{r['tokens_per_s']:,.0f}",
+                      ("≥ " if r.get("bound") else "") + _ms(r["step_time_s"]),
                       _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem)
     console.print(table)
     runs = result["runs"]

@@ -163,7 +163,9 @@ def test_runs_the_calibration_cannot_support_say_why():
     assert all("unmeasured" in r["why"] for r in bf16 if r["name"] != "ddp-fp32")
     zero = {r["name"]: r for r in predict.predict_comparison(config.load_preset("zero-stages", host=CPU), model)["runs"]}
     assert any("not calibrated for deepspeed-zero1" in n for n in zero["zero1"]["notes"])
-    assert zero["fsdp2"]["notes"] == []
+    assert zero["zero1"]["bound"] == "upper"  # no overhead counted: its tokens/s can only be lower
+    assert zero["zero3"]["bound"] is None and any("family's (fully-sharded)" in n for n in zero["zero3"]["notes"])
+    assert zero["fsdp2"]["notes"] == [] and zero["fsdp2"]["bound"] is None
 
 
 def test_what_if_on_gpus_is_marked_and_lists_its_assumptions():

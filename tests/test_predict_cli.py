@@ -43,6 +43,7 @@ def test_predicts_another_presets_runs_with_assumptions_and_fit_error(calibratio
     assert "assumptions" in out and "framework overhead" in out
     assert "predicted back" in out and "all_reduce" in out and "measured" in out
     assert "not calibrated for deepspeed-zero1" in out  # a strategy the calibration lacks says what it took
+    assert "│ zero1 " in out and "≤ " in out  # ... and its tokens/s is shown as the upper bound it is
 
 
 def test_json_schema(calibration):

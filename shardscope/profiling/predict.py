@@ -60,7 +60,8 @@ def _overhead(w: Work, model: MachineModel) -> tuple[dict[str, float], str]:
         return model.family_overhead[w.family], (f"framework overhead not calibrated for {w.strategy}: its "
                                                  f"family's ({w.family}) taken")
     return dict.fromkeys(PHASE_KEYS, 0.0), (f"framework overhead not calibrated for {w.strategy} (no {w.family} "
-                                            "run in the calibration): none counted, a lower bound")
+                                            "run in the calibration): none counted, so its step time is a lower "
+                                            "bound and its tokens/s an upper bound")
 
 
 def _device_comm(device: DeviceSpec) -> Any:
@@ -103,6 +104,7 @@ def _what_if_compute(w: Work, model: MachineModel | None, device: DeviceSpec) ->
 
 def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None) -> dict[str, Any]:
     notes: list[str] = []
+    bound = None  # "upper": tokens/s is an upper bound (framework overhead not calibrated, none counted)
     if device is not None:
         comp, notes = _what_if_compute(w, model, device)
         reference = dict(comp)
@@ -124,6 +126,7 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         reference = {p: v * slow for p, v in reference_compute(w, model.coefficients).items()}
         extra, why = _overhead(w, model)
         notes += [why] if why else []
+        bound = "upper" if w.strategy not in model.overhead and w.family not in model.family_overhead else None
         # Overhead below the reference's (a strategy faster per FLOP) is kept, down to a quarter of it.
         comp = {p: max(0.25 * reference[p], reference[p] + extra[p] * w.param_tensors * slow) for p in PHASE_KEYS}
         comm, overlap, rest = _comm_fn(model.collectives), model.backend != "gloo", model.rest_s
@@ -140,15 +143,17 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
     return {"tokens_per_s": w.tokens_per_step / step if step > 0 else None, "step_time_s": step,
             "compute_s": compute, "exposed_comm_s": timing.exposed_comm_s,
             "rest_s": max(0.0, step - compute - timing.exposed_comm_s), "comm_s": timing.comm_s,
-            "phases_s": timing.phase_s, "notes": notes}
+            "phases_s": timing.phase_s, "bound": bound, "notes": notes}
 
 
 def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None) -> dict[str, Any]:
     """One run's prediction: ``name strategy world_size family`` and ``tokens_per_s step_time_s compute_s
     exposed_comm_s rest_s comm_s`` (seconds per optimizer step), ``peak_mem_bytes`` (memory model, per rank),
-    ``notes``; ``why`` (and None figures) when it cannot be predicted. Needs ``model`` unless ``device``."""
+    ``bound`` ("upper" when tokens/s is an upper bound: no framework overhead calibrated for the strategy or
+    its family), ``notes``; ``why`` (and None figures) when it cannot be predicted. Needs ``model`` unless
+    ``device``."""
     row: dict[str, Any] = {"name": run.name, "strategy": run.strategy, "world_size": None, "family": None,
-                           **dict.fromkeys(FIGURES), "peak_mem_bytes": None, "notes": [], "why": None}
+                           **dict.fromkeys(FIGURES), "peak_mem_bytes": None, "bound": None, "notes": [], "why": None}
     try:
         mem = memory_model.predict_run(c, run)
         row["peak_mem_bytes"] = mem["total_bytes"]

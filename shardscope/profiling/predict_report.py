@@ -72,7 +72,8 @@ def markdown(sec: dict[str, Any]) -> str:
         err = "-" if r["error"] is None else f"{r['error']:+.1%}" + (" (calibration run: fit error)"
                                                                      if r.get("calibration_run") else "")
         split = " / ".join(f"{r[k] * 1e3:,.1f}" for k in ("compute_s", "exposed_comm_s", "rest_s"))
-        rows.append(f"| {name} | {r['strategy']} | {_rate(r['tokens_per_s'])} | {_rate(r['measured_tokens_per_s'])} | "
+        rows.append(f"| {name} | {r['strategy']} | {'≤ ' if r.get('bound') else ''}{_rate(r['tokens_per_s'])} | "
+                    f"{_rate(r['measured_tokens_per_s'])} | "
                     f"{err} | {r['step_time_s'] * 1e3:,.1f} ({split}) | {fmt_bytes(r.get('peak_mem_bytes'))} |")
         notes += [f"- {name}: {n}" for n in r.get("notes", [])]
     out.append("| run | strategy | predicted tokens/s | measured | error | predicted step ms (compute / exposed comm / "
