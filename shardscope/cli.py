@@ -27,6 +27,7 @@ from shardscope.explainview import explain_cmd
 from shardscope.predictview import predict_cmd
 from shardscope.recommendview import parse_device_memory, recommend_cmd
 from shardscope.report_commands import diff_cmd, estimate_cmd, presets_cmd, report_cmd, slurm_cmd
+from shardscope.whyview import why_cmd
 from shardscope.rundir import COMPARISON, RunDir
 
 
@@ -41,7 +42,8 @@ def main(ctx: click.Context) -> None:
     if ctx.invoked_subcommand is None:
         _open_app(preset=None)
 
-for _command in (explain_cmd, recommend_cmd, presets_cmd, diff_cmd, report_cmd, estimate_cmd, slurm_cmd, predict_cmd):
+for _command in (explain_cmd, recommend_cmd, presets_cmd, diff_cmd, report_cmd, estimate_cmd, slurm_cmd, predict_cmd,
+                 why_cmd):
     main.add_command(_command)
 
 

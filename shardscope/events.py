@@ -36,6 +36,9 @@ COMM = "comm"  # bytes and calls per collective counted in-rank over the profile
 ERROR = "error"  # message, traceback
 STALL = "stall"  # asked by the orchestrator of a stalled run: step, collectives (the flight recorder's last
 #                  entries: seq, op, group, sizes, entered_t, done), stack (every thread's Python stack)
+PROBE = "probe"  # shardscope why's re-runs only: step, dp_rank, tp_rank, forward [[module, norm, [projections],
+#                  hash, shape, dtype], ...] in execution order; rank 0 also grads [...] of each module's own
+#                  parameters (full tensors) or grads_note, why not (engines/module_probe.py)
 END = "end"  # status ("ok" | "failed" | "stopped" | "diverged"), steps_completed; reason (stopped: "orchestrator
 #              lost"); compiled_graphs when compile is on; first_nonfinite_step and nonfinite ("loss",
 #              "grad_norm") when diverged
@@ -51,7 +54,7 @@ FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES = "TORCH_FR_BUFFER_SIZE", "2000"
 # Profiler ranges the training loop opens around each phase; the trace analysis reads them back.
 PHASE_MARKERS = {"forward": "shardscope.forward", "backward": "shardscope.backward", "step": "shardscope.step"}
 
-KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, STALL, END)
+KINDS = (START, STEP, MEMORY, TRACE, LAYERS, COMM, ERROR, STALL, PROBE, END)
 COMMON_KEYS = ("v", "kind", "run", "rank", "t")
 
 

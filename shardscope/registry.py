@@ -37,6 +37,20 @@ class OptionSpec:
 
 
 @dataclass(frozen=True)
+class Suspect:
+    """A setting that can move a run's loss away from the baseline's, and how ``shardscope why`` moves it back.
+
+    A variant sets ``option`` (a strategy option, or a loop option of ``LOOP_OPTIONS``) to ``towards``: a value, or
+    ``"baseline:<slot>"``, the baseline's dtype in that slot of its precision policy (param, compute, reduce,
+    master) as an option value. A baseline with the same option gives its own value instead."""
+
+    setting: str  # what the report names as the cause ("reduce dtype")
+    option: str
+    towards: Any
+    quirk: str  # why it moves the loss, in one line
+
+
+@dataclass(frozen=True)
 class StrategyInfo:
     """What the registry knows of one strategy."""
 
@@ -66,9 +80,25 @@ class StrategyInfo:
     # parameter hooks) and DTensor TP (device-mesh slicing) do not, in torch 2.13.
     traceable: bool = False
 
+    # Settings of this strategy ``shardscope why`` re-runs changed towards the baseline (besides LOOP_SUSPECTS and
+    # the run's precision, activation checkpointing and compile).
+    suspects: tuple[Suspect, ...] = ()
+    # How why's module probe reads full gradients (engines/module_probe.py): "tensors" (each .grad is whole, or a
+    # DTensor made whole, right after backward), "deepspeed" (gathered right after DeepSpeed's reduction, inside
+    # its step), "" (not probed: flat shards)
+    probe_grads: str = ""
+
     # Hybrid sharding (HSDP): states sharded within groups of the data-parallel ranks, replicated across the
     # groups, each gradient shard all-reduced across the replicas after its reduce-scatter (None: never).
     hybrid: HybridSharding | None = None
+
+    def option(self, key: str) -> OptionSpec | None:
+        """The spec of option ``key``: one of this strategy's, or a loop option every strategy takes; None if unknown."""
+        return self.options.get(key) or LOOP_OPTIONS.get(key)
+
+    def option_names(self) -> list[str]:
+        """Every option a run of this strategy may set: its own, then the loop's."""
+        return [*self.options, *LOOP_OPTIONS]
 
     def tp_degree(self, options: dict[str, Any]) -> int:
         """Return the tensor-parallel degree these options ask for (1 without tensor parallelism)."""
@@ -113,6 +143,18 @@ class HybridSharding:
         return split_data_parallel(dp, shard=value or min(dp, ranks_per_node), name=self.name)
 
 
+# Options of the shared training loop that any run may set (not filled in by default: a run that sets none
+# records none); engines/worker.py hands them to the loop, never to the strategy.
+LOOP_OPTIONS: dict[str, OptionSpec] = {
+    "grad_accum_loss": OptionSpec(str, "mean", "how micro-batch losses combine under gradient accumulation: mean "
+                                  "(each scaled by 1/grad_accum: the gradient of the mean loss) or sum (unscaled: "
+                                  "grad_accum times the gradient, as a loop that never divides)", choices=("mean", "sum")),
+}
+LOOP_SUSPECTS = (
+    Suspect("gradient-accumulation semantics", "grad_accum_loss", "mean", "summed micro-batch losses make gradients "
+            "grad_accum times larger: clipping and Adam's epsilon then act on other values"),
+)
+
 _BOOL_RESHARD = OptionSpec(bool, True, "free gathered parameters after forward (re-gather in backward)")
 
 STRATEGIES: dict[str, StrategyInfo] = {}
@@ -137,6 +179,7 @@ register(
         },
         shards="none",
         comm_quirks=("buffers-broadcast",),
+        probe_grads="tensors",
     )
 )
 
@@ -159,6 +202,11 @@ register(
         comm_quirks=("root-kept",),
         hybrid=HybridSharding("HSDP", "replicate", "replicas"),
         traceable=True,
+        suspects=(Suspect("parameter dtype", "param_dtype", "baseline:param", "FSDP2's MixedPrecisionPolicy "
+                          "all-gathers parameters in param_dtype: forward and backward compute in it"),
+                  Suspect("reduce dtype", "reduce_dtype", "baseline:reduce", "FSDP2 reduce-scatters gradients in "
+                          "reduce_dtype: a bf16 reduction rounds every gradient sum")),
+        probe_grads="tensors",
     )
 )
 
@@ -206,6 +254,17 @@ register(
 # DeepSpeed ZeRO: one name per stage, because each shards a different set of model states
 # (which the memory model reads from ``shards``). All three share one module and config builder.
 _DS_BUCKET = OptionSpec(int, 25, "reduce / all-gather bucket size in MiB", minimum=1)
+_DS_CLIP = OptionSpec(float, -1.0, "DeepSpeed's own gradient clipping (its config's gradient_clipping), applied "
+                      "inside its optimizer step in place of the comparison's grad_clip: -1 = the comparison's, 0 = none")
+_DS_OPTIMIZER = OptionSpec(str, "zero", "zero: DeepSpeed's ZeRO optimizer steps flat fp32 partitions; torch: DeepSpeed "
+                           "at ZeRO stage 0, the torch AdamW client stepping whole tensors (nothing sharded)",
+                           choices=("zero", "torch"))
+_DS_SUSPECTS = (
+    Suspect("clipping", "gradient_clipping", -1.0, "DeepSpeed clips inside its own optimizer step, at its config's "
+            "gradient_clipping, whatever the training loop asked"),
+    Suspect("optimizer implementation", "optimizer", "torch", "the ZeRO optimizer steps flat fp32 partitions and "
+            "clips them with DeepSpeed's own formula, not torch AdamW over whole tensors clipped with torch's"),
+)
 _DS_REUSE = OptionSpec(bool, False, "fp32 runs: true makes the fp32 parameter partitions the master weights, "
                        "stepped in place (DeepSpeed's intended path, which 0.19 misses); false (default) keeps "
                        "DeepSpeed's extra fp32 copy, as it ships", framework_fix=True)
@@ -217,8 +276,11 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             name=f"deepspeed-zero{_stage}",
             entry=f"shardscope.engines.deepspeed_zero:apply_stage{_stage}",
             description=f"DeepSpeed ZeRO-{_stage}: {_what}; torch AdamW as the client optimizer",
-            options={"bucket_mb": _DS_BUCKET, **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
+            options={"bucket_mb": _DS_BUCKET, "gradient_clipping": _DS_CLIP, "optimizer": _DS_OPTIMIZER,
+                     **({"reuse_fp32_partitions": _DS_REUSE} if _stage == 3 else {})},
             needs_deepspeed=True,
+            suspects=_DS_SUSPECTS,
+            probe_grads="deepspeed",
             shards=_shards,
             comm_quirks=((("live-params-kept",) if _stage == 3 else ("grads-all-reduced",)) + ("fp32-grad-comm",)
                          + (("reduces-per-micro-batch",) if _stage >= 2 else ())),
@@ -261,6 +323,7 @@ register(
         shards="all",
         shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
         comm_quirks=("root-kept",),  # engines/fsdp2.py shard_model: the root keeps torch's default
+        probe_grads="tensors",
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )

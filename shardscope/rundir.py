@@ -17,6 +17,8 @@ Layout (DESIGN.md "run directory")::
     <out>/<run>/metrics/rank<R>.jsonl   records, one file per global rank
     <out>/<run>/traces/rank<R>.trace.json   profiler traces (traces/tb: the TensorBoard plugin's layout,
                                  rank<R>.*.pt.trace.json, named by torch's handler)
+    <out>/why/<run>/why.json     shardscope why's result for <run>; why/<run>/round<k>/: each round of its
+                                 controlled re-runs, a comparison directory of its own
 
 Everything else reads and writes these through ``RunDir`` / ``RunFiles`` and the readers here.
 Torch-free and psutil-free: the app, ``report`` and ``open`` use it.
@@ -58,7 +60,10 @@ PARTIAL_SUFFIX = ".tmp"  # a file being written (torch's trace handler, the init
 PLOT_SUFFIX = ".png"
 RECORDS_SUFFIX = ".jsonl"
 CHROME_SUFFIX = ".trace.json"
-TB_SUFFIX = ".pt.trace.json"  # torch.profiler.tensorboard_trace_handler's files: <worker>.<id>.pt.trace.json
+TB_SUFFIX = ".pt.trace.json"
+WHY = "why"  # <out>/why/<run>/: shardscope why's re-runs of <run>
+WHY_RESULT = "why.json"
+_WHY_ROUND = "round"  # why/<run>/round<k>  # torch.profiler.tensorboard_trace_handler's files: <worker>.<id>.pt.trace.json
 
 
 def console_name(node_rank: int = 0) -> str:
@@ -235,6 +240,22 @@ class RunDir:
     def diff(self) -> str:
         """The directory ``shardscope diff`` writes its plots to."""
         return os.path.join(self.path, DIFF)
+
+    def why_dir(self, run: str) -> str:
+        """``why/<run>``: where ``shardscope why`` keeps its re-runs of ``run`` and its result."""
+        return os.path.join(self.path, WHY, run)
+
+    def why_round(self, run: str, k: int) -> str:
+        """``why/<run>/round<k>``: round ``k`` of why's re-runs of ``run``, a comparison directory of its own."""
+        return os.path.join(self.why_dir(run), f"{_WHY_ROUND}{k}")
+
+    def why_result(self, run: str) -> str:
+        """``why/<run>/why.json``: why's result for ``run``."""
+        return os.path.join(self.why_dir(run), WHY_RESULT)
+
+    def why_results(self) -> list[str]:
+        """Every why result present, sorted."""
+        return sorted(glob.glob(os.path.join(self.path, WHY, "*", WHY_RESULT)))
 
     @property
     def init_weights(self) -> str:

@@ -24,7 +24,7 @@ import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
 VIEWS = {"cli", "cli_common", "headless_run", "report_commands", "headless", "diffview", "explainview",
-         "recommendview", "predictview", "tui", "__main__"}
+         "recommendview", "predictview", "whyview", "tui", "__main__"}
 SCHEMA = {"config", "registry", "events", "rundir", "numbers", "sizes", "hf_archs", "batch_follow", "outspace",
           "liveness", "console_noise", "record_wire", "presets", "__init__"}
 # What each layer may import (besides itself).

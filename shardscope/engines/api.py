@@ -76,6 +76,8 @@ class TrainSettings:
     compile: bool
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    schedule_steps: int = 0  # the lr schedule's length (0 = steps): shardscope why's short re-runs keep the original's
+    grad_accum_loss: str = "mean"  # "sum": micro-batch losses are not divided by grad_accum (registry.LOOP_OPTIONS)
 
 
 def _nullcontext() -> ContextManager[None]:

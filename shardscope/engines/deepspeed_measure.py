@@ -27,20 +27,43 @@ def layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[str
     by the loop between backward and step) arms the capture and returns the dict that step fills.
     """
     captured: dict[str, dict[str, float]] = {}
+
+    def capture() -> None:
+        with instrumentation():  # shardscope's own collectives, not the strategy's
+            found = deepspeed_layer_norms(engine.module, tp_size)
+        found["grad"] = {k: v * grad_unscale(engine) for k, v in found["grad"].items()}
+        captured.update(found)
+
+    arm = after_reduction(engine, capture)
+
+    def layer_norms() -> dict[str, dict[str, float]]:
+        captured.clear()
+        arm()
+        return captured
+
+    return layer_norms
+
+
+def grad_unscale(engine: Any) -> float:
+    """The factor that turns the engine's reduced gradients into true ones: 1, or 1/loss scale under fp16 (ZeRO's
+    fp16 gradients are still loss-scaled right after the reduction; it unscales them when it clips)."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
+
+
+def after_reduction(engine: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Wrap this engine's gradient reductions (stages 0/1: ``engine.allreduce_gradients``; stages 2/3:
+    ``optimizer.finalize_gradient_accumulation_boundary``) so that ``callback()`` runs right after the next one,
+    inside ``engine.step()`` and before clipping; return ``arm()``, which asks for that next call."""
     armed = [False]
-    fp16 = bool(engine.fp16_enabled())
 
     def after(reduce: Callable[..., Any]) -> Callable[..., Any]:
         def reduce_then_capture(*args: Any, **kwargs: Any) -> Any:
             out = reduce(*args, **kwargs)
             if armed[0]:
                 armed[0] = False
-                with instrumentation():  # shardscope's own collectives, not the strategy's
-                    found = deepspeed_layer_norms(engine.module, tp_size)
-                if fp16:  # ZeRO's fp16 gradients are still loss-scaled here (unscaled with clipping)
-                    inv = 1.0 / float(getattr(engine.optimizer, "loss_scale", 1.0))
-                    found["grad"] = {k: v * inv for k, v in found["grad"].items()}
-                captured.update(found)
+                callback()
             return out
         return reduce_then_capture
 
@@ -48,13 +71,7 @@ def layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[str
     finalize = getattr(engine.optimizer, "finalize_gradient_accumulation_boundary", None)
     if finalize is not None:
         engine.optimizer.finalize_gradient_accumulation_boundary = after(finalize)
-
-    def layer_norms() -> dict[str, dict[str, float]]:
-        captured.clear()
-        armed[0] = True
-        return captured
-
-    return layer_norms
+    return lambda: armed.__setitem__(0, True)
 
 
 def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict[str, float]]:

@@ -75,20 +75,37 @@ def skip_shm_build(deepspeed: Any) -> None:
 def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
     """Wrap ``model`` in a DeepSpeed engine at ZeRO ``options["stage"]`` and return what the loop drives.
 
-    Options: ``stage`` (1, 2 or 3), ``bucket_mb`` (reduce/all-gather bucket size).
-    Raises ValueError for an unsupported stage or precision.
+    Options: ``stage`` (1, 2 or 3), ``bucket_mb`` (reduce/all-gather bucket size), ``gradient_clipping``
+    (DeepSpeed's own, in place of the comparison's grad_clip when >= 0) and ``optimizer`` ("torch": ZeRO stage 0,
+    the torch AdamW client over whole tensors). Raises ValueError for an unsupported stage or precision.
     """
     stage = int(options.get("stage", 1))
     if stage not in (1, 2, 3):
         raise ValueError(f"options.stage = {stage!r}: allowed: 1, 2, 3")
+    # Planted or real differences ``shardscope why`` tells apart: whose clipping, and which optimizer steps.
+    whole = options.get("optimizer", "zero") == "torch"
+    stage = 0 if whole else stage
     config = build_config(settings, ctx, stage=stage, bucket_mb=int(options.get("bucket_mb", 25)))
     notes: dict[str, Any] = {"zero_stage": stage}
+    own_clip = float(options.get("gradient_clipping", -1.0))
+    if own_clip >= 0:
+        config["gradient_clipping"] = own_clip
+        notes["grad_clip"] = own_clip
+    if whole:
+        notes["optimizer"] = "torch AdamW over whole tensors (ZeRO stage 0)"
+    own_norm = whole and settings.precision.name in ("fp32", "bf16-autocast")  # stage 0 keeps no norm
     if stage == 3 and settings.precision.name in ("fp32", "bf16-autocast"):
         reuse = bool(options.get("reuse_fp32_partitions", False))
         reuse_fp32_partitions_in_zero3(reuse)
         notes["fp32_master"] = ("the fp32 parameter partitions, stepped in place" if reuse
                                 else "a separate fp32 copy of the parameter partitions (DeepSpeed 0.19 default)")
-    return prepare_engine(model, ctx, settings, config, notes=notes)
+    return prepare_engine(model, ctx, settings, config, notes=notes, loop_clip=settings.grad_clip,
+                          grad_norm=whole_grad_norm if own_norm else None)
+
+
+def whole_grad_norm(module: nn.Module) -> torch.Tensor:
+    """The global gradient norm of a module whose gradients are whole and already reduced (ZeRO stage 0)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None], 2.0)
 
 
 def reuse_fp32_partitions_in_zero3(enabled: bool) -> None:
@@ -144,6 +161,7 @@ def prepare_engine(
     *,
     notes: dict[str, Any] | None = None,
     grad_norm: Callable[[nn.Module], torch.Tensor] | None = None,
+    loop_clip: float | None = None,
 ) -> Prepared:
     """Build a DeepSpeed engine from ``config`` and return the loop's view of it.
 
@@ -155,9 +173,12 @@ def prepare_engine(
     fp32), where DeepSpeed clips but keeps no norm: clipping then moves into a pre-step hook of
     the optimizer, which runs after DeepSpeed's gradient all-reduce, computes the norm with
     ``grad_norm`` and clips with torch's formula. DeepSpeed's own clipping is turned off.
+
+    ``loop_clip``: the max norm the loop passes to ``clip_and_step`` when the config clips at another value
+    (ZeRO's ``gradient_clipping`` option); by default the two must agree.
     """
+    clip = float(config["gradient_clipping"])
     if grad_norm is not None:
-        clip = float(config["gradient_clipping"])
         config = {**config, "gradient_clipping": 0.0}
     deepspeed = import_deepspeed(ctx.device)
     # The worker created the process group; DeepSpeed adopts it instead of making its own.
@@ -183,10 +204,10 @@ def prepare_engine(
         engine.backward(loss, scale_wrt_gas=False)
 
     def clip_and_step(max_norm: float) -> float | None:
-        configured = clip if grad_norm is not None else float(config["gradient_clipping"])
-        if abs(max_norm - configured) > 1e-12:
+        expected = clip if loop_clip is None else loop_clip
+        if abs(max_norm - expected) > 1e-12:
             raise ValueError(f"clip_and_step({max_norm}) but DeepSpeed was configured with "
-                             f"gradient_clipping = {configured}")
+                             f"gradient_clipping = {clip}")
         states.snapshot_grads()  # gradients exist only between backward and step
         if grad_norm is None:
             engine.step()
@@ -197,7 +218,7 @@ def prepare_engine(
 
         def clip_before_step(*_: Any) -> None:
             seen.append(float(grad_norm(engine.module)))
-            coef = min(1.0, max_norm / (seen[0] + 1e-6)) if max_norm > 0 else 1.0
+            coef = min(1.0, clip / (seen[0] + 1e-6)) if clip > 0 else 1.0
             if coef < 1.0:
                 for p in engine.module.parameters():
                     if p.grad is not None:

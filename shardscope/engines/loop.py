@@ -40,6 +40,7 @@ from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import CudaStepClock, StepClock, step_clock
 from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.engines.capture import ProfilerWindow
+from shardscope.engines.module_probe import ModuleProbe
 from shardscope.events import PHASE_MARKERS
 
 
@@ -55,6 +56,7 @@ class LoopConfig:
     fault: Fault | None = None
     profiler: ProfilerWindow | None = None
     counter: CountWindow | None = None  # in-rank collective byte count over the profiled window (opt-in)
+    probe: ModuleProbe | None = None  # shardscope why's re-runs only: module outputs and gradients (module_probe.py)
     stop_on_nonfinite: bool = True  # preset on_nonfinite = "stop": end the run diverged at the first inf/nan
     steps_completed: int = 0  # updated after every step, read by the worker when a run fails or stops
 
@@ -152,12 +154,17 @@ class Trainer:
         clock.lap("data")
         if cfg.fault is not None:  # inside the timed step: a "slow" rank's extra work is step time
             cfg.fault.maybe_fire(ctx.rank, step, ctx.device)
-        lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps, total_steps=settings.steps,
-                   min_lr_ratio=cfg.min_lr_ratio)
+        lr = lr_at(step, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                   total_steps=settings.schedule_steps or settings.steps, min_lr_ratio=cfg.min_lr_ratio)
         prep.set_lr(lr)  # type: ignore[misc]  (checked in __init__)
         prep.zero_grad()  # type: ignore[misc]
-        loss_sum = _forward_backward(prep, ctx, micro, self.autocast_dtype, self.scaler, clock, profiled)
+        if cfg.probe is not None:
+            cfg.probe.begin_step(step)
+        loss_sum = _forward_backward(prep, ctx, micro, self.autocast_dtype, self.scaler, clock, profiled,
+                                     cfg.probe, 1 if settings.grad_accum_loss == "sum" else len(micro))
         finite = _unscale(prep, self.scaler)  # before the layer norms, so that they are true gradients
+        if cfg.probe is not None:
+            cfg.probe.before_step(step)  # gradients as the optimizer will see them (DeepSpeed: armed for its step)
         layer_record = None
         if cfg.parity and prep.layer_norms is not None:
             with instrumentation():  # shardscope's own collectives, set apart from the strategy's
@@ -204,6 +211,8 @@ class Trainer:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
             record.update(clock.fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
+        if cfg.probe is not None:
+            cfg.probe.end_step(step, writer)
         if layer_record:  # empty when a strategy that fills it inside step (DeepSpeed) did not reduce
             writer.write(events.LAYERS, step=step, grad_norms=layer_record["grad"], param_norms=layer_record["param"])
         if step == 0:
@@ -252,8 +261,10 @@ def _marker(phase: str, profiled: bool) -> ContextManager[Any]:
 
 
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
-                      scaler: LossScaler | None, clock: StepClock | CudaStepClock, profiled: bool) -> torch.Tensor:
-    """Run every micro-batch forward and backward; return the detached sum of their losses."""
+                      scaler: LossScaler | None, clock: StepClock | CudaStepClock, profiled: bool,
+                      probe: ModuleProbe | None = None, loss_divisor: int = 1) -> torch.Tensor:
+    """Run every micro-batch forward and backward, each loss divided by ``loss_divisor`` (grad_accum: the gradient
+    of the mean loss) before backward; return the detached sum of their undivided losses."""
     loss_sum = torch.zeros(1, device=ctx.device)
     for i, (inputs, targets) in enumerate(micro):
         inputs = inputs.to(ctx.device, non_blocking=True)
@@ -263,12 +274,12 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
             autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                         else contextlib.nullcontext())
             # The phase markers let the trace analysis tell forward, backward and step collectives apart.
-            with _marker("forward", profiled):
+            with _marker("forward", profiled), probe.forward() if probe is not None else contextlib.nullcontext():
                 with autocast:
                     logits = prep.model(inputs)
                 loss = loss_fn(logits, targets)
             clock.lap("forward")
-            scaled = loss / len(micro)
+            scaled = loss / loss_divisor
             with _marker("backward", profiled):
                 prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
             clock.lap("backward")

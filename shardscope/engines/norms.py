@@ -17,6 +17,11 @@ from shardscope.engines.global_grad import full_value
 _WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
+def strip_wrappers(name: str) -> str:
+    """Return a module or parameter name without the wrappers' parts (``module.``, ``_fsdp_wrapped_module.``, ...)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
+
+
 def layer_key(name: str) -> str:
     """Return the layer a parameter called ``name`` belongs to."""
     parts = [p for p in name.split(".") if p not in _WRAPPERS]

@@ -40,6 +40,7 @@ from shardscope.engines.data import build_batches
 from shardscope.engines.faults import Fault
 from shardscope.engines.init_weights import content_sha256, ensure_init
 from shardscope.engines.loop import LoopConfig, train
+from shardscope.engines.module_probe import ModuleProbe
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
 from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run
@@ -128,6 +129,8 @@ def train_settings(comparison: Comparison, run: dict[str, Any], dp: int) -> Trai
         grad_accum=comparison.grad_accum, micro_batch_size=comparison.global_batch // (dp * comparison.grad_accum),
         steps=comparison.steps, warmup_steps=comparison.warmup_steps, precision=policy_for(run["precision"]),
         activation_checkpointing=bool(run.get("activation_checkpointing")), compile=bool(run.get("compile")),
+        schedule_steps=comparison.schedule_steps,
+        grad_accum_loss=str(run["options"].get("grad_accum_loss", registry.LOOP_OPTIONS["grad_accum_loss"].default)),
     )
 
 
@@ -160,7 +163,11 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     model.to(ctx.device)
     marks["model"] = time.time()
     info = registry.get(run["strategy"])
-    prep = resolve(info.entry)(model, ctx, settings, dict(run["options"]))
+    # The loop's options (registry.LOOP_OPTIONS) are the loop's: the strategy gets its own.
+    prep = resolve(info.entry)(model, ctx, settings,
+                               {k: v for k, v in run["options"].items() if k not in registry.LOOP_OPTIONS})
+    if int(run.get("probe_step", -1)) >= 0:  # shardscope why's re-runs only: no hook exists otherwise
+        cfg.probe = ModuleProbe(prep, ctx, probe_step=int(run["probe_step"]), grads=info.probe_grads)
     marks["strategy"] = time.time()
     micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     marks["batches"] = time.time()

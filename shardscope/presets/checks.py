@@ -86,8 +86,10 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
         _positive(src, key, getattr(c, key))
     for key in ("lr", "stall_timeout_s", "straggler_threshold"):
         _positive(src, key, getattr(c, key))
-    for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance"):
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio", "seed", "loss_tolerance", "schedule_steps"):
         _positive(src, key, getattr(c, key), allow_zero=True)
+    if c.schedule_steps and c.schedule_steps < c.steps:
+        raise ConfigError(f"{src}: schedule_steps = {c.schedule_steps}: must be 0 or >= steps = {c.steps}")
     _one_of(src, "precision", c.precision, PRECISIONS)
     _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
     m = c.model
@@ -146,13 +148,15 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
         raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: {err.args[0].split('; ')[1]}") from None
     if run.world_size < 0:
         raise ConfigError(f"{src}: {where}.world_size = {run.world_size}: must be >= 1")
+    if not -1 <= run.probe_step < c.steps:
+        raise ConfigError(f"{src}: {where}.probe_step = {run.probe_step}: must be -1 (off) or a step below {c.steps}")
     if run.precision:
         _one_of(src, f"{where}.precision", run.precision, PRECISIONS)
     options = dict(run.options)
     for key, value in run.options.items():
-        spec = info.options.get(key)
+        spec = info.option(key)  # its own options and the loop's (registry.LOOP_OPTIONS)
         if spec is None:
-            allowed = ", ".join(sorted(info.options)) or "(none)"
+            allowed = ", ".join(sorted(info.option_names())) or "(none)"
             raise ConfigError(f"{src}: {where}.options.{key}: unknown option of {run.strategy}; allowed: {allowed}")
         ok = isinstance(value, spec.type) and not (spec.type is int and isinstance(value, bool))
         if spec.type is float and isinstance(value, int) and not isinstance(value, bool):

@@ -96,6 +96,8 @@ class RunSpec:
     compile: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
+    # shardscope why's re-runs: record every module's output and gradients on the steps up to this one (-1 = off)
+    probe_step: int = -1
 
 
 @dataclass
@@ -106,6 +108,7 @@ class Comparison:
     description: str = ""
     source: str = ""  # the preset file this came from
     steps: int = 30
+    schedule_steps: int = 0  # the lr schedule's length; 0 = steps (shardscope why: short re-runs, the original's lr)
     global_batch: int = batch_follow.DEFAULT_GLOBAL_BATCH  # sequences (or images) per optimizer step, over all data-parallel ranks
     grad_accum: int = 1  # micro-batches per optimizer step on each rank
     lr: float = 3e-4

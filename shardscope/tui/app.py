@@ -273,6 +273,18 @@ class ShardscopeApp(App):
         result = explanation_for(self.comparison, run, self.out_dir)
         self.push_screen(ExplainScreen("\n\n".join([result["text"], *result["notes"]])))
 
+    def action_why(self) -> None:
+        """Why the selected run's loss differs from the baseline's: ``shardscope why``'s re-runs, with progress."""
+        from shardscope.tui.screens.why import WhyScreen
+
+        run = self._selected()
+        if not run or not self.out_dir:
+            self.notify("Select a run first.")
+        elif self.source is not None and self.started and not self.source.finished:
+            self.notify("Why needs a finished comparison: wait for every run to end.")
+        else:
+            self.push_screen(WhyScreen(self.out_dir, run))
+
     def action_export(self) -> None:
         """Save a picture of the screen next to the results and copy every artefact path."""
         if not self.out_dir:
@@ -328,6 +340,7 @@ class ShardscopeApp(App):
         yield SystemCommand("Report", "Open the comparison table", self.action_report)
         yield SystemCommand("Explain run", "How the selected run's strategy works, with its numbers",
                             self.action_explain)
+        yield SystemCommand("Why", "Why the selected run's loss differs from the baseline's (re-runs)", self.action_why)
         yield SystemCommand("Export", "Save a screenshot and copy the result paths", self.action_export)
 
     def _toggle_log(self) -> None:

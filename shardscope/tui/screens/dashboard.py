@@ -46,6 +46,7 @@ class DashboardScreen(Screen):
         Binding("t", "toggle_timing", "Rank timing", show=False),  # in the palette; the footer is full
         Binding("o", "app.report", "Report"),
         Binding("i", "app.explain", "Explain run", show=False),  # in the palette; the footer is full
+        Binding("w", "app.why", "Why", show=False),  # the loss differs: re-runs name the cause (palette: Why)
         Binding("e", "app.export", "Export"),
         Binding("left,shift+tab", "select(-1)", "Prev run", show=False),
         Binding("right,tab", "select(1)", "Next run", show=False),
