@@ -72,12 +72,20 @@ def only_runs(preset: str, names: set[str], path: Path) -> Path:
     return path
 
 
+SECOND: list[str] = []  # --second: the overrides of a second smoke comparison (another model size) to calibrate on
+LAST: list[Path] = []  # the directories the latest calibration was fitted on
+
+
 def calibrate(where: list[Path], run_it: bool, collectives_at: int = 0) -> "predict.MachineModel":
-    """Run smoke into ``where[0]`` (when ``run_it``) and fit the machine model on ``where``, plus collectives
-    timed by ``predict --collectives``' short job at ``collectives_at`` ranks (when 2 or more)."""
+    """Run smoke into ``where[0]`` (when ``run_it``; with ``--second``, smoke at that size too) and fit the machine
+    model on them, plus collectives timed by ``predict --collectives``' job at ``collectives_at`` ranks (>= 2)."""
     if run_it:
         code = run_preset("smoke", where[0], [])
         assert code == 0, f"calibration run failed: see {where[0]}.log"
+        if SECOND:
+            where = [where[0], where[0].with_name(where[0].name + "-second")]
+            assert run_preset("smoke", where[1], SECOND) == 0, f"calibration run failed: see {where[1]}.log"
+    LAST[:] = where
     points = measure(collectives_at) if collectives_at >= 2 else None
     model = predict.calibrate([str(w) for w in where], collectives=points)
     print(f"calibrated on {', '.join(w.name for w in where)}: fit error (step time predicted back) "
@@ -108,7 +116,10 @@ def main() -> int:
                     help="calibrate once, not again before each preset")
     ap.add_argument("--no-collectives", dest="collectives", action="store_false",
                     help="fit collectives on the calibration's traces only (no short torchrun job per world size)")
+    ap.add_argument("--second", default="", help="calibrate on a second smoke comparison at another model size "
+                    "too, these overrides separated by ';' (e.g. 'model.d_model=192;model.d_ff=768')")
     args = ap.parse_args()
+    SECOND[:] = [x for x in args.second.split(";") if x]
     out = Path(args.out or tempfile.mkdtemp(prefix="predict-accuracy-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}\nstarted {time.strftime('%Y-%m-%d %H:%M')}, output under {out}", flush=True)
@@ -129,7 +140,7 @@ def main() -> int:
                 model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True, ws if args.collectives else 0)
                 fits[f"{preset}-ws{ws}"] = model.fit_error
             elif anything and args.collectives:
-                model = calibrate(given or [out / "calibration-smoke"], False, ws)
+                model = calibrate(given or list(LAST), False, ws)
             predicted = {r["name"]: r for r in predict.predict_comparison(c, model)["runs"]}
             for r in predicted.values():
                 if r["why"]:

@@ -12,6 +12,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
@@ -45,8 +46,9 @@ def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | N
             got = _predict_work(r.work, model, None)
         except NotPredicted:
             continue
-        errors[r.name] = {"predicted_step_s": got["step_time_s"], "measured_step_s": r.step_s,
-                          "error": got["step_time_s"] / r.step_s - 1}
+        key = r.name if len(out_dirs) == 1 else f"{os.path.basename(os.path.normpath(r.out_dir))}/{r.name}"
+        errors[key] = {"predicted_step_s": got["step_time_s"], "measured_step_s": r.step_s,
+                       "error": got["step_time_s"] / r.step_s - 1}
     model.fit_error["runs"] = errors
     return model
 
