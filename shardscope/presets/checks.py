@@ -210,6 +210,12 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
         message = LAYOUT_CHECKS[check](c, run, tp, dp)
         if message:
             raise ConfigError(f"{src}: {where}: {message}")
+    if info.hybrid is not None:  # a hybrid size that does not divide dp fails here, not in every rank
+        try:
+            info.hybrid.groups(resolved_options(run), dp, ws // c.launch.nnodes)
+        except ValueError as err:
+            value = resolved_options(run).get(info.hybrid.option)
+            raise ConfigError(f"{src}: {where}.options.{info.hybrid.option} = {value!r}: {err}") from None
     return run
 
 
