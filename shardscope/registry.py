@@ -84,8 +84,8 @@ class StrategyInfo:
     # the run's precision, activation checkpointing and compile).
     suspects: tuple[Suspect, ...] = ()
     # How why's module probe reads full gradients (engines/module_probe.py): "tensors" (each .grad is whole, or a
-    # DTensor made whole, right after backward), "deepspeed" (gathered right after DeepSpeed's reduction, inside
-    # its step), "" (not probed: flat shards)
+    # DTensor made whole, right after backward), "summon" (FSDP1's summon_full_params(with_grads=True)),
+    # "deepspeed" (gathered right after DeepSpeed's reduction, inside its step), "" (not probed: flat shards)
     probe_grads: str = ""
 
     # Hybrid sharding (HSDP): states sharded within groups of the data-parallel ranks, replicated across the
@@ -232,6 +232,7 @@ register(
         shard_layout="flat-views",  # with use_orig_params (the default; profiling/memory_model.py LAYOUT_BY_OPTION)
         comm_quirks=("root-kept",),
         hybrid=HybridSharding("HYBRID_SHARD", "hybrid_shard_size", "shard", ("sharding_strategy", ("HYBRID_SHARD",))),
+        probe_grads="summon",  # use_orig_params (the default); without it the probe says the gradients were not read
     )
 )
 

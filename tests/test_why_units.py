@@ -93,7 +93,7 @@ def test_every_declared_suspect_names_an_option_its_strategy_takes():
             assert spec is not None, (info.name, suspect.option)
             if spec.choices and not str(suspect.towards).startswith("baseline:"):
                 assert suspect.towards in spec.choices, (info.name, suspect)
-        assert info.probe_grads in ("", "tensors", "deepspeed")
+        assert info.probe_grads in ("", "tensors", "summon", "deepspeed")
 
 
 def entry(name, norm, proj=(1.0, 2.0), digest="h", numel=4, dtype="float32"):

@@ -9,7 +9,8 @@ of the run it explains); otherwise no hook exists and the loop tests ``cfg.probe
   what runs inside ``forward()`` is recorded, so activation checkpointing's recomputation in backward is not.
 - Gradients are full tensors as the optimizer will use them (reduced, before clipping), read the way the registry
   declares for the strategy (``probe_grads``): "tensors" (``.grad``, a DTensor made whole) right after backward,
-  "deepspeed" (gathered with ``safe_get_full_grad``) right after DeepSpeed's reduction inside its step. Every rank
+  "summon" (FSDP1's ``summon_full_params(with_grads=True)``) right after backward, "deepspeed" (gathered with
+  ``safe_get_full_grad``) right after DeepSpeed's reduction inside its step. Every rank
   computes them (gathering is a collective); rank 0 writes them.
 - A fingerprint: the L2 norm, projections on two fixed pseudo-random vectors (the same in both runs: a difference
   ``e`` moves a projection by about ``|e|``, where two norms can agree while the tensors differ) and a blake2b
@@ -97,6 +98,8 @@ class ModuleProbe:
         self.recording = self.in_forward = False
         self.outputs: dict[str, Fingerprint] = {}
         self.grads: list[list[Any]] | None = None
+        self.note = ""
+        self.model = prep.model
         self.engine = prep.model if grads == "deepspeed" else None
         self._arm = None
         if self.engine is not None:
@@ -117,7 +120,7 @@ class ModuleProbe:
     def begin_step(self, step: int) -> None:
         """Start a step: record it when it is one of the probed steps."""
         self.recording = step in self.steps
-        self.outputs, self.grads = {}, None
+        self.outputs, self.grads, self.note = {}, None, ""
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -134,6 +137,15 @@ class ModuleProbe:
             return
         if self.mode == "tensors":
             self._capture_grads()
+        elif self.mode == "summon":  # FSDP1 (use_orig_params): the original parameters, gathered with their grads
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            try:
+                with instrumentation(), FullyShardedDataParallel.summon_full_params(self.model, writeback=False,
+                                                                                      with_grads=True):
+                    self._capture_grads()
+            except (AssertionError, ValueError, RuntimeError) as err:  # use_orig_params off: flat parameters only
+                self.note = f"not probed: {err}".splitlines()[0][:200]
         elif self._arm is not None:
             self._arm()
 
@@ -167,6 +179,7 @@ class ModuleProbe:
             if self.grads is not None:
                 fields["grads"] = self.grads
             else:
-                fields["grads_note"] = FLAT_SHARDS if not self.mode else "not probed: the step reduced no gradients"
+                fields["grads_note"] = self.note or (FLAT_SHARDS if not self.mode else
+                                                     "not probed: the step reduced no gradients")
         writer.write(events.PROBE, step=step, **fields)
         self.recording = False
