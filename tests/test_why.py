@@ -138,6 +138,8 @@ def test_a_bf16_reduction_is_found_as_the_reduce_dtype(plain):
     module = res["module"]
     assert (module["step"], module["phase"]) == (0, "backward") and "every forward output matched" in module["finding"]
     assert (plain / "why" / "fsdp2-bf16-reduce" / "round1" / "summary.json").exists()
+    report = (plain / "report.md").read_text()  # the comparison's report, written again with a why section
+    assert "## Why fsdp2-bf16-reduce differs from ddp" in report and "cause: reduce dtype" in report
 
 
 def test_deepspeeds_own_clipping_is_found_as_clipping(plain):

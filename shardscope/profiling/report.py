@@ -18,7 +18,7 @@ from shardscope.profiling.state import RunState
 from shardscope.numbers import not_measured
 from shardscope.outspace import describe, disk_error
 from shardscope.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
-from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, predict_report, recommend, straggler_report, summary, traces
+from shardscope.profiling import divergence, explain_report, framework_fixes, memory_model, plots, predict_report, recommend, straggler_report, summary, traces, why
 from shardscope.numbers import fmt_bytes, median_rate
 from shardscope.profiling.summary import throughput_unit
 
@@ -264,7 +264,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
     out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {})]
-    out.append(recommend.markdown(s.get("recommendation") or {}))
+    out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or "")]
     return "\n".join(x for x in out if x)
 
 
