@@ -246,7 +246,7 @@ def render_markdown(s: dict[str, Any]) -> str:
                      fmt_bytes(r["peak_mem_bytes"]), _num(r["mem_ratio"], "×{:.2f}"),
                      _num(r["loss_max_abs_diff"], "{:.2e}")])
     out.append(_table(["run", "strategy", "ranks", "status", "steps", "final loss", f"median {unit}", "speedup",
-                       "peak mem", "mem ratio", "max |Δloss|"], rows))
+                       *summary.memory_headers(s["runs"]), "max |Δloss|"], rows))
     out.append("Throughput is the median over steps, leaving out step 0 and the profiled steps. ")
     for r in s["runs"]:
         if r.get("fairness_flags"):
