@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from _pilot import wait_for  # noqa: E402
+
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
@@ -159,20 +161,16 @@ def test_app_rank_timing_panel_names_the_straggler(dirs):
     async def go():
         app = build_app(replay_dir=str(dirs["new"]), host=cpu_host())
         async with app.run_test(size=(160, 48)) as pilot:
-            for _ in range(200):
-                if app.board.finished is not None:
-                    break
-                await pilot.pause(0.05)
-            await pilot.pause(0.2)
+            await wait_for(pilot, lambda: app.board.finished is not None and app.screen.query(RankTiming))
             app.screen.select("slow", app.board)
             await pilot.press("t")
-            await pilot.pause(0.2)
             panel = app.screen.query_one(RankTiming)
+            await wait_for(pilot, lambda: panel.display and panel.run == "slow")
             assert panel.display and not app.screen.query_one(LogPane).display
             assert panel.run == "slow" and "rank timing · slow" in str(panel.border_title)
             shown = text(render(app.board.states["slow"]))
             await pilot.press("t")  # back to the console
-            assert not panel.display and app.screen.query_one(LogPane).display
+            await wait_for(pilot, lambda: not panel.display and app.screen.query_one(LogPane).display)
             return shown, text(render(app.board.states["ddp"]))
 
     slow, ddp = asyncio.run(go())

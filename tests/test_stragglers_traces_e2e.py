@@ -15,6 +15,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_diff_stragglers_e2e import MODEL  # noqa: E402
 
+from _pilot import wait_for  # noqa: E402
+
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
@@ -88,16 +90,13 @@ def test_app_card_names_a_straggler_found_in_gpu_traces(run):
     async def go():
         app = build_app(replay_dir=str(out), host=cpu_host())
         async with app.run_test(size=(160, 48)) as pilot:
-            for _ in range(300):
-                if app.board.finished is not None and {"ddp", "slow"} <= set(app.board.analyses):
-                    break
-                await pilot.pause(0.05)
-            await pilot.pause(0.3)
+            await wait_for(pilot, lambda: app.board.finished is not None and {"ddp", "slow"} <= set(app.board.analyses)
+                           and len(app.screen.query(RunCard)) == 2)
             cards = {card.run: card for card in app.screen.query(RunCard)}
             before = {name: str(card.border_subtitle) for name, card in cards.items()}
             app.post_message(CommAnalysed("ddp", {"steps_profiled": 2, "compute_source": "gpu-kernels",
                                                   "per_rank_compute_s": {"0": 0.004, "1": 0.012}}))
-            await pilot.pause(0.5)
+            await wait_for(pilot, lambda: "(trace)" in str(cards["ddp"].border_subtitle))
             return before, {name: str(card.border_subtitle) for name, card in cards.items()}
 
     before, after = asyncio.run(go())

@@ -234,8 +234,8 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
 async def test_too_small_notice_comes_and_goes():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=(70, 20)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, TooSmall))
-        assert "Terminal too small: 70×20" in str(app.screen.query_one("#too-small-text").render())
+        await wait_for(pilot, lambda: isinstance(app.screen, TooSmall)
+                       and "Terminal too small: 70×20" in str(app.screen.query_one("#too-small-text").render()))
         await pilot.resize_terminal(120, 40)
         await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen))
 

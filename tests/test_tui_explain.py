@@ -8,23 +8,19 @@ from shardscope.config import cpu_host
 from shardscope.tui.app import build_app
 from shardscope.tui.screens.dashboard import DashboardScreen
 from shardscope.tui.screens.explainer import ExplainScreen
+from _pilot import wait_for
 
 
 @run_async
 async def test_key_i_opens_the_selected_runs_explainer():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=(160, 48)) as pilot:
-        for _ in range(100):
-            if app.board.finished is not None and isinstance(app.screen, DashboardScreen):
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.3)
-        assert app.screen.selected == "ddp"
+        await wait_for(pilot, lambda: app.board.finished is not None and isinstance(app.screen, DashboardScreen)
+                       and app.screen.selected == "ddp")
         await pilot.press("right")
         assert app.screen.selected == "fsdp2"
         await pilot.press("i")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, ExplainScreen)
+        await wait_for(pilot, lambda: isinstance(app.screen, ExplainScreen) and app.screen.text)
         assert app.screen.text.startswith("# FSDP2")
         assert "run `fsdp2`" in app.screen.text and "predicted" in app.screen.text
         await pilot.press("escape")
@@ -47,13 +43,10 @@ async def test_report_screen_shows_the_recommendation_of_the_summary(tmp_path):
     rec = json.loads((out / "summary.json").read_text())["recommendation"]
     app = build_app(replay_dir=str(out), host=cpu_host())
     async with app.run_test(size=(160, 48)) as pilot:
-        for _ in range(100):
-            if app.board.finished is not None and isinstance(app.screen, DashboardScreen):
-                break
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: app.board.finished is not None and isinstance(app.screen, DashboardScreen))
         await pilot.press("o")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, ReportScreen)
+        await wait_for(pilot, lambda: isinstance(app.screen, ReportScreen)
+                       and "Recommendation" in str(app.screen.query_one("#report-recommendation").render()))
         shown = str(app.screen.query_one("#report-recommendation").render())
         assert "Recommendation" in shown
         for line in rec["lines"] + rec["caveats"]:

@@ -14,6 +14,7 @@ from shardscope.tui.screens.presets import PresetsScreen
 from shardscope.tui.widgets.charts import y_ticks
 from shardscope.numbers import fmt_sig
 from tui_fakes import FIXTURE, run_async
+from _pilot import wait_for
 
 SIZE = (160, 48)
 
@@ -39,9 +40,9 @@ async def test_app_refuses_an_output_directory_that_holds_a_comparison(tmp_path)
 
     app = build_app(host=cpu_host(), source_factory=factory, out_dir=str(out))
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.2)
+        await wait_for(pilot, lambda: app.screen.query("#launch"))
         await pilot.click("#launch")
-        await pilot.pause(0.3)
+        await wait_for(pilot, lambda: "already holds" in str(app.screen.query_one("#preset-error").render()))
         assert isinstance(app.screen, PresetsScreen) and started == []
         message = str(app.screen.query_one("#preset-error").render())
         assert f"{out}: already holds a comparison; choose a new directory" in message
@@ -53,16 +54,13 @@ async def test_app_refuses_an_output_directory_that_holds_a_comparison(tmp_path)
 async def test_device_panel_keeps_last_readings_and_peaks_after_runs_end():
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
     async with app.run_test(size=SIZE) as pilot:
-        for _ in range(100):
-            if app.board.finished is not None:
-                break
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: app.board.finished is not None)
         rss = [st.DeviceSample((st.DeviceReading("ddp rank 0 (process RSS)", "process", used, run="ddp", ranks=(0,)),),
                                "process-rss") for used in (300 * 2**20, 500 * 2**20, 400 * 2**20)]
         later = st.DeviceSample((st.DeviceReading("fsdp2 rank 0 (process RSS)", "process", 200 * 2**20, run="fsdp2",
                                                   ranks=(0,)),), "process-rss")
         app.post_message(UpdatesArrived([*rss, later]))
-        await pilot.pause(0.3)
+        await wait_for(pilot, lambda: "fsdp2 rank 0" in rich_text(app.screen.devices.content))
         text = rich_text(app.screen.devices.content)
         assert "No device samples yet" not in text
         assert "fsdp2 rank 0" in text and "200.0 MiB ↑200.0 MiB" in text
@@ -107,9 +105,9 @@ async def test_app_refuses_a_directory_short_of_space(tmp_path):
 
         app = build_app(host=cpu_host(), source_factory=factory, out_dir=str(point / "out"))
         async with app.run_test(size=SIZE) as pilot:
-            await pilot.pause(0.2)
+            await wait_for(pilot, lambda: app.screen.query("#launch"))
             await pilot.click("#launch")
-            await pilot.pause(0.3)
+            await wait_for(pilot, lambda: " free, " in str(app.screen.query_one("#preset-error").render()))
             assert isinstance(app.screen, PresetsScreen) and started == []
             message = str(app.screen.query_one("#preset-error").render())
             assert " free, the comparison needs about" in message, message
