@@ -47,7 +47,7 @@ os._exit(0)
 
 def once(script: str, calls: int, entries: str) -> float:
     """One torchrun job with the flight recorder at ``entries`` ("0": off); seconds per all-reduce on rank 0."""
-    from shardscope.events import FLIGHT_RECORDER_ENV
+    from shardscope.core.events import FLIGHT_RECORDER_ENV
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", FLIGHT_RECORDER_ENV: entries}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -60,7 +60,7 @@ def once(script: str, calls: int, entries: str) -> float:
 
 def main() -> int:
     """Alternate jobs with the recorder on and off; print medians and the difference."""
-    from shardscope.events import FLIGHT_RECORDER_ENTRIES
+    from shardscope.core.events import FLIGHT_RECORDER_ENTRIES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)

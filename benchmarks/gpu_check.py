@@ -34,9 +34,10 @@ from typing import Any, Iterable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from shardscope import config, events  # noqa: E402  (torch-free)
-from shardscope import registry  # noqa: E402
-from shardscope.numbers import fmt_bytes, median_rate  # noqa: E402  (torch-free; rich only inside functions)
+from shardscope import config
+from shardscope.core import events  # noqa: E402  (torch-free)
+from shardscope.core import registry  # noqa: E402
+from shardscope.core.numbers import fmt_bytes, median_rate  # noqa: E402  (torch-free; rich only inside functions)
 
 NOT = "not measured"
 

@@ -85,8 +85,8 @@ def run_world_size(world_size: int, work: Path) -> Path:
 
 def compare(out: Path) -> list[dict]:
     """Rows of predicted vs measured model-state bytes per run (worst rank)."""
-    from shardscope.profiling import fold
-    from shardscope.profiling.report import memory_section
+    from shardscope.analysis import fold
+    from shardscope.analysis.report import memory_section
 
     comparison = fold.load_comparison(str(out))
     states = fold.replay_states(str(out))

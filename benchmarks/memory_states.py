@@ -31,7 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from _launch import assert_ok, launch, prepare, tiny_comparison  # noqa: E402
 from shardscope.config import ModelSpec, RunSpec  # noqa: E402
-from shardscope import registry  # noqa: E402
+from shardscope.core import registry  # noqa: E402
 
 
 def measure(out: Path, model: ModelSpec, names: list[str], precision: str = "fp32",

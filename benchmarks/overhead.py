@@ -92,9 +92,9 @@ def inner(spec_path: str, pairs: int, warmup: int) -> None:
     """Inside torchrun: interleave bare and instrumented steps; rank 0 writes result.json."""
     import torch
 
-    from shardscope import events
+    from shardscope.core import events
     from shardscope.config import Comparison
-    from shardscope import registry
+    from shardscope.core import registry
     from shardscope.engines import loop, worker
     from shardscope.engines.data import build_batches
     from shardscope.engines.init_weights import load_init

@@ -39,11 +39,11 @@ sys.path.insert(0, str(REPO))
 
 from shardscope import config  # noqa: E402
 from shardscope.config import ConfigError  # noqa: E402
-from shardscope.predictview import load_for  # noqa: E402
+from shardscope.cli.predictview import load_for  # noqa: E402
 from shardscope.presets.files import PRESET_DIR  # noqa: E402
-from shardscope.profiling import predict  # noqa: E402
-from shardscope.profiling.predict_collectives import measure  # noqa: E402
-from shardscope.rundir import load_summary  # noqa: E402
+from shardscope.analysis import predict  # noqa: E402
+from shardscope.analysis.predict_collectives import measure  # noqa: E402
+from shardscope.core.rundir import load_summary  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
 

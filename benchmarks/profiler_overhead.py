@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 def costs(run_dir: str) -> dict:
     """Overhead figures of one run directory from rank 0's step records."""
-    from shardscope.events import read_records
+    from shardscope.core.events import read_records
     from shardscope.profiling import traces
 
     records, _ = read_records(os.path.join(run_dir, "metrics", "rank0.jsonl"))

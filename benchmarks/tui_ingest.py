@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-from shardscope import events
+from shardscope.core import events
 from shardscope.config import RunSpec, cpu_host, dump_json, load_preset
 from shardscope.profiling import state as st
 from shardscope.orchestrator.tail import MetricsTailer

@@ -21,9 +21,9 @@ import os
 import re
 from typing import Any, Callable
 
-from shardscope import batch_follow
-from shardscope import registry  # noqa: F401  (config.registry: the strategy table, for callers)
-from shardscope.numbers import json_ready
+from shardscope.core import batch_follow
+from shardscope.core import registry  # noqa: F401  (config.registry: the strategy table, for callers)
+from shardscope.core.numbers import json_ready
 from shardscope.presets.checks import (  # noqa: F401
     LAYOUT_CHECKS, HostInfo, cpu_has_fp16_isa, cpu_host, validate,
 )
@@ -36,7 +36,7 @@ from shardscope.presets.schema import (  # noqa: F401
     DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
     resolved_world_size,
 )
-from shardscope.rundir import PARTIAL_SUFFIX, RunDir
+from shardscope.core.rundir import PARTIAL_SUFFIX, RunDir
 
 
 def load_preset(

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardscope import config, events
+from shardscope import config
+from shardscope.core import events
 from shardscope.config import Comparison, ModelSpec, ProfileSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from shardscope import events
+from shardscope.core import events
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -80,7 +80,7 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
 def _check_explained_and_recommended(out, summary, stdout):
     """The report and the headless output end with the recommendation; each run is explained with the
     profiled step's collectives, which match the memory model's theory phase by phase."""
-    from shardscope.explainview import explain_dir
+    from shardscope.cli.explainview import explain_dir
 
     report = (out / "report.md").read_text()
     assert "## Each run explained" in report

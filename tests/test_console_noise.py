@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shardscope.console_noise import ConsoleFilter, clean, is_noise
+from shardscope.core.console_noise import ConsoleFilter, clean, is_noise
 from shardscope.orchestrator.tail import ConsoleTailer
-from shardscope.rundir import tail_text
+from shardscope.core.rundir import tail_text
 
 DATA = Path(__file__).parent / "data" / "console-torch2.15"
 NOISE_WORDS = ("gpuGetDeviceCount failed", "] profiler_start", "] profiler_stop")

@@ -188,7 +188,7 @@ def test_step_split_against_the_fault_and_the_step_clock(dirs):
     step add up to the step's own `step_time_s` (perf_counter around the whole step)."""
     import statistics
 
-    from shardscope import events
+    from shardscope.core import events
 
     steps = {}
     for rank in (0, 1):

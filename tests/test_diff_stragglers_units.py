@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shardscope.profiling import diff
+from shardscope.analysis import diff
 from shardscope.profiling.stragglers import StragglerWatch
 
 
@@ -87,8 +87,8 @@ def test_cuda_split_is_shown_and_said_not_judged(tmp_path):
     plot show the split, and say why no straggler is judged, instead of "No straggler"."""
     from PIL import Image
 
-    from shardscope.headless import rank_timing_table
-    from shardscope.profiling import straggler_report
+    from shardscope.cli.headless import rank_timing_table
+    from shardscope.analysis import straggler_report
     from shardscope.profiling.state import RecordsArrived, RunState
 
     st = RunState("ddp", "ddp", 2, 6)
@@ -109,7 +109,7 @@ def test_cuda_split_is_shown_and_said_not_judged(tmp_path):
 
 
 def test_trace_judgement_flags_compute_above_the_peers_median():
-    from shardscope.profiling import straggler_report
+    from shardscope.analysis import straggler_report
     from shardscope.profiling.state import RunState
 
     st = RunState("r", "ddp", 4, 6)

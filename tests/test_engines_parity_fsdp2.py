@@ -12,7 +12,7 @@ import json
 import pytest
 
 from _launch import assert_matches, grad_norms, launch_all, max_abs_diff, tiny_comparison
-from shardscope.profiling.fold import replay_states
+from shardscope.analysis.fold import replay_states
 from shardscope.config import ProfileSpec, RunSpec
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shardscope import events
+from shardscope.core import events
 from shardscope.orchestrator.tail import MetricsTailer
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from shardscope import config
-from shardscope import registry
-from shardscope.profiling import comm_theory, explain, memory_model
+from shardscope.core import registry
+from shardscope.profiling import comm_theory, memory_model
+from shardscope.analysis import explain
 
 HERE = Path(__file__).parent
 SNAPSHOT = HERE / "data" / "explain-fsdp1-ddp-vs-fsdp.md"
@@ -82,14 +83,14 @@ def reported_dir(tmp_path_factory):
     """The recorded replay fixture with its reports written (summary.json with memory figures)."""
     out = tmp_path_factory.mktemp("explain") / "run"
     shutil.copytree(HERE / "data" / "replay-smoke", out)
-    from shardscope.profiling.report import write_reports
+    from shardscope.analysis.report import write_reports
 
     write_reports(str(out))
     return out
 
 
 def test_numbers_of_a_run_directory_equal_its_summary(reported_dir):
-    from shardscope.explainview import explain_dir
+    from shardscope.cli.explainview import explain_dir
 
     summary = json.loads((reported_dir / "summary.json").read_text())
     for name in ("ddp", "fsdp2"):

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from shardscope import events, outspace
+from shardscope.core import events, outspace
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]

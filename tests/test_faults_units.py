@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from shardscope import outspace
+from shardscope.core import outspace
 from shardscope.engines.watchdog import OrchestratorWatch
-from shardscope.liveness import process_alive
+from shardscope.core.liveness import process_alive
 from shardscope.orchestrator import verdict
 
 CONSOLE = """Failures:

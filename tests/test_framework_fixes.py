@@ -8,8 +8,9 @@ import pytest
 
 from shardscope import config
 from shardscope.config import RunSpec
-from shardscope import registry
-from shardscope.profiling import framework_fixes, memory_model, report
+from shardscope.core import registry
+from shardscope.profiling import framework_fixes, memory_model
+from shardscope.analysis import report
 
 
 def _comparison(*runs: RunSpec) -> config.Comparison:

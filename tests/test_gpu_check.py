@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shardscope import config, events
-from shardscope import registry
+from shardscope import config
+from shardscope.core import events
+from shardscope.core import registry
 from shardscope.profiling.state import DeviceReading, DeviceSample
 
 ROOT = Path(__file__).resolve().parent.parent

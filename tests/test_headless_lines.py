@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardscope.headless_run import check_parity
+from shardscope.cli.headless_run import check_parity
 
 
 def test_check_parity_says_a_verdict_for_every_run(capsys):

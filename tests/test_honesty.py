@@ -12,11 +12,12 @@ import sys
 
 import pytest
 
-from shardscope import config, events, numbers
+from shardscope import config
+from shardscope.core import events, numbers
 from shardscope.config import ConfigError, HostInfo
-from shardscope.profiling import fold
+from shardscope.analysis import fold
 from shardscope.profiling import state
-from shardscope.profiling import report, summary
+from shardscope.analysis import report, summary
 
 HOST = HostInfo("cpu", 4, "2 CPU cores", True)
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -149,7 +150,7 @@ def test_vit_report_headers_say_samples_per_second(tmp_path):
     assert "median samples/s" in text and "tok/s" not in text and "tokens/s" not in text
     from rich.console import Console
 
-    from shardscope.headless import comparison_table
+    from shardscope.cli.headless import comparison_table
 
     console = Console(width=240, record=True, file=open(os.devnull, "w"))
     console.print(comparison_table(s))
@@ -272,7 +273,7 @@ def test_on_nonfinite_continue_trains_to_the_end(tmp_path):
 
 
 def test_divergence_locator_names_the_first_nonfinite_layer():
-    from shardscope.profiling import divergence
+    from shardscope.analysis import divergence
 
     nan, inf = float("nan"), float("inf")
     layers = {0: {"grad_norms": {"embed": 1.0, "blocks.0": 2.0, "blocks.1": 3.0}},
@@ -288,7 +289,7 @@ def test_divergence_locator_names_the_first_nonfinite_layer():
 
 
 def test_comm_report_says_why_theory_departs_and_never_prints_unmeasured_zeros():
-    from shardscope.profiling.report import _comm_md
+    from shardscope.analysis.report import _comm_md
 
     run = {"collectives": {}, "per_step": {"step_time_s": 0.01, "compute_time_s": None},
            "comm_bytes_per_step": None,

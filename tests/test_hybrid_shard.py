@@ -9,10 +9,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from shardscope import config, registry
+from shardscope import config
+from shardscope.core import registry
 from shardscope.config import ModelSpec, RunSpec
-from shardscope.profiling import explain, memory_model, report
-from shardscope.report_commands import report_cmd
+from shardscope.analysis import explain, report
+from shardscope.profiling import memory_model
+from shardscope.cli.report_commands import report_cmd
 from tests.test_report_regenerate import make_run_dir
 from tests.test_traces import HYBRID_GROUPS, OTHER_T, _exec, _list_op, _x, write_trace
 

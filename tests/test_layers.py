@@ -2,14 +2,15 @@
 
 Layers (docs/ARCHITECTURE.md), arrows pointing down only:
 
-    views         cli, cli_common, headless_run, report_commands, headless, diffview, explainview,
-                  recommendview, predictview, tui/
+    views         cli/, tui/, __main__
     orchestrator  orchestrator/
-    analysis      profiling/                      rank side   engines/
-    schema        config, registry, events, rundir, numbers, sizes, hf_archs, batch_follow,
-                  outspace, liveness, console_noise, record_wire, presets/
+    analysis      analysis/
+    measure       profiling/                      rank side   engines/
+    schema        config (the presets facade), presets/, core/
 
-The analysis and the rank side sit side by side: neither imports the other.
+The measuring rooms and the rank side sit side by side: neither imports the other. The package root holds
+rooms, and at most three modules beside ``__init__`` and ``__main__``; no room holds more than a quarter of
+the code.
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ from collections import defaultdict
 import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
-VIEWS = {"cli", "cli_common", "headless_run", "report_commands", "headless", "diffview", "explainview",
-         "recommendview", "predictview", "whyview", "tui", "__main__"}
-SCHEMA = {"config", "registry", "events", "rundir", "numbers", "sizes", "hf_archs", "batch_follow", "outspace",
-          "liveness", "console_noise", "record_wire", "presets", "__init__"}
+VIEWS = {"cli", "tui", "__main__"}
+SCHEMA = {"config", "presets", "core", "__init__"}
 # What each layer may import (besides itself).
 ALLOWED = {
     "schema": {"schema"},
     "engines": {"schema"},
     "profiling": {"schema"},
-    "orchestrator": {"schema", "profiling"},
-    "views": {"schema", "profiling", "orchestrator", "views"},
+    "analysis": {"schema", "profiling"},
+    "orchestrator": {"schema", "profiling", "analysis"},
+    "views": {"schema", "profiling", "analysis", "orchestrator", "views"},
 }
 
 
@@ -43,7 +43,7 @@ def layer(room: str) -> str:
         return "views"
     if room in SCHEMA:
         return "schema"
-    if room in ("engines", "profiling", "orchestrator"):
+    if room in ("engines", "profiling", "analysis", "orchestrator"):
         return room
     raise AssertionError(f"shardscope/{room}: not in any layer; add it to tests/test_layers.py and ARCHITECTURE.md")
 
@@ -159,8 +159,8 @@ def test_only_the_cli_imports_the_app():
 def test_the_checker_sees_a_cycle_and_a_wrong_arrow():
     """The checks above can fail: a two-module cycle is found, and an analysis -> orchestrator arrow is flagged."""
     assert cycles({"a", "b", "c"}, {"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-    assert "orchestrator" not in ALLOWED[layer("profiling")]
-    assert layer("cli") == "views" and layer("rundir") == "schema"
+    assert "orchestrator" not in ALLOWED[layer("analysis")] and "analysis" not in ALLOWED[layer("profiling")]
+    assert layer("cli") == "views" and layer("core") == "schema"
 
 
 @pytest.mark.parametrize("command", ["report", "open-nothing"])
@@ -173,7 +173,7 @@ def test_report_loads_no_torch_psutil_or_launcher(tmp_path, command):
     if command == "report":
         call = f"main(['report', {str(out)!r}], standalone_mode=False)"
     else:
-        call = "import shardscope.tui.app, shardscope.profiling.report, shardscope.profiling.diff"
+        call = "import shardscope.tui.app, shardscope.analysis.report, shardscope.analysis.diff"
     code = ("import sys\nfrom shardscope.cli import main\n" + call + "\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'psutil', 'deepspeed') "
             "or m == 'shardscope.orchestrator.launcher')\nprint('LOADED', bad)")
@@ -194,3 +194,26 @@ def test_no_source_file_over_400_lines():
         if n > MAX_LINES:
             long[os.path.relpath(path, PKG)] = n
     assert long == {}, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_root_holds_rooms():
+    """``ls shardscope/`` shows rooms and at most three modules beside ``__init__`` and ``__main__``, and every room
+    says in its ``__init__`` docstring what it owns, what it may import and who imports it."""
+    loose = sorted(f for f in os.listdir(PKG) if f.endswith(".py") and f not in ("__init__.py", "__main__.py"))
+    assert len(loose) <= 3, loose
+    rooms = sorted(d for d in os.listdir(PKG) if os.path.isfile(os.path.join(PKG, d, "__init__.py")))
+    assert {"cli", "core", "analysis", "profiling", "engines", "orchestrator", "presets", "tui"} <= set(rooms)
+    for d in rooms:
+        with open(os.path.join(PKG, d, "__init__.py"), encoding="utf-8") as fh:
+            doc = ast.get_docstring(ast.parse(fh.read())) or ""
+        assert "Owns:" in doc and "May import:" in doc and "Imported by:" in doc, d
+
+
+def test_no_room_holds_more_than_a_quarter_of_the_code():
+    lines: dict[str, int] = defaultdict(int)
+    for mod, path in modules().items():
+        with open(path, encoding="utf-8") as fh:
+            lines[room(mod)] += sum(1 for _ in fh)
+    total = sum(lines.values())
+    big = {r: f"{n / total:.0%}" for r, n in lines.items() if n > total / 4}
+    assert big == {}, big

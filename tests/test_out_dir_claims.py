@@ -113,7 +113,7 @@ def test_report_refuses_a_directory_a_command_still_holds(tmp_path):
 
     out = make_run_dir(tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom shardscope.rundir import RunDir\n"
+        [sys.executable, "-c", "import time\nfrom shardscope.core.rundir import RunDir\n"
          f"print(RunDir({str(out)!r}).lock() or 'held', flush=True)\ntime.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from _launch import assert_ok, grad_norms, launch, max_abs_diff, prepare, tiny_comparison
 from shardscope.config import ModelSpec, RunSpec
-from shardscope import registry
+from shardscope.core import registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.floor]  # every strategy once, end to end, on both ends of the range
 TOLERANCE = {"fsdp2-tp": 1e-4, "deepspeed-autotp": 5e-6}

@@ -7,8 +7,9 @@ import pytest
 from test_traces import GLOO, _x, write_trace
 
 from shardscope import config
-from shardscope import registry
-from shardscope.profiling import comm_theory, explain, phases
+from shardscope.core import registry
+from shardscope.profiling import comm_theory, phases
+from shardscope.analysis import explain
 
 
 @pytest.mark.parametrize("preset", ["ddp-vs-fsdp", "tp-verification", "zero-stages"])

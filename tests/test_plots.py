@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardscope.profiling import plots
+from shardscope.analysis import plots
 
 
 def test_no_two_runs_look_alike():

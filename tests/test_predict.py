@@ -10,11 +10,11 @@ import pytest
 
 from shardscope import config
 from shardscope.config import RunSpec
-from shardscope.profiling import predict, predict_fit
-from shardscope.profiling.predict_devices import device_spec
-from shardscope.profiling.predict_fit import CalibrationRun, CollectiveFit, reference_compute, solve
-from shardscope.profiling.predict_schedule import simulate
-from shardscope.profiling.predict_work import work_of
+from shardscope.analysis import predict, predict_fit
+from shardscope.analysis.predict_devices import device_spec
+from shardscope.analysis.predict_fit import CalibrationRun, CollectiveFit, reference_compute, solve
+from shardscope.analysis.predict_schedule import simulate
+from shardscope.analysis.predict_work import work_of
 
 CPU = config.HostInfo("cpu", 64, "test")
 COLLECTIVES = {k: CollectiveFit(k, 40e-6, bw, 2, 0, 0, None, "measured")

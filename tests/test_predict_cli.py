@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shardscope.rundir import RunDir
+from shardscope.core.rundir import RunDir
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "shardscope.cli"]

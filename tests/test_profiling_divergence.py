@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from shardscope import config, events
+from shardscope import config
+from shardscope.core import events
 from shardscope.config import RunSpec
 from shardscope.profiling.state import RunState
-from shardscope.profiling import divergence
+from shardscope.analysis import divergence
 
 LAYERS = ["tok_emb", "layers.0", "layers.1", "lm_head"]
 
@@ -88,7 +89,7 @@ def test_read_layers_from_rank_files(tmp_path):
 def test_real_pair_fp32_vs_bf16_autocast(tmp_path):
     from tests._launch import assert_ok, launch, prepare, tiny_comparison
 
-    from shardscope.profiling import fold
+    from shardscope.analysis import fold
 
     comparison = tiny_comparison([RunSpec("fp32", "ddp"), RunSpec("bf16", "ddp", precision="bf16-autocast")],
                                  steps=3, parity=True)

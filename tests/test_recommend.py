@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardscope.profiling import recommend
+from shardscope.analysis import recommend
 
 MiB = 2**20
 
@@ -97,8 +97,8 @@ def test_device_memory_refits_the_summary_and_report_of_a_run_directory(tmp_path
     import sys
     from pathlib import Path
 
-    from shardscope.profiling.report import write_reports
-    from shardscope.recommendview import refit
+    from shardscope.analysis.report import write_reports
+    from shardscope.cli.recommendview import refit
 
     out = tmp_path / "run"
     shutil.copytree(Path(__file__).parent / "data" / "replay-smoke", out)

@@ -18,8 +18,8 @@ import pytest
 
 from shardscope.orchestrator import record_server
 from shardscope.orchestrator.record_server import BindError, RecordServer
-from shardscope.record_wire import RecordSender, Unreachable, encode, prove, send_beat
-from shardscope.rundir import RunDir
+from shardscope.core.record_wire import RecordSender, Unreachable, encode, prove, send_beat
+from shardscope.core.rundir import RunDir
 
 SECRET = b"s" * 32
 RUNS = {"ddp": 4, "fsdp": 4}  # two nodes: node 1 holds ranks 2 and 3 of each run

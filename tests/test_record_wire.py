@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from shardscope import record_wire
+from shardscope.core import record_wire
 from shardscope.orchestrator.launcher import free_port
 from shardscope.orchestrator.record_server import RecordServer
-from shardscope.record_wire import (
+from shardscope.core.record_wire import (
     Lines,
     LineTooLong,
     RecordSender,
@@ -27,7 +27,7 @@ from shardscope.record_wire import (
     prove,
     send_beat,
 )
-from shardscope.rundir import RunDir
+from shardscope.core.rundir import RunDir
 
 SECRET = bytes(range(32))
 RUNS = {"ddp": 4, "r": 4, "t": 4}  # with 2 nodes, node 1 holds ranks 2 and 3 of each run

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from shardscope import config, events
+from shardscope import config
+from shardscope.core import events
 from shardscope.config import ModelSpec, ProfileSpec, RunSpec
 from shardscope.profiling import memory_model
-from shardscope.profiling.report import write_reports
+from shardscope.analysis.report import write_reports
 from tests.test_traces import ddp_like_events, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,9 +96,9 @@ def test_report_command_regenerates(tmp_path, shardscope_cmd):
 
 def test_orchestrator_side_modules_do_not_import_torch():
     code = ("import sys\n"
-            "import shardscope.profiling.report, shardscope.profiling.nvml, shardscope.profiling.traces\n"
-            "import shardscope.profiling.memory_model, shardscope.profiling.divergence, shardscope.profiling.estimate\n"
-            "import shardscope.profiling.plots\n"
+            "import shardscope.analysis.report, shardscope.profiling.nvml, shardscope.profiling.traces\n"
+            "import shardscope.profiling.memory_model, shardscope.analysis.divergence, shardscope.profiling.estimate\n"
+            "import shardscope.analysis.plots\n"
             "bad = [m for m in ('torch', 'deepspeed', 'matplotlib') if m in sys.modules]\n"
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -165,7 +166,7 @@ def test_a_comparison_whose_report_failed_exits_1(tmp_path, monkeypatch):
     from shardscope.orchestrator import session_ends
     from shardscope.orchestrator.session import Session
     from shardscope.profiling import state
-    from shardscope.profiling.report import Reports
+    from shardscope.analysis.report import Reports
 
     c = config.validate(config.Comparison(name="fake", runs=[RunSpec("ddp", "ddp")], model=MODEL, steps=2,
                                           global_batch=4))

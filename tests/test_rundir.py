@@ -1,4 +1,4 @@
-"""The run directory: ``shardscope/rundir.py`` alone spells the names of the files and folders under ``<out>``.
+"""The run directory: ``shardscope/core/rundir.py`` alone spells the names of the files and folders under ``<out>``.
 
 A source scan (string constants, docstrings left out) fails when another module names one of them, and
 unit tests pin the paths ``RunDir`` / ``RunFiles`` give.
@@ -12,13 +12,13 @@ import re
 
 import pytest
 
-from shardscope import rundir
-from shardscope.rundir import RunDir, RunFiles
+from shardscope.core import rundir
+from shardscope.core.rundir import RunDir, RunFiles
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shardscope")
 
 # The one module allowed to spell file names under <out>. Nothing else may join it.
-ALLOWED = {"rundir.py"}
+ALLOWED = {"core/rundir.py"}
 
 # A file name under <out>, anywhere in a string (f-string pieces included).
 FILE_NAME = re.compile(
@@ -81,7 +81,7 @@ def test_only_rundir_names_files_under_out():
             continue
         with open(path, encoding="utf-8") as fh:
             wrong += [f"shardscope/{rel}:{hit}" for hit in file_name_literals(fh.read())]
-    assert wrong == [], "name these through shardscope/rundir.py (RunDir / RunFiles):\n" + "\n".join(wrong)
+    assert wrong == [], "name these through shardscope/core/rundir.py (RunDir / RunFiles):\n" + "\n".join(wrong)
 
 
 def test_the_scan_can_fail():

@@ -1,5 +1,5 @@
 """One sum, one function: the median throughput, the loss difference at common steps, the byte
-formatter and the clip coefficient are computed once (``shardscope/numbers.py``,
+formatter and the clip coefficient are computed once (``shardscope/core/numbers.py``,
 ``engines/global_grad.py``) and every view agrees on the same records."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from shardscope import numbers
+from shardscope.core import numbers
 from shardscope.config import load_preset
-from shardscope.profiling import diff, divergence, summary
+from shardscope.analysis import diff, divergence, summary
 from shardscope.profiling import state as st
 from shardscope.tui.board import Board
 from shardscope.tui.screens.report import live_summary
@@ -55,7 +55,7 @@ def test_loop_end_record_median_equals_the_summary_of_its_step_records(tmp_path)
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from shardscope import events
+    from shardscope.core import events
     from shardscope.engines.api import Prepared, RankContext, TrainSettings
     from shardscope.engines.loop import LoopConfig, train
     from shardscope.engines.optim import optimizer_clip_and_step
@@ -117,7 +117,7 @@ def test_one_byte_formatter():
     assert numbers.fmt_bytes(None, missing="?") == "?"
     from shardscope.profiling import estimate, phases
     from shardscope.tui import format as tui_format
-    import shardscope.headless as headless
+    import shardscope.cli.headless as headless
 
     assert estimate.fmt_bytes is headless.fmt_bytes is tui_format.human_bytes is numbers.fmt_bytes
     assert phases._bytes(1.5021 * 2**20) == "1.502 MiB" and phases._bytes(None) == "?"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardscope import events
+from shardscope.core import events
 
 sys.path.insert(0, os.path.dirname(__file__))
 from slurm_cluster import LocalSlurm, SlurmUnavailable  # noqa: E402

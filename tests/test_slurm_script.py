@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from shardscope.orchestrator import devices, launcher, slurm
-from shardscope.profiling import root_cause
+from shardscope.analysis import root_cause
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-from shardscope import config, events
+from shardscope import config
+from shardscope.core import events
 from shardscope.config import HostInfo
 from shardscope.orchestrator import replay
-from shardscope.profiling import fold
+from shardscope.analysis import fold
 from shardscope.profiling import state
-from shardscope.profiling import summary
+from shardscope.analysis import summary
 
 HOST = HostInfo("cpu", 4, "2 CPU cores", True)
 

@@ -120,7 +120,7 @@ def test_presets_validate_on_a_cpu_host(preset):
     comparison = config.load_preset(preset, host=config.cpu_host())
     assert "?" in comparison.description  # each preset's description is the question it answers
     if preset == "parity":
-        from shardscope import registry
+        from shardscope.core import registry
 
         assert comparison.parity and comparison.precision == "fp32" and comparison.steps == 20
         assert {r.strategy for r in comparison.runs} == {n for n in registry.names() if not registry.get(n).gpu_only}

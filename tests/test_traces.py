@@ -263,7 +263,7 @@ def test_gpu_traces_name_the_rank_whose_kernels_take_longer(tmp_path):
     """GPU traces (kernel events): each rank's compute is its non-NCCL kernel time, so rank 0's long NCCL kernel
     (it waits there for rank 1, whose gemm takes 3x longer) is not compute; the report's trace judgement names
     rank 1. CPU traces give the figures but no judgement (operator wall time includes descheduling)."""
-    from shardscope.profiling import straggler_report
+    from shardscope.analysis import straggler_report
     from shardscope.profiling.state import RunState
 
     nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

@@ -191,7 +191,7 @@ async def test_threaded_source_posts_batches_to_the_ui_thread():
 
 
 def _all_records():
-    from shardscope.events import read_records
+    from shardscope.core.events import read_records
 
     for run in ("ddp", "fsdp2", "fsdp2-fault"):
         for rank in (0, 1):

@@ -34,7 +34,7 @@ async def test_report_screen_shows_the_recommendation_of_the_summary(tmp_path):
     import json
     import shutil
 
-    from shardscope.profiling.report import write_reports
+    from shardscope.analysis.report import write_reports
     from shardscope.tui.screens.report import ReportScreen
 
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ from shardscope.tui.app import build_app
 from shardscope.tui.messages import UpdatesArrived
 from shardscope.tui.screens.presets import PresetsScreen
 from shardscope.tui.widgets.charts import y_ticks
-from shardscope.numbers import fmt_sig
+from shardscope.core.numbers import fmt_sig
 from tui_fakes import FIXTURE, run_async
 from _pilot import wait_for
 

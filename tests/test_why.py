@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardscope import events
+from shardscope.core import events
 from shardscope.config import cpu_host
 from tui_fakes import run_async
 

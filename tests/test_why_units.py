@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from shardscope import config, registry
+from shardscope import config
+from shardscope.core import registry
 from shardscope.config import ConfigError, ModelSpec, ProfileSpec, RunSpec
-from shardscope.profiling import why, why_probe, why_variants
-from shardscope.profiling.why import Plan
+from shardscope.analysis import why, why_probe, why_variants
+from shardscope.analysis.why import Plan
 
 F32 = {"precision": {"policy": "fp32", "param": "float32", "compute": "float32", "reduce": "float32",
                      "master": "float32", "loss_scaling": "false"}}
@@ -182,7 +183,7 @@ def test_fingerprints_see_rounding_that_norms_hide():
 
 
 def test_why_keeps_its_files_under_the_comparison(tmp_path):
-    from shardscope.rundir import RunDir
+    from shardscope.core.rundir import RunDir
 
     out = RunDir(str(tmp_path))
     assert out.why_dir("r") == str(tmp_path / "why" / "r")

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from shardscope import events
+from shardscope.core import events
 from shardscope.config import Comparison, resolved_options, resolved_precision, resolved_world_size
 from shardscope.profiling import state as st
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from shardscope.outspace import filesystem_problem
-from shardscope.rundir import RunFiles, tb_worker
+from shardscope.core.outspace import filesystem_problem
+from shardscope.core.rundir import RunFiles, tb_worker
 
 
 class ProfilerWindow:

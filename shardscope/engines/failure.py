@@ -6,7 +6,7 @@ on it (a disk fault stops the comparison: the next run would fail the same way).
 
 from __future__ import annotations
 
-from shardscope import outspace
+from shardscope.core import outspace
 
 OOM, DISK, ERROR = "oom", "disk", "error"
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")

@@ -25,7 +25,7 @@ from shardscope.engines import memory_accounting, norms
 from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import blocks_of, parallelize
-from shardscope.registry import split_data_parallel
+from shardscope.core.registry import split_data_parallel
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
 

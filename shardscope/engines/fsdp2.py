@@ -24,7 +24,7 @@ from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, Train
 from shardscope.engines.optim import make_optimizer, optimizer_clip_and_step
 from shardscope.engines.parallelize import blocks_of, parallelize
 from shardscope.engines.precision import option_dtype
-from shardscope.registry import split_data_parallel
+from shardscope.core.registry import split_data_parallel
 
 
 def mixed_precision(options: dict[str, Any], policy: PrecisionPolicy) -> MixedPrecisionPolicy:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardscope.hf_archs import ARCHS
+from shardscope.core.hf_archs import ARCHS
 
 
 def hf_config(spec: Any) -> Any:

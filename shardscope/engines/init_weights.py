@@ -22,7 +22,7 @@ from safetensors.torch import load_model, save_model
 
 from shardscope.config import Comparison
 from shardscope.engines.model import build_model
-from shardscope.rundir import COMPARISON, INIT_WEIGHTS, PARTIAL_SUFFIX
+from shardscope.core.rundir import COMPARISON, INIT_WEIGHTS, PARTIAL_SUFFIX
 
 
 def save_init(model: torch.nn.Module, comparison: Comparison, path: str) -> None:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from shardscope import events
-from shardscope.numbers import median_rate
+from shardscope.core import events
+from shardscope.core.numbers import median_rate
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.data import Batch
 from shardscope.engines.faults import Fault
@@ -41,7 +41,7 @@ from shardscope.engines.step_clock import CudaStepClock, StepClock, step_clock
 from shardscope.engines.comm_count import CountWindow, instrumentation
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.engines.module_probe import ModuleProbe
-from shardscope.events import PHASE_MARKERS
+from shardscope.core.events import PHASE_MARKERS
 
 
 @dataclass

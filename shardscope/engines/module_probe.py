@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from shardscope import events
+from shardscope.core import events
 from shardscope.engines.api import Prepared, RankContext
 from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.global_grad import full_value

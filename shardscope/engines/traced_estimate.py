@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardscope.config import Comparison
-from shardscope import registry
+from shardscope.core import registry
 from shardscope.engines.api import RankContext
 from shardscope.engines.data import build_batches
 from shardscope.engines.loop import loss_fn, loop_autocast_dtype

@@ -20,8 +20,8 @@ import signal
 import threading
 import time
 
-from shardscope.events import ORCHESTRATOR_ENV, PREVIOUS_RUN_ENV
-from shardscope.liveness import process_alive
+from shardscope.core.events import ORCHESTRATOR_ENV, PREVIOUS_RUN_ENV
+from shardscope.core.liveness import process_alive
 
 
 def _thread_alive(pid: int, tid: int) -> bool:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardscope import events, record_wire
+from shardscope.core import events, record_wire
 from shardscope.config import Comparison
-from shardscope import registry
+from shardscope.core import registry
 from shardscope.engines.api import RankContext, TrainSettings
 from shardscope.engines import failure
 from shardscope.engines.data import build_batches
@@ -47,7 +47,7 @@ from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.engines.stall_dump import StallDump
-from shardscope.rundir import SPEC, RunFiles
+from shardscope.core.rundir import SPEC, RunFiles
 
 _T_IMPORTED = time.time()
 EXIT_FAILED, EXIT_STOPPED = 1, 143

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from shardscope.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
+from shardscope.core.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
 
 

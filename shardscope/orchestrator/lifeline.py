@@ -30,8 +30,8 @@ from typing import Any, Callable
 import psutil
 
 from shardscope.config import dump_json
-from shardscope.events import ORCHESTRATOR_ENV
-from shardscope.rundir import RunDir
+from shardscope.core.events import ORCHESTRATOR_ENV
+from shardscope.core.rundir import RunDir
 
 _PR_SET_PDEATHSIG = 1
 

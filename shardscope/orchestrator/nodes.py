@@ -16,8 +16,8 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
-from shardscope.record_wire import secret_from_env, send_beat
-from shardscope.rundir import RunDir
+from shardscope.core.record_wire import secret_from_env, send_beat
+from shardscope.core.rundir import RunDir
 
 
 def owns_verdict(node_rank: int) -> bool:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shardscope import outspace
+from shardscope.core import outspace
 from shardscope.config import Comparison, resolved_world_size
 from shardscope.profiling.memory_model import param_count
-from shardscope.rundir import RunDir
+from shardscope.core.rundir import RunDir
 
 
 def claim_out_dir(out_dir: str, node_rank: int = 0, run_names: list[str] | tuple[str, ...] = ()) -> str:

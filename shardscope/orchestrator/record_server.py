@@ -1,7 +1,7 @@
 """Node 0's record server: other nodes' ranks send their records here when no filesystem is shared.
 
 Each record line is appended to ``<out>/<run>/metrics/rank<R>.jsonl`` in node 0's output directory, in
-sequence order, exactly once (protocol: ``shardscope/record_wire.py``); heartbeats of other nodes'
+sequence order, exactly once (protocol: ``shardscope/core/record_wire.py``); heartbeats of other nodes'
 orchestrators become ``nodes/node<N>.json``; the session, verdicts and reports read those files.
 
 Who gets in. The server listens only on the address it is given: the endpoint's host, or ``bind`` when the
@@ -45,9 +45,9 @@ from typing import Any
 
 from shardscope.config import dump_json
 from shardscope.presets.schema import NAME_RE
-from shardscope.record_wire import (HELLO_MAX_BYTES, MAX_LINE_BYTES, MIN_SECRET_BYTES, Lines, LineTooLong, encode,
+from shardscope.core.record_wire import (HELLO_MAX_BYTES, MAX_LINE_BYTES, MIN_SECRET_BYTES, Lines, LineTooLong, encode,
                                    parse_endpoint, proven)
-from shardscope.rundir import RunDir
+from shardscope.core.rundir import RunDir
 
 IDLE_TIMEOUT_S = 30.0  # no complete message for this long: the connection is closed (senders ping at a third)
 HANDSHAKE_TIMEOUT_S = 10.0  # from accept to an admitted hello or beat

@@ -14,7 +14,7 @@ from typing import Callable
 
 from shardscope.orchestrator.completion import Completion
 from shardscope.profiling import state
-from shardscope.profiling.fold import load_comparison, replay_updates
+from shardscope.analysis.fold import load_comparison, replay_updates
 from shardscope.profiling.state import Update
 
 

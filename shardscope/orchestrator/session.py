@@ -21,9 +21,10 @@ import time
 import weakref
 from typing import Callable
 
-from shardscope import config, outspace
+from shardscope import config
+from shardscope.core import outspace
 from shardscope.config import Comparison, dump_json
-from shardscope import record_wire
+from shardscope.core import record_wire
 from shardscope.orchestrator.record_server import RecordServer
 from shardscope.orchestrator import launcher, lifeline, nodes, verdict
 from shardscope.profiling import state
@@ -33,7 +34,7 @@ from shardscope.profiling.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
 from shardscope.orchestrator.session_ends import SessionEnds
 from shardscope.orchestrator.supervision import RunSupervision, _Active
-from shardscope.rundir import STATUS, RunDir
+from shardscope.core.rundir import STATUS, RunDir
 
 Subscriber = Callable[[list[Update]], None]
 _LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # sessions started in this process

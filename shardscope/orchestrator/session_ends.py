@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 
-from shardscope.record_wire import Refused, secret_from_env, send_beat
-from shardscope import outspace
+from shardscope.core.record_wire import Refused, secret_from_env, send_beat
+from shardscope.core import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog
 from shardscope.profiling import state
-from shardscope.profiling.report import write_reports
+from shardscope.analysis.report import write_reports
 
 
 class SessionEnds:

@@ -25,7 +25,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from shardscope.rundir import SUMMARY
+from shardscope.core.rundir import SUMMARY
 
 # Ports of a job: 21000 + 32 * (job id mod 300), below Linux's ephemeral range (32768+). The first is kept
 # for node 0's record server (records over TCP, not built yet); run i's rendezvous uses the next plus i.

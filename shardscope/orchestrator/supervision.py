@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from shardscope.orchestrator import launcher, nodes, stall_verdict, verdict
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
 from shardscope.profiling import state
-from shardscope.profiling.root_cause import is_secondary, root_cause
-from shardscope.rundir import tail_text
+from shardscope.analysis.root_cause import is_secondary, root_cause
+from shardscope.core.rundir import tail_text
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardscope.events import LineDecoder
-from shardscope.console_noise import ConsoleFilter
-from shardscope.rundir import rank_record_files, record_file_rank
+from shardscope.core.events import LineDecoder
+from shardscope.core.console_noise import ConsoleFilter
+from shardscope.core.rundir import rank_record_files, record_file_rank
 
 MAX_READ = 4 << 20  # bytes read from one file per poll, so one huge burst cannot stall the others
 

@@ -20,7 +20,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from shardscope import outspace
+from shardscope.core import outspace
 
 OOM, DISK, ERROR = "oom", "disk", "error"  # the same causes a rank's error record carries
 RENDEZVOUS = "rendezvous"  # this node's torchrun could not host the rendezvous: a local cause, no rank started

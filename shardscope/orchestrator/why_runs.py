@@ -1,6 +1,6 @@
 """Runs ``shardscope why``'s rounds as real comparisons and writes its result.
 
-Each round is a comparison of its own under ``DIR/why/<run>/round<k>/`` (``profiling/why_variants.py`` builds
+Each round is a comparison of its own under ``DIR/why/<run>/round<k>/`` (``analysis/why_variants.py`` builds
 it), run by a ``Session`` like any other: round 1 holds the baseline and the run as they are (module probe on)
 and one variant per suspect; round 2, only when no single change closes the gap, the baseline and pairs. The
 rounds load ``DIR/init.safetensors`` (linked, else copied; without it the first run writes the same weights from
@@ -19,9 +19,10 @@ from typing import Any, Callable
 from shardscope import config
 from shardscope.config import ConfigError, dump_json
 from shardscope.orchestrator.preflight import claim_out_dir
-from shardscope.profiling import state, why, why_variants
-from shardscope.profiling.why import Plan, WhyError
-from shardscope.rundir import RunDir, read_json_or_none
+from shardscope.profiling import state
+from shardscope.analysis import why, why_variants
+from shardscope.analysis.why import Plan, WhyError
+from shardscope.core.rundir import RunDir, read_json_or_none
 
 Progress = Callable[[str], None]
 
@@ -165,7 +166,7 @@ class WhyRunner:
 
     def _refresh_report(self) -> None:
         """The comparison's report again, so its report.md carries the why section."""
-        from shardscope.profiling.report import write_reports
+        from shardscope.analysis.report import write_reports
 
         done = write_reports(self.plan.out_dir)
         if getattr(done, "failed", ""):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardscope.record_wire import parse_endpoint
-from shardscope import registry
+from shardscope.core.record_wire import parse_endpoint
+from shardscope.core import registry
 from shardscope.presets.files import ConfigError
 from shardscope.presets.schema import (
     DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
@@ -225,7 +225,7 @@ def _check_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str
         if c.model.n_heads % tp or c.model.d_ff % tp:
             return f"tp = {tp} must divide model.n_heads = {c.model.n_heads} and model.d_ff = {c.model.d_ff}"
     if c.model.kind == "hf":
-        from shardscope.hf_archs import ARCHS  # torch-free table
+        from shardscope.core.hf_archs import ARCHS  # torch-free table
 
         arch = ARCHS[c.model.hf_arch]
         if arch["num_attention_heads"] % tp or arch["num_key_value_heads"] % tp:

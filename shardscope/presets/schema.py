@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardscope import batch_follow
-from shardscope import registry
-from shardscope.hf_archs import ARCHS as HF_ARCH_VALUES
+from shardscope.core import batch_follow
+from shardscope.core import registry
+from shardscope.core.hf_archs import ARCHS as HF_ARCH_VALUES
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")

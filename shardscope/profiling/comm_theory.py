@@ -32,7 +32,7 @@ import math
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
-from shardscope import registry
+from shardscope.core import registry
 from shardscope.profiling.memory_model import (
     ARCHS,
     FLAT_VIEW_ALIGN,

@@ -14,9 +14,9 @@ import tempfile
 from typing import Any
 
 from shardscope import config
-from shardscope.numbers import fmt_bytes
+from shardscope.core.numbers import fmt_bytes
 from shardscope.config import Comparison
-from shardscope import registry
+from shardscope.core import registry
 from shardscope.profiling import memory_model
 
 

@@ -12,9 +12,9 @@ import dataclasses
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec, resolved_options
-from shardscope import registry
+from shardscope.core import registry
 from shardscope.profiling import memory_model
-from shardscope.numbers import fmt_bytes
+from shardscope.core.numbers import fmt_bytes
 
 
 def fixes_on(run: RunSpec) -> list[str]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec, resolved_options, resolved_precision, resolved_world_size
-from shardscope import registry
-from shardscope.hf_archs import ARCHS
+from shardscope.core import registry
+from shardscope.core.hf_archs import ARCHS
 # The shapes live in param_shapes; callers read them through this module too.
 from shardscope.profiling.param_shapes import (  # noqa: F401
     PARAM_SHAPES,

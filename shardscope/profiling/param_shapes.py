@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from shardscope.config import ModelSpec
-from shardscope.hf_archs import ARCHS
+from shardscope.core.hf_archs import ARCHS
 
 # Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1
 # (bias replicated), absent = replicated. Megatron-style plan for attention and MLP projections.

@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shardscope.events import PHASE_MARKERS
-from shardscope.numbers import fmt_bytes
+from shardscope.core.events import PHASE_MARKERS
+from shardscope.core.numbers import fmt_bytes
 
 PHASES = ("forward", "backward", "step")
 _LAYER = re.compile(rb"layers\.(\d+)")
@@ -40,7 +40,7 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     None where the runtime's bucketing decides it (DDP, ZeRO).
     """
     from shardscope import config
-    from shardscope import registry
+    from shardscope.core import registry
     from shardscope.profiling import memory_model
 
     by_type = dict(theory.get("by_type") or {})

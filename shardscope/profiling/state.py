@@ -4,7 +4,7 @@ The orchestrator (or a replay of a run directory) publishes batches of ``Update`
 subscribers: the session from its own thread, device samples from the sampler's thread, a replay
 from its thread. Each view keeps its own ``RunState`` per run and folds updates into it with
 ``fold`` (``RunState.apply`` per update) — the same fold for the headless printer, the Textual app
-and the report (``profiling/fold.py`` after the fact), so they can never disagree. Nothing here
+and the report (``analysis/fold.py`` after the fact), so they can never disagree. Nothing here
 imports torch or textual.
 """
 
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from shardscope import events
-from shardscope.numbers import median_rate
+from shardscope.core import events
+from shardscope.core.numbers import median_rate
 from shardscope.profiling.loss_fold import LossMean
 from shardscope.profiling.stragglers import StragglerWatch
 

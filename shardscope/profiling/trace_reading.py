@@ -41,7 +41,7 @@ from shardscope.profiling.collectives import (
 )
 from shardscope.profiling.collectives import launches as collective_launches
 from shardscope.profiling.intervals import subtract, union
-from shardscope.rundir import RunFiles
+from shardscope.core.rundir import RunFiles
 
 _X_EVENT = re.compile(
     rb'"ph":\s*"X",\s*"cat":\s*"([^"]*)",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*("?[^,"]*"?),'

@@ -36,7 +36,7 @@ from typing import Any
 from shardscope.profiling.collectives import dtype_bytes
 from shardscope.profiling.intervals import clip, length, overlap, union
 from shardscope.profiling.trace_merge import write_merged_trace
-from shardscope.rundir import RunFiles, read_json_or_none
+from shardscope.core.rundir import RunFiles, read_json_or_none
 from shardscope.profiling.trace_reading import (
     RankTrace,
     load_rank_trace,

@@ -31,7 +31,7 @@ from textual.screen import Screen
 from shardscope.config import Comparison, ConfigError, load_preset
 from shardscope.orchestrator.preflight import check_space, claim_out_dir
 from shardscope.profiling.state import Update
-from shardscope.rundir import SCREENSHOT, RunDir
+from shardscope.core.rundir import SCREENSHOT, RunDir
 from shardscope.tui import source as sources
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path
@@ -181,7 +181,7 @@ class ShardscopeApp(App):
         analysis = message.analysis
         state = self.board.states.get(message.run)
         if not analysis.get("collectives") and self.comparison is not None and state is not None:
-            from shardscope.profiling.report import comm_not_measured_reason
+            from shardscope.analysis.report import comm_not_measured_reason
 
             analysis = {**analysis, "not_measured": comm_not_measured_reason(self.comparison, state, state.run_dir)}
         self.board.analyses[message.run] = analysis

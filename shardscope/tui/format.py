@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from shardscope.profiling.state import STATUS_STYLE  # noqa: F401  (one style per status, in state.py)
-from shardscope.numbers import fmt_bytes as human_bytes  # noqa: F401  (one byte formatter for the project)
+from shardscope.core.numbers import fmt_bytes as human_bytes  # noqa: F401  (one byte formatter for the project)
 
 # One colour per run, in definition order: used by cards, chart lines and legends alike.
 RUN_COLOURS = ("#4fc1ff", "#ffa94d", "#69db7c", "#f783ac", "#b197fc", "#ffd43b", "#63e6be", "#ff6b6b")

@@ -62,7 +62,7 @@ def host_info() -> HostInfo:
 
 def read_comparison(out_dir: str) -> Comparison | None:
     """Return the Comparison recorded in ``<out>/comparison.json``, or None if it cannot be read."""
-    from shardscope.profiling.fold import load_comparison
+    from shardscope.analysis.fold import load_comparison
 
     try:
         return load_comparison(out_dir)

@@ -15,7 +15,7 @@ from textual.containers import Horizontal, HorizontalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from shardscope.profiling import straggler_report
+from shardscope.analysis import straggler_report
 from shardscope.profiling.state import STATUSES
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, run_colour

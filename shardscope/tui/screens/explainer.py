@@ -11,8 +11,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
 from shardscope.config import Comparison
-from shardscope.profiling import explain
-from shardscope.rundir import read_summary
+from shardscope.analysis import explain
+from shardscope.core.rundir import read_summary
 
 
 def explanation_for(comparison: Comparison, run: str, out_dir: str | None) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from shardscope.numbers import fmt_sig, median_rate
-from shardscope.profiling import recommend
-from shardscope.profiling.summary import memory_headers, on_gpu, throughput_unit
-from shardscope.rundir import SUMMARY, RunDir, read_summary
+from shardscope.core.numbers import fmt_sig, median_rate
+from shardscope.analysis import recommend
+from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
+from shardscope.core.rundir import SUMMARY, RunDir, read_summary
 from shardscope.tui.board import Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
 

@@ -18,8 +18,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown, Static
 
 from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
-from shardscope.profiling import why
-from shardscope.profiling.why import WhyError
+from shardscope.analysis import why
+from shardscope.analysis.why import WhyError
 
 
 class WhyProgress(Message):

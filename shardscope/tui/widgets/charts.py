@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from textual_plotext import PlotextPlot
 
-from shardscope.numbers import common_steps, fmt_sig
+from shardscope.core.numbers import common_steps, fmt_sig
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import rgb
 

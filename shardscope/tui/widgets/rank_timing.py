@@ -1,6 +1,6 @@
 """The selected run's per-rank step timing: medians per rank (ms) and the stragglers flagged so far.
 
-The same figures as the report's "Per-rank step timing" table (``profiling/straggler_report.py``),
+The same figures as the report's "Per-rank step timing" table (``analysis/straggler_report.py``),
 live: the fold keeps every rank's split in ``RunState.stragglers``. Shown in place of the console
 (key ``t``); refreshed at most once a second, since the medians walk every step the run recorded.
 """
@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from shardscope.profiling import straggler_report
+from shardscope.analysis import straggler_report
 from shardscope.profiling.state import RunState
 
 REFRESH_S = 1.0

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.profiling.state import RunState
-from shardscope.profiling.summary import on_gpu
+from shardscope.analysis.summary import on_gpu
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
 from shardscope.tui.messages import RunSelected
 

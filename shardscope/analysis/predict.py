@@ -1,0 +1,215 @@
+"""Step time, tokens/s and peak memory of every run of a comparison, predicted from a machine model.
+
+``calibrate(dirs)`` fits a ``predict_fit.MachineModel`` on finished comparisons of this machine and
+predicts each calibration run back (its own fit error); ``predict_comparison(c, model)`` predicts every
+run of ``c``: its work (``predict_work``), this machine's compute per phase with the strategy's
+measured framework overhead, its collectives played out on its schedule (``predict_schedule``), the
+loop's rest, and the memory model's peak. ``device=`` turns it into a what-if on a GPU of the table
+(``predict_devices``). A run the model cannot support gets ``why`` and null figures, never a guess.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from shardscope.config import Comparison, RunSpec
+from shardscope.profiling import memory_model
+from shardscope.analysis.predict_devices import ADAMW_BYTES_PER_ELEMENT, ASSUMED_MFU, DeviceSpec
+from shardscope.analysis.predict_fit import (
+    PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, fit, slowdown, read_calibration, reference_compute,
+    ring_steps, bus_factor,
+)
+from shardscope.analysis.predict_schedule import simulate
+from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
+
+FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
+
+
+def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | None = None,
+              collectives: list[tuple[str, float, float, int]] | None = None) -> MachineModel:
+    """Fit the machine on the finished comparisons ``out_dirs`` (only the runs in ``only`` when given; plus
+    ``collectives`` timed apart) and record, in ``fit_error["runs"]``, each calibration run's step time
+    predicted back against its measurement.
+
+    Raises NotPredicted when no run can calibrate, OSError/ValueError when a directory is not a comparison.
+    """
+    runs = read_calibration(out_dirs, only)
+    model = fit(runs, cores, collectives)
+    errors = {}
+    for r in runs:
+        if r.why_not or r.work is None or not r.step_s:
+            continue
+        try:
+            got = _predict_work(r.work, model, None)
+        except NotPredicted:
+            continue
+        key = r.name if len(out_dirs) == 1 else f"{os.path.basename(os.path.normpath(r.out_dir))}/{r.name}"
+        errors[key] = {"predicted_step_s": got["step_time_s"], "measured_step_s": r.step_s,
+                       "error": got["step_time_s"] / r.step_s - 1}
+    model.fit_error["runs"] = errors
+    return model
+
+
+def _overhead(w: Work, model: MachineModel) -> tuple[dict[str, float], str]:
+    """The strategy's framework overhead per phase (seconds per parameter tensor), and a note when it is
+    not its own."""
+    if w.strategy in model.overhead:
+        return model.overhead[w.strategy], ""
+    if w.family in model.family_overhead:
+        return model.family_overhead[w.family], (f"framework overhead not calibrated for {w.strategy}: its "
+                                                 f"family's ({w.family}) taken")
+    return dict.fromkeys(PHASE_KEYS, 0.0), (f"framework overhead not calibrated for {w.strategy} (no {w.family} "
+                                            "run in the calibration): none counted, so its step time is a lower "
+                                            "bound and its tokens/s an upper bound")
+
+
+def _device_comm(device: DeviceSpec) -> Any:
+    """Collective time on the device table: a ring inside a node, a tree's log2(nodes) hops across nodes (NCCL
+    picks trees for latency at scale) for the latency; the bandwidth term at the slowest link's bus bandwidth."""
+    def seconds(kind: str, nbytes: float, n: int) -> float:
+        """One collective's seconds on the device table."""
+        if n <= 1:
+            return 0.0
+        busbw, latency, _ = device.link(n)
+        nodes = math.ceil(n / device.gpus_per_node)
+        steps = ring_steps(kind, min(n, device.gpus_per_node)) + (2 * math.ceil(math.log2(nodes)) if nodes > 1 else 0)
+        return latency * steps + nbytes * bus_factor(kind, n) / busbw
+    return seconds
+
+
+def _what_if_compute(w: Work, model: MachineModel | None, device: DeviceSpec) -> tuple[dict[str, float], list[str]]:
+    """Compute per phase on ``device``: FLOPs at a fraction of its peak, the optimizer at HBM bandwidth."""
+    peak = device.fp32_flops if _compute_bytes(w.precision) == 4 else device.bf16_flops
+    notes = [f"{device.name}: {'fp32 (TF32 off, torch default)' if _compute_bytes(w.precision) == 4 else 'bf16'} "
+             f"peak {peak / 1e12:g} TFLOP/s"]
+    mfu = ASSUMED_MFU
+    if model is not None and model.backend == "nccl":
+        from shardscope.profiling.traces import peak_flops
+
+        cal_peak = peak_flops(model.device_name)
+        per_flop = model.coefficients["forward"].get("per_flop_s")
+        if cal_peak and per_flop:
+            mfu = min(1.0, 1.0 / per_flop / cal_peak)
+            notes.append(f"compute at the calibration GPU's measured {mfu:.0%} of peak")
+    if mfu == ASSUMED_MFU:
+        notes.append(f"compute at an assumed {ASSUMED_MFU:.0%} of peak (not measured: the calibration ran on "
+                     f"{model.backend if model else 'no'} {'CPU' if model and model.backend == 'gloo' else 'device'})")
+    rate = peak * mfu
+    fwd = w.fwd_flops / rate
+    bwd = w.bwd_flops / rate + (fwd if w.activation_checkpointing else 0.0)
+    opt = w.optim_elements * ADAMW_BYTES_PER_ELEMENT / device.hbm_Bps
+    return {"forward": fwd, "backward": bwd, "optimizer": opt}, notes
+
+
+def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None) -> dict[str, Any]:
+    notes: list[str] = []
+    bound = None  # "upper": tokens/s is an upper bound (framework overhead not calibrated, none counted)
+    if device is not None:
+        comp, notes = _what_if_compute(w, model, device)
+        reference = dict(comp)
+        comm, overlap, rest = _device_comm(device), True, 0.0
+        if w.world_size > 1:
+            _, _, link = device.link(w.dp)
+            notes.append(f"collectives over {link}")
+    else:
+        assert model is not None
+        if _compute_bytes(w.precision) not in model.compute_bytes:
+            raise NotPredicted(f"precision {w.precision!r} computes in "
+                               f"{'fp32' if _compute_bytes(w.precision) == 4 else 'bf16/fp16'}; the calibration computed "
+                               f"only in {', '.join('fp32' if b == 4 else 'bf16/fp16' for b in model.compute_bytes)}: "
+                               "this machine's speed in that dtype is unmeasured")
+        if w.family == TENSOR_PARALLEL and TENSOR_PARALLEL not in model.families:
+            raise NotPredicted("the calibration has no tensor-parallel run: this machine's speed on matmuls split "
+                               f"{w.tp} ways and on the per-layer activation all-reduces that block them is unmeasured")
+        slow = slowdown(w, model.backend, model.cores, model.background)
+        reference = {p: v * slow for p, v in reference_compute(w, model.coefficients).items()}
+        extra, why = _overhead(w, model)
+        notes += [why] if why else []
+        bound = "upper" if w.strategy not in model.overhead and w.family not in model.family_overhead else None
+        # Overhead below the reference's (a strategy faster per FLOP) is kept, down to a quarter of it.
+        comp = {p: max(0.25 * reference[p], reference[p] + extra[p] * w.param_tensors * slow) for p in PHASE_KEYS}
+        comm, overlap, rest = _comm_fn(model.collectives), model.backend != "gloo", model.rest_s
+        if slow > 1:
+            notes.append(f"{w.world_size} ranks share {model.cores} cores" + (f" with {model.background:.1f} other "
+                         "busy processes" if model.background > 0.05 else "") + f": compute x{slow:.2f}")
+        derived = sorted({k for k in w.by_type if model.collectives.get(k) and model.collectives[k].source != "measured"})
+        if derived and w.world_size > 1:
+            notes.append("timed from another type's fit: " + ", ".join(
+                f"{k} ({model.collectives[k].source})" for k in derived))
+    timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
+    step = timing.step_s + rest
+    compute = min(sum(reference.values()), sum(comp.values()))
+    return {"tokens_per_s": w.tokens_per_step / step if step > 0 else None, "step_time_s": step,
+            "compute_s": compute, "exposed_comm_s": timing.exposed_comm_s,
+            "rest_s": max(0.0, step - compute - timing.exposed_comm_s), "comm_s": timing.comm_s,
+            "phases_s": timing.phase_s, "bound": bound, "notes": notes}
+
+
+def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None) -> dict[str, Any]:
+    """One run's prediction: ``name strategy world_size family`` and ``tokens_per_s step_time_s compute_s
+    exposed_comm_s rest_s comm_s`` (seconds per optimizer step), ``peak_mem_bytes`` (memory model, per rank),
+    ``bound`` ("upper" when tokens/s is an upper bound: no framework overhead calibrated for the strategy or
+    its family), ``notes``; ``why`` (and None figures) when it cannot be predicted. Needs ``model`` unless
+    ``device``."""
+    row: dict[str, Any] = {"name": run.name, "strategy": run.strategy, "world_size": None, "family": None,
+                           **dict.fromkeys(FIGURES), "peak_mem_bytes": None, "bound": None, "notes": [], "why": None}
+    try:
+        mem = memory_model.predict_run(c, run)
+        row["peak_mem_bytes"] = mem["total_bytes"]
+    except (KeyError, ValueError):
+        mem = None
+    try:
+        w = work_of(c, run)
+        row["world_size"], row["family"] = w.world_size, w.family
+        if model is None and device is None:
+            raise NotPredicted("no calibration")
+        row.update(_predict_work(w, model, device))
+    except NotPredicted as err:
+        row["why"] = str(err)
+    except (KeyError, ValueError) as err:
+        row["why"] = f"its work cannot be counted: {err}"
+    if mem is None:
+        row["notes"].append("peak memory: the memory model cannot read this run")
+    return row
+
+
+def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) -> list[str]:
+    """The sentences every prediction from ``model`` (and ``device``) rests on."""
+    out = []
+    if device is not None:
+        out.append(f"WHAT-IF on {device.name} GPUs, not measured on this machine: compute from FLOPs at a fraction "
+                   "of the datasheet peak, the optimizer at HBM bandwidth, collectives at the table's NVLink "
+                   "(inside 8 GPUs) or InfiniBand bus bandwidth, NCCL overlap per schedule; framework overhead "
+                   "and host-side costs are not modelled (predict_devices.py lists the sources)")
+    if model is not None:
+        fwd = model.coefficients.get("forward", {})
+        if device is None and fwd.get("per_flop_s"):
+            out.append(f"compute calibrated at {1 / fwd['per_flop_s'] / 1e9:.3g} GFLOP/s per rank in forward "
+                       f"({model.backend} on {model.device_name or model.device or '?'}, {model.cores} cores"
+                       + ("; a core of its own" if model.backend == "gloo" else "")
+                       + "), same per-FLOP speed at other model sizes unless two sizes were calibrated")
+        out.append("a step's collectives move exactly the communication theory's bytes (comm_theory), placed and "
+                   "overlapped as each strategy's schedule does (predict_schedule.py)")
+        if device is None:
+            out.append("framework overhead (each strategy's compute beyond DDP's, per parameter tensor and phase) "
+                       "measured on the calibration's runs of: " + (", ".join(sorted(model.overhead)) or "none"))
+            out.append("peak memory is the memory model's (model states, gathered units, activations), not process RSS")
+        out += model.notes
+    return out
+
+
+def predict_comparison(c: Comparison, model: MachineModel | None, device: DeviceSpec | None = None) -> dict[str, Any]:
+    """``{"preset", "what_if", "device", "runs": [predict_run rows], "assumptions", "calibration", "fit_error"}``."""
+    return {
+        "preset": c.name,
+        "what_if": device is not None,
+        "device": device.name if device else (model.device_name or model.device if model else None),
+        "runs": [predict_run(c, run, model, device) for run in c.runs],
+        "assumptions": assumptions(model, device),
+        "families": {k: v for k, v in FAMILY_TEXT.items()},
+        "calibration": model.to_dict() if model else None,
+        "fit_error": model.fit_error if model else None,
+    }

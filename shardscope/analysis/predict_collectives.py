@@ -1,0 +1,105 @@
+"""A short calibration of collectives: all-reduce, all-gather, reduce-scatter and broadcast at a few sizes,
+timed on this machine in one small torchrun job (``shardscope predict --collectives``).
+
+Used when the calibration comparison lacks a collective type (a DDP-only comparison does all-reduces only)
+or measured it at one size only (its latency not separable from its bandwidth), or to measure at the world
+size being predicted. The parent side (``measure``) is torch-free: it starts torchrun in a process group of
+its own, kills the group if it outlives ``timeout_s``, and reads the one JSON file rank 0 writes. The rank
+side (``python -m shardscope.analysis.predict_collectives OUT``) imports torch inside ``main``.
+
+Each call is timed on every rank after a barrier; the call's cost is its fastest rank's time (a rank that
+arrives late makes the others wait inside the collective), as the traces are read in ``predict_fit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a collective's whole buffer
+REPEATS, WARMUP = 5, 2
+
+
+def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) -> list[tuple[str, float, float, int]]:
+    """Run the job over ``world_size`` local ranks; return (type, bytes, seconds, group) per timed call.
+
+    Raises RuntimeError naming the cause when the job fails or runs past ``timeout_s`` (nothing is left running).
+    """
+    if world_size < 2:
+        raise RuntimeError("--collectives needs a world size of 2 or more: one rank does no collective")
+    with tempfile.TemporaryDirectory(prefix="shardscope-collectives-") as tmp:
+        out = os.path.join(tmp, "collectives.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               "-m", "shardscope.analysis.predict_collectives", out, backend]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            console, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"the collective calibration ran past {timeout_s:.0f} s and was stopped") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = " / ".join(console.strip().splitlines()[-3:])
+            raise RuntimeError(f"the collective calibration failed (exit {proc.returncode}): {tail}")
+        with open(out, encoding="utf-8") as fh:
+            return [(k, float(b), float(s), int(n)) for k, b, s, n in json.load(fh)]
+
+
+def _one(dist: Any, torch: Any, kind: str, nbytes: int, world: int, device: Any) -> Any:
+    """The tensors of one collective of ``nbytes`` (nccl-tests' size) and the call that runs it."""
+    n = max(world, nbytes // 4 // world * world)
+    if kind == "all_reduce":
+        t = torch.ones(n, device=device)
+        return lambda: dist.all_reduce(t)
+    if kind == "broadcast":
+        t = torch.ones(n, device=device)
+        return lambda: dist.broadcast(t, 0)
+    full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part)
+    return lambda: dist.reduce_scatter_tensor(part, full)
+
+
+def main(out_path: str, backend: str) -> None:
+    """Rank side: time every type at every size; rank 0 writes [(type, bytes, seconds, group)] to ``out_path``."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mine: list[tuple[str, float, float]] = []
+    for kind in KINDS:
+        for size in SIZES:
+            call = _one(dist, torch, kind, size, world, device)
+            for i in range(WARMUP + REPEATS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= WARMUP:
+                    mine.append((kind, float(size), time.perf_counter() - t0))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        calls = [(k, b, min(r[i][2] for r in everyone), world) for i, (k, b, _) in enumerate(mine)]
+        with open(out_path, "w", encoding="utf-8") as fh:
+            json.dump(calls, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "gloo")

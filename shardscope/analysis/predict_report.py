@@ -1,0 +1,85 @@
+"""summary.json's ``prediction`` section and report.md's "Predicted beside measured": every run of the
+comparison predicted from its own baseline run (or from other comparisons of this machine), set beside
+what it measured, with the error. The baseline's own row is the calibration's fit error, not a
+prediction. Pure Python, no torch; never raises (a section that cannot be made says why).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from shardscope.config import Comparison
+from shardscope.core.numbers import fmt_bytes, median_rate
+from shardscope.analysis import predict
+from shardscope.analysis.predict_work import NotPredicted
+
+
+def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None) -> dict[str, Any]:
+    """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "runs": {name: row + measured_tokens_per_s,
+    measured_step_time_s, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``."""
+    baseline = c.baseline or (c.runs[0].name if c.runs else "")
+    try:
+        if calibrate_dirs:
+            model = predict.calibrate(list(calibrate_dirs))
+            source = ", ".join(calibrate_dirs)
+        else:
+            model = predict.calibrate([out_dir], only=[baseline])
+            source = f"{baseline} (this comparison's baseline run)"
+    except NotPredicted as err:
+        return {"why": f"no calibration: {err}"}
+    except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
+        return {"why": f"no calibration: {err!r}"}
+    runs: dict[str, Any] = {}
+    for run in c.runs:
+        try:
+            row = predict.predict_run(c, run, model)
+        except (KeyError, ValueError, ZeroDivisionError) as err:
+            row = {"name": run.name, "strategy": run.strategy, "why": f"{err!r}", "notes": []}
+        st = states.get(run.name)
+        rate = median_rate(st.throughput) if st is not None and st.unit == "tokens/s" else None
+        steps = [t for s, t in (st.step_times if st else []) if s > 0]
+        row["measured_tokens_per_s"] = rate
+        row["measured_step_time_s"] = statistics.median(steps) if steps else None
+        got = row.get("tokens_per_s")
+        row["error"] = got / rate - 1 if got and rate else None
+        row["calibration_run"] = not calibrate_dirs and run.name == baseline
+        runs[run.name] = row
+    return {"calibrated_on": source, "runs": runs, "assumptions": predict.assumptions(model),
+            "fit_error": model.fit_error}
+
+
+def _rate(v: Any) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def markdown(sec: dict[str, Any]) -> str:
+    """report.md's "Predicted beside measured" section (empty without a section)."""
+    if not sec:
+        return ""
+    out = ["## Predicted beside measured\n"]
+    if sec.get("why"):
+        return "\n".join(out + [f"Not predicted: {sec['why']}.\n"])
+    out.append(f"Calibrated on {sec['calibrated_on']} (`shardscope predict` explains the model). "
+               "The error is predicted / measured median tokens/s - 1.\n")
+    rows, notes = [], []
+    for name, r in sec["runs"].items():
+        if r.get("why"):
+            rows.append(f"| {name} | {r.get('strategy', '')} | not predicted | {_rate(r.get('measured_tokens_per_s'))} "
+                        "| - | - | - |")
+            notes.append(f"- {name}: not predicted: {r['why']}")
+            continue
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}" + (" (calibration run: fit error)"
+                                                                     if r.get("calibration_run") else "")
+        split = " / ".join(f"{r[k] * 1e3:,.1f}" for k in ("compute_s", "exposed_comm_s", "rest_s"))
+        rows.append(f"| {name} | {r['strategy']} | {'≤ ' if r.get('bound') else ''}{_rate(r['tokens_per_s'])} | "
+                    f"{_rate(r['measured_tokens_per_s'])} | "
+                    f"{err} | {r['step_time_s'] * 1e3:,.1f} ({split}) | {fmt_bytes(r.get('peak_mem_bytes'))} |")
+        notes += [f"- {name}: {n}" for n in r.get("notes", [])]
+    out.append("| run | strategy | predicted tokens/s | measured | error | predicted step ms (compute / exposed comm / "
+               "rest) | peak mem (model) |\n|---|---|---|---|---|---|---|")
+    out += rows
+    out.append("")
+    out += notes
+    out += ["", "Assumptions:", *(f"- {a}" for a in sec.get("assumptions", []))]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,256 @@
+"""One optimizer step played out on a compute thread and communication channels, per strategy schedule.
+
+``simulate`` walks a step in program order: per micro-batch, forward unit by unit, backward unit by unit
+in reverse, then the optimizer. Compute advances the compute thread; a collective is issued onto a
+channel (one at a time per channel, in issue order) and is either waited for at once (blocking) or
+later (asynchronous). The step's exposed communication is the time the compute thread spent waiting.
+
+How each schedule is modelled (``predict_work.Traits`` says which applies to a strategy):
+
+- **Replicated with torch's reducer (DDP)**: gradients fill buckets in reverse parameter order (the
+  first capped at 1 MiB, then ``bucket_cap_mb``); a bucket is all-reduced asynchronously as soon as the
+  unit that completes it finishes its backward, overlapping the backward of the units before it; the
+  step waits for the last bucket at the end of backward. Only the last micro-batch reduces (no_sync).
+  Module buffers are broadcast, blocking, before the first forward.
+- **Replicated without a reducer (FSDP1 NO_SHARD)**: each unit all-reduces its gradients after its
+  backward (asynchronous on GPU streams, blocking on gloo).
+- **Partitioned (ZeRO-1/2)**: DeepSpeed with ``overlap_comm`` off reduces every gradient bucket on the
+  compute stream: blocking, at the end of backward (every micro-batch for ZeRO-2); after the optimizer
+  step the updated partitions are all-gathered, blocking.
+- **Fully sharded (FSDP1, FSDP2, ZeRO-3, the hand-written FSDP)**: each unit is all-gathered before its
+  forward and, when it reshards after forward (and is not a root kept gathered), again before its
+  backward; its gradients are reduce-scattered after its backward (then all-reduced across replicas
+  under hybrid sharding). On GPUs (NCCL streams) a prefetching strategy issues the next unit's
+  all-gather before this unit's compute, in forward (the CPU runs ahead of the GPU) and in backward
+  (explicit prefetch), and reduce-scatters on its own stream, waited for at the end of backward. On
+  gloo (CPU) torch's FSDP unshards synchronously (``unshard_async_op`` is off by default) and reduces
+  synchronously, so every collective blocks; the hand-written FSDP blocks everywhere by design.
+- **Tensor parallel**: two activation all-reduces per layer in forward and one per column-parallel
+  linear in backward, each on the critical path (blocking), on top of its data-parallel schedule.
+- A sharded or tensor-parallel strategy all-reduces the global gradient norm (one scalar, blocking) in
+  the optimizer phase; a replicated one computes it locally.
+
+Bytes per collective type add up to ``comm_theory.expected_comm`` exactly (each op's share follows the
+elements it moves); only the gradient norm's scalar is added. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shardscope.analysis.predict_work import DDP_FIRST_BUCKET_BYTES, NORM_ALLREDUCE_BYTES, Work
+
+PHASES = ("forward", "backward", "optimizer")
+CommTime = Callable[[str, float, int], float]  # (collective type, bytes, group size) -> seconds
+
+
+@dataclass
+class StepTiming:
+    """A simulated step: wall time and exposed communication per phase, and all communication time."""
+
+    phase_s: dict[str, float]
+    exposed_s: dict[str, float]
+    comm_s: float
+    bytes_by_type: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        """Forward + backward + optimizer wall time."""
+        return sum(self.phase_s.values())
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Time the compute thread waited for communication."""
+        return sum(self.exposed_s.values())
+
+
+class _Sim:
+    """The compute thread and the channels; in the first pass (``comm`` None) it only sums op weights."""
+
+    def __init__(self, comm: CommTime | None, scale: dict[str, float], overlap: bool) -> None:
+        self.comm, self.scale, self.overlap = comm, scale, overlap
+        self.weights: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.t = 0.0
+        self.free: dict[str, float] = defaultdict(float)
+        self.pending: dict[object, float] = {}
+        self.issued: set[object] = set()
+        self.phase = PHASES[0]
+        self.start = {p: 0.0 for p in PHASES}
+        self.wall = {p: 0.0 for p in PHASES}
+        self.computed = {p: 0.0 for p in PHASES}
+        self.comm_s = 0.0
+
+    def enter(self, phase: str) -> None:
+        """Start ``phase`` (forward, backward or optimizer) at the compute thread's time."""
+        self._close()
+        self.phase = phase
+        self.start[phase] = self.t
+
+    def _close(self) -> None:
+        self.wall[self.phase] += self.t - self.start[self.phase]
+        self.start[self.phase] = self.t
+
+    def compute(self, seconds: float) -> None:
+        """Advance the compute thread by ``seconds`` of work."""
+        self.t += seconds
+        self.computed[self.phase] += seconds
+
+    def issue(self, key: object, kind: str, weight: float, group: int, exact: bool = False) -> None:
+        """Put a collective on its channel; ``weight`` is its share of the type's bytes, or its bytes if ``exact``."""
+        if group <= 1 or weight <= 0 or key in self.issued:
+            return
+        self.issued.add(key)
+        if self.comm is None:
+            if not exact:
+                self.weights[kind] += weight
+            return
+        size = weight if exact else weight * self.scale.get(kind, 0.0)
+        if size <= 0:
+            return
+        self.bytes[kind] += size
+        seconds = self.comm(kind, size, group)
+        # On GPUs gathers and reductions run on separate streams; gloo runs a group's collectives one at a time.
+        channel = ("gather" if kind == "all_gather" else "reduce") if self.overlap else "gloo"
+        begin = max(self.t, self.free[channel])
+        self.free[channel] = begin + seconds
+        self.pending[key] = begin + seconds
+        self.comm_s += seconds
+
+    def wait(self, key: object) -> None:
+        """Block the compute thread until collective ``key`` has finished (nothing when never issued)."""
+        end = self.pending.pop(key, None)
+        if end is not None and end > self.t:
+            self.t = end
+
+    def blocking(self, kind: str, weight: float, group: int, exact: bool = False) -> None:
+        """Issue a collective and wait for it at once."""
+        key = object()
+        self.issue(key, kind, weight, group, exact)
+        self.wait(key)
+
+    def wait_all(self) -> None:
+        """Wait for every collective still in flight."""
+        for key in list(self.pending):
+            self.wait(key)
+
+
+def _buckets(w: Work, bytes_per_element: float) -> dict[int, float]:
+    """DDP's buckets: {position in backward order after which the bucket is complete: elements}, filled in
+    reverse parameter order: the head's gradients first (with the root's backward), the blocks from last
+    to first, the embeddings last (position ``len(units)``: after the whole backward)."""
+    root = next((n for u, _, n in w.units if u == "root"), None)
+    order = ([max(0, root - w.emb_elements)] if root is not None else []) + \
+        [n for u, _, n in reversed(w.units) if u != "root"] + [min(root or 0, w.emb_elements)]
+    out: dict[int, float] = {}
+    filled, first = 0.0, True
+    for i, n in enumerate(order):
+        filled += n
+        cap = DDP_FIRST_BUCKET_BYTES if first else w.traits.bucket_bytes
+        if filled and (filled * bytes_per_element >= cap or i == len(order) - 1):
+            out[i] = filled
+            filled, first = 0.0, False
+    return out
+
+
+def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> None:
+    t, by_type = w.traits, w.by_type
+    dp, group = w.dp, w.shard_group
+    replicas = dp // group if group and dp % group == 0 else 1
+    units = w.units
+    blocks = [u for u in units if u[0] != "root"]
+    backward_units = [u for u in units if u[0] == "root"] + list(reversed(blocks))
+    sharded = w.shards == "all"
+    partitioned = w.shards in ("optim", "grads")
+    tp_fwd, tp_bwd = w.tp_layer_bytes
+    dp_allreduce = by_type.get("all_reduce", 0) - (tp_fwd + tp_bwd) * len(blocks) * w.accum
+    micro_f, micro_b = fwd_s / w.accum, bwd_s / w.accum
+    overlap = sim.overlap
+    bpe = dp_allreduce / max(1, sum(n for _, _, n in units))
+    for m in range(w.accum):
+        last = m == w.accum - 1
+        sim.enter("forward")
+        if m == 0 and by_type.get("broadcast"):
+            sim.blocking("broadcast", 1.0, dp)
+        gathered = sharded and (m == 0 or t.regather)
+        ahead = overlap and t.prefetch
+        for i, (name, share, numel) in enumerate(units):
+            if gathered:
+                sim.issue(("ag", m, i), "all_gather", numel, group)  # nothing when prefetched already
+                if ahead and i + 1 < len(units):
+                    sim.issue(("ag", m, i + 1), "all_gather", units[i + 1][2], group)
+                sim.wait(("ag", m, i))
+            sim.compute(micro_f * share)
+            if name != "root" and tp_fwd:
+                sim.blocking("all_reduce", tp_fwd, w.tp, exact=True)
+        sim.enter("backward")
+        regather = sharded and t.regather
+        reduce_now = last or t.reduces_per_micro
+        buckets = _buckets(w, bpe) if t.bucketed and last and dp_allreduce > 0 else {}
+        for i, (name, share, numel) in enumerate(backward_units):
+            if regather and not (name == "root" and t.root_kept):
+                sim.issue(("bg", m, i), "all_gather", numel, group)  # nothing when prefetched already
+                nxt = backward_units[i + 1] if i + 1 < len(backward_units) else None
+                if ahead and nxt is not None and not (nxt[0] == "root" and t.root_kept):
+                    sim.issue(("bg", m, i + 1), "all_gather", nxt[2], group)
+                sim.wait(("bg", m, i))
+            sim.compute(micro_b * share)
+            if name != "root" and tp_bwd:
+                sim.blocking("all_reduce", tp_bwd, w.tp, exact=True)
+            if sharded and reduce_now:
+                key = ("rs", m, i)
+                sim.issue(key, "reduce_scatter", numel, group)
+                if replicas > 1:  # hybrid sharding: the shard is all-reduced across the replicas
+                    sim.wait(key)
+                    sim.issue(("hr", m, i), "all_reduce", numel, replicas)
+                if not (overlap and t.async_reduce):
+                    sim.wait(key)
+                    sim.wait(("hr", m, i))
+            elif w.shards == "none" and last and not t.bucketed:
+                sim.issue(("ar", i), "all_reduce", numel, dp)
+                if not overlap:
+                    sim.wait(("ar", i))
+            if i in buckets:
+                sim.issue(("bucket", i), "all_reduce", buckets[i], dp)
+        if len(backward_units) in buckets:
+            sim.issue(("bucket", "emb"), "all_reduce", buckets[len(backward_units)], dp)
+        if partitioned and (last or t.reduces_per_micro) and dp_allreduce > 0:
+            sim.blocking("all_reduce", 1.0, dp)
+        if partitioned and by_type.get("reduce_scatter"):
+            sim.blocking("reduce_scatter", 1.0, dp)
+        sim.wait_all()
+    sim.enter("optimizer")
+    if t.norm_allreduce and w.world_size > 1:
+        sim.blocking("all_reduce", NORM_ALLREDUCE_BYTES, w.world_size, exact=True)
+    sim.compute(opt_s)
+    if partitioned:
+        sim.blocking("all_gather", 1.0, dp)
+
+
+def simulate(w: Work, fwd_s: float, bwd_s: float, opt_s: float, comm: CommTime, overlap: bool) -> StepTiming:
+    """Play one optimizer step of ``w`` with these compute times (per rank, whole step; ``bwd_s`` includes any
+    recomputation) and ``comm(type, bytes, group)`` per collective. ``overlap``: collectives can run beside
+    compute on their own streams (NCCL); False on gloo, where only DDP's reducer works asynchronously."""
+    first = _Sim(None, {}, overlap)
+    _program(w, first, fwd_s, bwd_s, opt_s)
+    scale = {}
+    for kind, weight in first.weights.items():
+        target = w.by_type.get(kind, 0.0)
+        if kind == "all_reduce":
+            target -= sum(w.tp_layer_bytes) * sum(1 for u in w.units if u[0] != "root") * w.accum
+        scale[kind] = max(0.0, target) / weight if weight else 0.0
+    sim = _Sim(comm, scale, overlap)
+    _program(w, sim, fwd_s, bwd_s, opt_s)
+    sim._close()
+    exposed = {p: max(0.0, sim.wall[p] - sim.computed[p]) for p in PHASES}
+    return StepTiming(dict(sim.wall), exposed, sim.comm_s, dict(sim.bytes))
+
+
+def untimed_types(w: Work) -> list[str]:
+    """Collective types the theory moves bytes in that the schedule places nowhere (should be none)."""
+    first = _Sim(None, {}, False)
+    _program(w, first, 1.0, 1.0, 1.0)
+    return sorted(k for k, v in w.by_type.items() if v > 0 and k not in first.weights
+                  and not (k == "all_reduce" and sum(w.tp_layer_bytes) > 0))

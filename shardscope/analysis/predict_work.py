@@ -1,0 +1,217 @@
+"""What one optimizer step of a run asks of a machine, for ``shardscope predict``: FLOPs, optimizer
+elements, units and the bytes each collective moves, and how the strategy schedules them.
+
+Everything here follows from the comparison and the registry (no measurement, no torch):
+
+- FLOPs per token from ``memory_model.flops_per_token`` (torchtitan's count; plus the output matmul of a
+  tied embedding, which that count leaves out with the embedding's parameters): a third in forward, two
+  thirds in backward (activation checkpointing adds one more forward inside backward); tensor
+  parallelism divides a rank's FLOPs by its degree. Tokens per rank: the global batch over the
+  data-parallel ranks (tensor-parallel peers take the same tokens).
+- Units (one per block, plus the root: embeddings, final norm, head) and each unit's share of the FLOPs,
+  so the schedule can place per-unit communication between per-unit compute.
+- Bytes per collective type from ``comm_theory.expected_comm``: the schedule moves exactly the theory's
+  bytes, placed where the strategy moves them.
+- ``Traits``: how a strategy schedules its collectives, derived from its registry entry and options
+  (what it shards, its quirks, whether it declares a bucket size or a prefetch option): no strategy
+  name appears here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardscope import config
+from shardscope.core import registry
+from shardscope.config import Comparison, RunSpec
+from shardscope.profiling import comm_theory, memory_model
+
+_BLOCK = re.compile(r"layers\.(\d+)\.")
+REPLICATED, PARTITIONED, FULLY_SHARDED, TENSOR_PARALLEL = "replicated", "partitioned", "fully-sharded", "tensor-parallel"
+FAMILY_TEXT = {
+    REPLICATED: "full replica per rank, gradients all-reduced",
+    PARTITIONED: "optimizer states (and gradients) partitioned, parameters replicated",
+    FULLY_SHARDED: "parameters, gradients and optimizer states sharded, gathered per unit",
+    TENSOR_PARALLEL: "layers split across ranks (tensor parallel)",
+}
+# torch DDP's reducer: the first bucket is capped at 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), then bucket_cap_mb.
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+NORM_ALLREDUCE_BYTES = 8  # a sharded strategy's global gradient norm: one scalar all-reduced per step
+
+
+class NotPredicted(ValueError):
+    """A run the machine model cannot predict; the message says why."""
+
+
+@dataclass(frozen=True)
+class Traits:
+    """How a strategy schedules its collectives (derived from the registry; see ``traits_of``)."""
+
+    bucketed: bool  # DDP's reducer: gradient buckets all-reduced asynchronously as backward fills them
+    bucket_bytes: int
+    regather: bool  # re-gathers parameters in backward (reshard after forward)
+    root_kept: bool  # the root unit stays gathered from forward to backward
+    prefetch: bool  # on GPUs: the next unit's all-gather issued while this unit computes
+    async_reduce: bool  # on GPUs: reduce-scatters on their own stream, waited for at the end of backward
+    reduces_per_micro: bool
+    norm_allreduce: bool  # the global gradient norm needs an all-reduce (sharded states or tensor parallel)
+
+
+@dataclass
+class Work:
+    """One optimizer step of one run, per rank."""
+
+    run: str
+    strategy: str
+    family: str
+    shards: str  # none | optim | grads | all (memory_model.shards_for)
+    world_size: int
+    dp: int
+    tp: int
+    shard_group: int  # ranks a sharded state is split over (dp unless hybrid sharding)
+    precision: str
+    accum: int
+    activation_checkpointing: bool
+    tokens_per_step: int  # global tokens (or samples) per optimizer step
+    tokens_per_rank: float
+    layers: int
+    fwd_flops: float  # per rank per step
+    bwd_flops: float  # per rank per step, without activation recomputation (that is one more forward)
+    layer_tokens: float  # tokens per rank x layers: the per-layer-and-token feature of the compute fit
+    optim_elements: int
+    optim_tensors: int
+    param_tensors: int  # the model's parameter tensors: what per-tensor framework overhead (hooks, dispatch) scales with
+    units: list[tuple[str, float, int]]  # (unit, share of FLOPs, parameter elements) in forward order, root first
+    emb_elements: int  # the root's embedding elements (their gradients are ready last in backward)
+    by_type: dict[str, float]  # bytes per collective type per step (comm_theory)
+    tp_layer_bytes: tuple[float, float]  # one micro-batch's tensor-parallel activation all-reduce bytes per layer:
+    # (forward, backward); their sum over layers and micro-batches is part of by_type["all_reduce"]
+    traits: Traits
+    notes: list[str] = field(default_factory=list)
+
+
+def family_of(shards: str, tp: int) -> str:
+    """The schedule family a layout belongs to: replicated, partitioned, fully-sharded or tensor-parallel."""
+    if tp > 1:
+        return TENSOR_PARALLEL
+    return {"none": REPLICATED, "optim": PARTITIONED, "grads": PARTITIONED}.get(shards, FULLY_SHARDED)
+
+
+def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str, tp: int) -> Traits:
+    """Schedule traits from a registry entry and resolved options.
+
+    - A strategy declaring ``bucket_cap_mb`` without sharding has torch's reducer (DDP): async buckets.
+    - Prefetching (GPUs only): a ``backward_prefetch`` option says so where it exists (FSDP1); per-parameter
+      sharding (FSDP2) prefetches one unit in backward and runs ahead in forward; DeepSpeed ZeRO-3 prefetches
+      its all-gathers; a flat-sharding strategy declaring neither (the hand-written FSDP) blocks on every
+      collective. DeepSpeed runs with ``overlap_comm`` off (engines/deepspeed_config.py): its reductions block.
+    """
+    quirks = set(info.comm_quirks)
+    if "backward_prefetch" in info.options:
+        prefetch = str(options.get("backward_prefetch", "pre")) != "none"
+    else:
+        prefetch = info.shard_layout == "per-parameter" or info.needs_deepspeed
+    bucket = "bucket_cap_mb" in info.options and shards == "none"
+    return Traits(
+        bucketed=bucket,
+        bucket_bytes=int(options.get("bucket_cap_mb", 25)) << 20 if bucket else 0,
+        regather=memory_model.reshards_after_forward(options),
+        root_kept="root-kept" in quirks or info.shard_layout == "per-parameter",
+        prefetch=shards == "all" and prefetch,
+        async_reduce=shards == "all" and prefetch and not info.needs_deepspeed,
+        reduces_per_micro="reduces-per-micro-batch" in quirks,
+        norm_allreduce=shards != "none" or tp > 1,
+    )
+
+
+def unit_shares(c: Comparison, tp: int) -> list[tuple[str, float, int]]:
+    """(unit, share of the step's FLOPs, parameter elements on a tensor-parallel rank), root first then the
+    blocks in order. A block's FLOPs per token: 6 x its parameters + 12 x heads x head dim x sequence; the
+    root's: 6 x its non-embedding parameters (final norm and head)."""
+    m = c.model
+    params = memory_model.model_params(m)
+    numel = memory_model.unit_numels(params, tp)
+    emb = memory_model.embedding_count(m)
+    if m.kind == "hf":
+        a = memory_model.ARCHS[m.hf_arch]
+        attn = 12.0 * a["hidden_size"] * m.seq_len
+    else:
+        attn = 12.0 * m.d_model * m.seq_len
+    flops = {u: 6.0 * n * tp + (attn if u != "root" else 0.0) for u, n in numel.items()}
+    flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - emb) + tied_head_flops(c)
+    total = sum(flops.values()) or 1.0
+    blocks = sorted((u for u in numel if u != "root"), key=lambda u: int(_BLOCK.search(u).group(1)))  # type: ignore[union-attr]
+    order = ["root", *blocks] if "root" in numel else blocks
+    return [(u, flops[u] / total, numel[u]) for u in order]
+
+
+def tied_head_flops(c: Comparison) -> float:
+    """Training FLOPs per token of an output layer that shares the embedding's weight (tied Hugging Face
+    models): ``flops_per_token`` leaves the embedding's parameters out, and with them this matmul."""
+    m = c.model
+    if m.kind != "hf" or not memory_model.ARCHS[m.hf_arch].get("tie_word_embeddings", False):
+        return 0.0
+    a = memory_model.ARCHS[m.hf_arch]
+    return 6.0 * a["vocab_size"] * a["hidden_size"]
+
+
+def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int) -> tuple[float, float]:
+    """(forward, backward) all-reduce bytes of tensor-parallel activations per layer and micro-batch, as
+    ``comm_theory`` counts them: two in forward, one per column-parallel linear in backward."""
+    if tp <= 1:
+        return (0.0, 0.0)
+    m = c.model
+    params = memory_model.model_params(m)
+    micro = max(1, c.global_batch // (dp * max(1, c.grad_accum)))
+    h = memory_model.ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
+    col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+    one = float(micro * m.seq_len * h * compute_bytes)
+    return (2 * one, col * one)
+
+
+def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
+    """The work of one optimizer step of ``run`` per rank at ``world_size`` (default: the run's own).
+
+    Raises NotPredicted when the model has no FLOP count (image models), KeyError/ValueError for a
+    run the memory model or the communication theory cannot read.
+    """
+    fpt = memory_model.flops_per_token(c.model)
+    if fpt is None:
+        raise NotPredicted(f"model.kind = {c.model.kind!r} has no FLOPs-per-token count (memory_model.flops_per_token): "
+                           "compute cannot be scaled from the calibration")
+    fpt += tied_head_flops(c)
+    info = registry.get(run.strategy)
+    layout = memory_model.layout_for(c, run, world_size)
+    options = config.resolved_options(run)
+    ws = layout.world_size
+    spec = config.run_spec_payload(c, run, out_dir=".", device="cpu")
+    spec["run"]["world_size"], spec["run"]["dp"] = ws, layout.dp
+    spec["comparison"]["world_size"] = ws
+    theory = comm_theory.expected_comm(spec)
+    params = memory_model.model_params(c.model)
+    full = sum(math.prod(memory_model.tp_local(p, layout.tp)) for p in params)
+    shard_group = int(getattr(layout, "shard_size", layout.dp) or layout.dp)
+    optim_elements = full if layout.shards == "none" else math.ceil(full / max(1, shard_group))
+    tokens_per_step = c.global_batch * c.model.seq_len
+    tokens_per_rank = tokens_per_step / layout.dp
+    ac = bool(run.activation_checkpointing)
+    layers = c.model.hf_layers if c.model.kind == "hf" else c.model.n_layers
+    compute_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
+    return Work(
+        run=run.name, strategy=run.strategy, family=family_of(layout.shards, layout.tp), shards=layout.shards,
+        world_size=ws,
+        dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, c.grad_accum),
+        activation_checkpointing=ac, tokens_per_step=tokens_per_step, tokens_per_rank=tokens_per_rank, layers=layers,
+        fwd_flops=fpt / 3 * tokens_per_rank / layout.tp,
+        bwd_flops=fpt * 2 / 3 * tokens_per_rank / layout.tp,
+        layer_tokens=tokens_per_rank * layers,
+        optim_elements=optim_elements, optim_tensors=1 if info.needs_deepspeed else len(params),
+        param_tensors=len(params),
+        units=unit_shares(c, layout.tp), emb_elements=memory_model.embedding_count(c.model),
+        by_type={k: float(v) for k, v in theory["by_type"].items()},
+        tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes),
+        traits=traits_of(info, options, layout.shards, layout.tp),
+    )

@@ -1,0 +1,198 @@
+"""The headless view: a live progress table while runs go, then the comparison table.
+
+Consumes the same update stream as the Textual app (``profiling/state.py``'s updates, from the
+session's thread and the device sampler's). On a terminal it
+draws a rich ``Live`` table; elsewhere (CI logs, pipes) it prints one line per status change and
+per tenth of progress, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from shardscope.core.numbers import fmt_bytes
+from shardscope.profiling import state
+from shardscope.profiling.state import STATUS_STYLE, RunState, Update
+from shardscope.analysis import straggler_report
+from shardscope.profiling import stragglers
+from shardscope.analysis.summary import memory_headers, throughput_unit
+
+
+def fmt_num(x: float | None, spec: str = ".4f") -> str:
+    """Format a number or return ``-`` for None."""
+    return "-" if x is None else format(x, spec)
+
+
+def fmt_rate(x: float | None) -> str:
+    """Format a throughput with thousands separators."""
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def fmt_eta(seconds: float | None) -> str:
+    """Format seconds as ``1m05s``."""
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class HeadlessView:
+    """Folds updates into run states (any thread) and renders them (main thread)."""
+
+    def __init__(self, console: Console | None = None, names: list[str] | None = None) -> None:
+        self.console = console or Console(stderr=False)
+        self.states: dict[str, RunState] = {}
+        self.order = list(names or [])
+        self.notices: list[state.Notice] = []
+        self._lock = threading.Lock()
+        self._plain_marks: dict[str, int] = {}
+        self.straggler_lines: dict[tuple[str, int], str] = {}  # (run, rank) -> line, once flagged
+        self.live = self.console.is_terminal
+
+    def __call__(self, updates: list[Update]) -> None:
+        """Subscriber entry: fold a batch; in plain mode print what changed."""
+        with self._lock:
+            changed = state.fold(updates, self.states)
+            for u in updates:
+                if isinstance(u, state.RunDefined) and u.run not in self.order:
+                    self.order.append(u.run)
+                if isinstance(u, state.Notice):
+                    self.notices.append(u)
+            fresh = self._new_stragglers(changed)
+        for line in fresh if not self.live else ():
+            self.console.print(line, highlight=False, markup=False)
+        if not self.live:
+            self._print_plain(updates, changed)
+
+    def _new_stragglers(self, changed: set[str]) -> list[str]:
+        fresh = []
+        for name in changed:
+            st = self.states[name]
+            for rank, s in st.stragglers.flagged.items():
+                if (name, rank) not in self.straggler_lines:
+                    line = stragglers.describe(name, s, st.start.get(rank), st.stragglers.threshold)
+                    self.straggler_lines[(name, rank)] = line
+                    fresh.append(line)
+        return fresh
+
+    def _print_plain(self, updates: list[Update], changed: set[str]) -> None:
+        for u in updates:
+            if isinstance(u, state.StatusChanged):
+                st = self.states.get(u.run)
+                extra = f": {u.error}" if u.error else ""
+                self.console.print(f"[{u.run}] {u.status}{extra}", highlight=False, markup=False)
+                if st and u.status in state.FINISHED and st.loss is not None:
+                    self.console.print(f"[{u.run}] steps {st.steps_completed}/{st.steps_total} loss {st.loss:.4f}",
+                                       highlight=False, markup=False)
+            elif isinstance(u, state.Notice) and u.level != "info":
+                self.console.print(f"{u.level}: {u.text}", highlight=False, markup=False)
+        for name in changed:
+            st = self.states[name]
+            if not st.steps_total or st.loss is None:
+                continue
+            tenth = int(10 * st.progress)
+            if tenth > self._plain_marks.get(name, 0):
+                self._plain_marks[name] = tenth
+                self.console.print(
+                    f"[{name}] step {st.steps_completed}/{st.steps_total} loss {st.loss:.4f} "
+                    f"median {st.unit} {fmt_rate(st.median)} mem {fmt_bytes(st.peak_mem_bytes)}",
+                    highlight=False, markup=False)
+
+    def table(self) -> Table:
+        """Return the live progress table."""
+        table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
+        with self._lock:
+            units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
+        for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
+                             ("step", "right"), ("loss", "right"), ("median " + " or ".join(sorted(units)), "right"),
+                             ("peak mem", "right"), ("eta", "right")):
+            table.add_column(col, justify=justify)
+        with self._lock:
+            for name in self.order:
+                st = self.states.get(name)
+                if st is None:
+                    continue
+                unit_rate = fmt_rate(st.median) + (f" {st.unit}" if len(units) > 1 else "")
+                table.add_row(
+                    name, st.strategy, str(st.world_size),
+                    f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
+                    f"{max(st.steps_completed, 0)}/{st.steps_total}", fmt_num(st.loss), unit_rate,
+                    fmt_bytes(st.peak_mem_bytes), fmt_eta(st.eta_s) if st.status == "running" else "-",
+                )
+        return table
+
+    def run_live(self, wait_step) -> None:
+        """Redraw the table until ``wait_step()`` returns True (it should block briefly)."""
+        if not self.live:
+            while not wait_step():
+                pass
+            return
+        with Live(self.table(), console=self.console, refresh_per_second=4, transient=False) as live:
+            while not wait_step():
+                live.update(self.table())
+            live.update(self.table())
+
+
+def loss_table(summary: dict[str, Any]) -> Table:
+    """Return per-run loss statistics and differences from the baseline, from a summary dict."""
+    base = summary.get("baseline", "")
+    table = Table(title=f"loss per run, and |difference| from {base} at common steps")
+    for col in ("run", "initial", "final", "min", "mean", "max |Δ|", "mean |Δ|", "final |Δ|"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in summary.get("runs", []):
+        table.add_row(r["name"], *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
+                      *(fmt_num(r.get(k), ".2e") for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
+                                                           "loss_final_abs_diff")))
+    return table
+
+
+def comparison_table(summary: dict[str, Any]) -> Table:
+    """Return the final comparison table built from a summary dict."""
+    base = summary.get("baseline", "")
+    table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
+    runs = summary.get("runs", [])
+    with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
+    peak, ratio = memory_headers(runs)
+    for col in ("run", "strategy", "ranks", "status", "steps", "final loss", "max |Δloss|",
+                f"median {throughput_unit(runs)}",
+                "speedup", peak, ratio) + (("notes",) if with_notes else ()):
+        table.add_column(col, justify="left" if col in ("run", "strategy", "status", "notes") else "right",
+                         overflow="fold")
+    for r in runs:
+        rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
+        flags = "; ".join(r.get("fairness_flags") or [])
+        if r.get("error"):
+            flags = (flags + "; " if flags else "") + str(r["error"])[:80]
+        table.add_row(
+            r["name"] + (" (baseline)" if r["name"] == base else ""), r.get("strategy", ""),
+            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
+            str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
+            fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
+            fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
+            fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
+            *((flags,) if with_notes else ()),
+        )
+    return table
+
+
+def rank_timing_table(summary: dict[str, Any]) -> Table | None:
+    """Return the per-rank step timing table (ms, medians) of every run with timing, or None."""
+    section = summary.get("stragglers") or {}
+    if not any(e.get("per_rank") for e in section.values()):
+        return None
+    table = Table(title="per-rank step timing (median ms; busy = the rank's own CPU time; ⚠ straggler)")
+    for col in ("run", *straggler_report.HEADER):
+        table.add_column(col, justify="left" if col in ("run", "rank", "host", "device") else "right")
+    for name, entry in section.items():
+        for row in straggler_report.rows(entry):
+            table.add_row(name, *row)
+    notes = [f"{name}: {e['reason']}" for name, e in section.items() if e.get("per_rank") and e.get("reason")]
+    notes += [f"⚠ {f['line']}" for e in section.values() for f in (e.get("trace") or {}).get("flagged", [])]
+    if notes:  # CUDA runs: the stream-time split, not judged live; stragglers judged from the traces
+        table.caption = "\n".join(notes)
+    return table

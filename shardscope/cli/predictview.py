@@ -1,0 +1,176 @@
+"""``shardscope predict --calibrate DIR --preset P``: step time, tokens/s and peak memory of every run of a
+preset, predicted from a finished comparison of this machine (or, with ``--device``, as a what-if on GPUs).
+
+The figures come from ``profiling.predict``; this module only loads the preset for the machine the
+prediction is for and prints. No torch is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import click
+
+from shardscope import config
+from shardscope.config import ConfigError
+from shardscope.core.numbers import fmt_bytes, json_ready
+
+
+def _fail(message: str) -> None:
+    click.echo(f"shardscope: error: {message}", err=True)
+    sys.exit(2)
+
+
+def load_for(preset: str, overrides: list[str], backend: str | None, what_if: bool) -> config.Comparison:
+    """The preset as it would run on the predicted machine: full size for a GPU what-if or a GPU calibration,
+    shrunk by its ``cpu_overrides`` for a CPU calibration. Any world size is accepted (it is a prediction).
+    Raises ConfigError."""
+    if what_if or backend == "nccl":
+        host = config.HostInfo("cuda", 1 << 20, "predicted GPUs")
+    else:
+        host = dataclasses.replace(config.cpu_host(), max_ranks_per_node=1 << 20)
+    return config.load_preset(preset, overrides, host=host)
+
+
+def _ms(seconds: Any) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def print_prediction(result: dict[str, Any], console: Any) -> None:
+    """Print ``predict.predict_comparison``'s dict: the runs table, notes, assumptions and the calibration's fit."""
+    from rich.table import Table
+
+    what_if = result["what_if"]
+    title = (f"WHAT-IF on {result['device']} GPUs (not measured here): {result['preset']}" if what_if
+             else f"predicted for this machine: {result['preset']}")
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("tokens/s", "right"),
+                          ("step ms", "right"), ("compute", "right"), ("exposed comm", "right"), ("rest", "right"),
+                          ("peak mem (model)", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in result["runs"]:
+        ranks = str(r["world_size"] or "-")
+        mem = fmt_bytes(r["peak_mem_bytes"])
+        if r["why"]:
+            table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem)
+            continue
+        table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{r['tokens_per_s']:,.0f}",
+                      ("≥ " if r.get("bound") else "") + _ms(r["step_time_s"]),
+                      _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem)
+    console.print(table)
+    runs = result["runs"]
+    whys = {r["why"] for r in runs}
+    if len(runs) > 1 and len(whys) == 1 and None not in whys:  # one reason for all: said once
+        console.print(f"  every run: not predicted: {whys.pop()}", highlight=False, markup=False)
+        whys = set()
+    shared = set.intersection(*(set(r["notes"]) for r in runs)) if len(runs) > 1 else set()
+    for note in sorted(shared):
+        console.print(f"  every run: {note}", highlight=False, markup=False)
+    for r in runs:
+        if r["why"] and whys:
+            console.print(f"  {r['name']}: not predicted: {r['why']}", highlight=False, markup=False)
+        for note in r["notes"]:
+            if note not in shared:
+                console.print(f"  {r['name']}: {note}", highlight=False, markup=False)
+    if result["assumptions"]:
+        console.print("[bold]assumptions[/]")
+    for line in result["assumptions"]:
+        console.print(f"  - {line}", highlight=False, markup=False)
+    _print_fit(result.get("calibration"), result.get("fit_error"), console)
+
+
+def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | None, console: Any) -> None:
+    from rich.table import Table
+
+    if not calibration:
+        return
+    console.print(f"[bold]calibration[/]: {', '.join(calibration['runs'])} ({calibration['backend']}, "
+                  f"{calibration['cores']} cores)", highlight=False)
+    fits = Table(title="collectives: time = latency x ring steps + bytes x bus factor / bus bandwidth",
+                 title_justify="left")
+    for name in ("type", "source", "latency/step µs", "bus GB/s", "calls", "fit |error| (rms)"):
+        fits.add_column(name, justify="left" if name in ("type", "source") else "right")
+    for kind, f in sorted(calibration["collectives"].items()):
+        err = f["rel_rms_error"]
+        fits.add_row(kind, f["source"], f"{f['step_latency_s'] * 1e6:,.0f}", f"{f['busbw_Bps'] / 1e9:.3g}",
+                     str(f["points"]), "-" if err is None else f"{err:.0%}")
+    if calibration["collectives"]:
+        console.print(fits)
+    runs = (fit_error or {}).get("runs") or {}
+    if runs:
+        back = Table(title="the calibration's runs predicted back (its own fit error)", title_justify="left")
+        for name in ("run", "predicted step ms", "measured step ms", "error"):
+            back.add_column(name, justify="left" if name == "run" else "right")
+        for name, e in runs.items():
+            back.add_row(name, _ms(e["predicted_step_s"]), _ms(e["measured_step_s"]), f"{e['error']:+.1%}")
+        console.print(back)
+
+
+def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
+    """The machine model refitted with collectives timed by a short torchrun job; exits 1 when the job fails."""
+    from shardscope.analysis import predict
+    from shardscope.analysis.predict_collectives import measure
+
+    click.echo(f"timing collectives at {world_size} ranks ({backend}) ...", err=True)
+    try:
+        points = measure(world_size, backend)
+    except RuntimeError as err:
+        click.echo(f"shardscope: error: {err}", err=True)
+        sys.exit(1)
+    return predict.calibrate(dirs, collectives=points)
+
+
+@click.command("predict")
+@click.option("--calibrate", "calibrate_dirs", multiple=True, required=True, type=click.Path(file_okay=False),
+              metavar="DIR", help="A finished comparison run on this machine (give it twice, with two model sizes, "
+              "to fit a per-layer-and-token cost).")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path whose runs to predict.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
+@click.option("--world-size", "-n", type=int, default=None, help="World size to predict at [default: the preset's].")
+@click.option("--device", default=None, metavar="NAME", help="What-if on GPUs of this kind (A100, H100, H200, B200).")
+@click.option("--collectives", is_flag=True, help="Also time collectives of a few sizes in a short torchrun job "
+              "at the predicted world size (for types or sizes the calibration lacks).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
+                device: str | None, collectives: bool, as_json: bool) -> None:
+    """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
+    from shardscope.analysis import predict
+    from shardscope.analysis.predict_devices import DEVICES, device_spec
+    from shardscope.analysis.predict_work import NotPredicted
+
+    if world_size is not None and world_size < 1:
+        _fail(f"--world-size {world_size}: must be >= 1")
+    if device and device.strip().upper() not in DEVICES:
+        _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")
+    spec = device_spec(device) if device else None
+    model, why = None, ""
+    try:
+        model = predict.calibrate(list(calibrate_dirs))
+    except NotPredicted as err:
+        why = f"calibration unusable: {err}"
+    except (OSError, ValueError) as err:
+        _fail(f"--calibrate: not a finished shardscope run directory ({err})")
+    sets = [*overrides, *([f"world_size={world_size}"] if world_size else [])]
+    try:
+        comparison = load_for(preset, sets, model.backend if model else None, spec is not None)
+    except ConfigError as err:
+        _fail(str(err))
+    if collectives and model is not None:
+        model = _with_collectives(list(calibrate_dirs), model.backend, world_size or comparison.world_size)
+    result = predict.predict_comparison(comparison, model, spec)
+    result["calibrated_on"] = list(calibrate_dirs)
+    if why:
+        for row in result["runs"]:
+            if not spec:
+                row.update(dict.fromkeys(predict.FIGURES), why=why)
+    if as_json:
+        click.echo(json.dumps(json_ready(result), indent=2, default=str))
+        return
+    from rich.console import Console
+
+    for line in comparison.adjustments:
+        click.echo(f"shardscope: note: {line}")
+    print_prediction(result, Console())

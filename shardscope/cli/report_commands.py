@@ -1,0 +1,144 @@
+"""The commands that read or plan rather than run: ``presets``, ``diff``, ``report``, ``estimate``, ``slurm``.
+
+Torch-free at import; ``estimate --traced`` loads torch when asked.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from shardscope import config
+from shardscope.cli.common import EXIT_FAILED, fail_usage, gate, say_adjustments, tolerance_options
+from shardscope.config import ConfigError
+from shardscope.core.rundir import COMPARISON, SUMMARY, RunDir, read_summary
+from shardscope.core.sizes import parse_size
+
+
+@click.command("presets")
+def presets_cmd() -> None:
+    """List built-in presets with their descriptions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="built-in presets (shardscope run --preset NAME)")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, desc in config.list_presets():
+        table.add_row(name, desc)
+    Console().print(table)
+
+
+@click.command("diff")
+@click.argument("old", type=click.Path(file_okay=False))
+@click.argument("new", type=click.Path(file_okay=False))
+@click.option("--map", "maps", multiple=True, metavar="OLD_RUN=NEW_RUN",
+              help="Compare runs whose names differ (repeatable); other runs are matched by name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON instead of tables.")
+@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False),
+              help="Where to write one loss PNG per run (default NEW/diff).")
+@tolerance_options
+def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir: str | None, loss_tol: float,
+             speed_tol: float, mem_tol: float) -> None:
+    """Compare two comparison directories run by run: loss, throughput, memory, bytes, settings.
+
+    Exit 0 when every matched run is the same within tolerance, 1 when a difference passes a
+    tolerance or a new run did not end ok, 2 on bad input. Runs on one side only are listed.
+    """
+    sys.exit(gate(old, new, maps, loss_tol, speed_tol, mem_tol, as_json, plots_dir))
+
+
+@click.command("report")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def report_cmd(out_dir: str) -> None:
+    """Regenerate summary.json, report.md and plots from a run directory alone (exit 1 when the full report
+    fails: the core summary is then written and the failure named in one line)."""
+    from shardscope.analysis import fold
+    from shardscope.analysis.report import write_reports
+
+    try:
+        comparison = fold.load_comparison(out_dir)
+    except (OSError, ValueError) as err:
+        fail_usage(f"{out_dir}: not a shardscope run directory ({COMPARISON}: {err})")
+    try:
+        held = RunDir(out_dir).lock()
+    except OSError as err:
+        held = f"{out_dir}: cannot be locked: {err.strerror or err}"
+    if held:  # a comparison still writing here: its own end writes the reports
+        fail_usage(held)
+    states = fold.replay_states(out_dir)
+    before = {r.get("name"): r for r in (read_summary(out_dir) or {}).get("runs", []) if isinstance(r, dict)}
+    poorer = []
+    for name, st in states.items():
+        if not st.start and not st.steps_completed:
+            click.echo(f"{name}: no records (nothing readable under {RunDir(out_dir).run(name).metrics})", err=True)
+        had = before.get(name, {}).get("steps_completed")
+        if isinstance(had, int) and had > st.steps_completed:
+            poorer.append(f"{name} ({had} steps in {SUMMARY}, {st.steps_completed} readable now)")
+    if poorer:  # the summary may be the only copy of those figures: never replace it with less
+        click.echo(f"{SUMMARY} kept: its runs hold more than the records now readable: {', '.join(poorer)}", err=True)
+        sys.exit(EXIT_FAILED)
+    paths = write_reports(out_dir, comparison, states)
+    for label, path in sorted(paths.items()):
+        click.echo(f"{label}: {path}")
+    if paths.failed:  # write_reports named it on stderr; a report that failed is a failed command
+        sys.exit(EXIT_FAILED)
+
+
+@click.command("estimate")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
+@click.option("--world-size", "-n", type=int, required=True, help="World size to predict for.")
+@click.option("--device-memory", default=None, help="Device memory to check against, e.g. 80GiB.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key.")
+@click.option("--traced", is_flag=True, help="Also run one rank of each traceable run on a fake process group "
+              "with fake tensors (torch's memory tracker) and show its measured bytes.")
+def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overrides: tuple[str, ...],
+                 traced: bool) -> None:
+    """Predict per-rank memory of each run at a world size this machine may not have."""
+    try:
+        comparison = config.load_preset(preset, [*overrides, f"world_size={world_size}"])
+        from shardscope.profiling import estimate
+    except ConfigError as err:
+        fail_usage(str(err))
+    except ImportError as err:
+        fail_usage(f"memory estimates are unavailable: {err}")
+    limit = None
+    if device_memory:
+        try:
+            limit = parse_size(device_memory)
+        except ValueError as err:
+            fail_usage(f"--device-memory {device_memory!r}: {err}")
+    say_adjustments(comparison)
+    estimate.print_estimate(comparison, world_size, limit, traced=traced)
+
+
+@click.command("slurm")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path.")
+@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=None, help="GPU nodes: ranks (GPUs) per node.")
+@click.option("--cpus-per-node", type=int, default=None, help="CPU nodes: ranks per node (gloo on CPU).")
+@click.option("--cpus-per-rank", type=int, default=None, help="CPUs asked per rank [default: 1 on CPU, 4 on GPU].")
+@click.option("--time", "time_limit", default="01:00:00", show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node: int | None,
+              cpus_per_rank: int | None, time_limit: str, overrides: tuple[str, ...]) -> None:
+    """Print an sbatch script that runs the preset across SLURM nodes (submit it with sbatch).
+
+    Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
+    unless the preset (or --set launch.device) says "cpu".
+    """
+    from shardscope.orchestrator.slurm import node_shape, sbatch_script
+
+    try:
+        comparison = config.load_preset(preset, list(overrides))
+        shape = node_shape(comparison.launch.device, comparison.world_size, nodes, gpus_per_node=gpus_per_node,
+                           cpus_per_node=cpus_per_node, cpus_per_rank=cpus_per_rank)
+        at_size = config.load_preset(preset, [*overrides, f"world_size={nodes * shape.ranks_per_node}",
+                                              f"launch.nnodes={nodes}"])
+    except (ConfigError, ValueError) as err:
+        fail_usage(str(err))
+    say_adjustments(at_size, err=True)  # stdout is the script
+    click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
+               nl=False)
+
