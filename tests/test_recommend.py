@@ -132,3 +132,41 @@ def test_on_cpu_memory_is_judged_by_model_states_never_by_process_rss():
     assert line.startswith("fsdp2 vs ddp: saves 1.0 MiB of model-state memory (counted exactly; process RSS not "
                            "compared) per rank"), line
     assert "more" not in line
+
+
+def test_one_noise_rule_no_line_contradicts_another():
+    """The issue's case: zero3 and zero2 were 'no clear difference' with the fastest, then 'zero2 vs ddp:
+    costs 67.1% throughput'. Every pair named together is within each other's noise, and a run's line
+    against the baseline uses the same rule."""
+    from shardscope.core.numbers import within_noise
+
+    # zero3 is fastest; ddp and zero2 are each within zero3's noise but not within each other's: zero2
+    # must stay out of the group that ddp is in, since its line against ddp says what it costs.
+    s = _summary(_run("ddp", 91, 800), _run("zero3", 100, 300), _run("zero2", 81, 500))
+    spreads = {"ddp": 0.0, "zero3": 0.1, "zero2": 0.1}
+    rec = recommend.recommend(s, spreads, "cuda")
+    group = rec["no_clear_difference"]
+    assert group == ["zero3", "ddp"]
+    for a in group:
+        for b in group:
+            if a != b:
+                ra, rb = (next(r for r in s["runs"] if r["name"] == n)["median_tokens_per_s"] for n in (a, b))
+                assert within_noise(ra, rb, spreads[a], spreads[b])
+    for name in ("zero3", "zero2"):
+        line = next(line for line in rec["lines"] if line.startswith(f"{name} vs ddp"))
+        assert ("within the noise" in line) == (name in group), (group, line)
+    # Without a measured spread, a cost is said to be untested against the noise.
+    rec = recommend.recommend(s, {"ddp": None, "zero3": 0.1, "zero2": 0.1}, "cuda")
+    assert any(line.startswith("zero2 vs ddp") and "not tested against noise" in line for line in rec["lines"])
+
+
+def test_recommendation_and_diff_share_the_rule():
+    from shardscope.core.numbers import within_noise
+
+    assert within_noise(95.5, 100, 0.02, 0.03) is True and within_noise(100, 95.5, 0.03, 0.02) is True
+    assert within_noise(94, 100, 0.02, 0.03) is False
+    assert within_noise(94, 100, None, 0.03) is None
+    rec = recommend.recommend(_summary(_run("ddp", 100, 800), _run("fsdp", 95.5, 500)), {"ddp": 0.03, "fsdp": 0.02}, "cuda")
+    assert rec["no_clear_difference"] == ["ddp", "fsdp"]
+    rec = recommend.recommend(_summary(_run("ddp", 100, 800), _run("fsdp", 94, 500)), {"ddp": 0.03, "fsdp": 0.02}, "cuda")
+    assert rec["no_clear_difference"] == []

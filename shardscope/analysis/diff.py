@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.core.numbers import common_steps, median_rate, timed_rates
+from shardscope.core.numbers import common_steps, median_rate, timed_rates, within_noise
 from shardscope.analysis import fold
 from shardscope.profiling.state import OK, RunState
 from shardscope.profiling import traces
@@ -149,7 +149,8 @@ def speed_diff(old: RunState, new: RunState) -> dict[str, Any]:
     a, b = median_rate(old.throughput), median_rate(new.throughput)
     sa, sb = relative_spread(timed_rates(old.throughput)), relative_spread(timed_rates(new.throughput))
     out: dict[str, Any] = {"unit": new.unit, "old": a, "new": b, "ratio": b / a if a and b else None,
-                           "noise_band": sa + sb if sa is not None and sb is not None else None}
+                           "noise_band": sa + sb if sa is not None and sb is not None else None,
+                           "spreads": [sa, sb]}
     if out["ratio"] is None:
         out["reason"] = "not measured: a side has no throughput"
     elif out["noise_band"] is None:
@@ -251,7 +252,8 @@ def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Toleranc
     speed = entry["speed"]
     if speed["ratio"] is not None:
         band = speed["noise_band"] or 0.0
-        if speed["ratio"] < 1 - tol.speed and 1 - speed["ratio"] > band:
+        sa, sb = speed["spreads"]
+        if speed["ratio"] < 1 - tol.speed and not within_noise(speed["new"], speed["old"], sb, sa):
             failures.append(f"{label}: throughput {speed['ratio']:.3f}x of old ({speed['new']:,.0f} vs "
                             f"{speed['old']:,.0f} {speed['unit']}), beyond {tol.speed:.0%} and the noise band "
                             f"±{band:.1%}")

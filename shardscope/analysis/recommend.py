@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardscope.core.numbers import fmt_bytes
+from shardscope.core.numbers import fmt_bytes, timed_rates, within_noise
 
 GPU_CAVEAT = ("these runs used gloo on CPU: their timings do not predict GPU (NCCL) behaviour — the memory "
               "figures of model states carry over, the throughput ranking may not")
@@ -33,11 +33,10 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def _tied(a: float, b: float, sa: float | None, sb: float | None) -> bool | None:
-    """True when rates ``a`` and ``b`` differ by no more than their spreads added; None when a spread is unknown."""
-    if sa is None or sb is None:
-        return None
-    return abs(a - b) / max(a, b) <= sa + sb
+def _tied(rate: float, reference: float, spread: float | None, reference_spread: float | None) -> bool | None:
+    """The one noise rule (``numbers.within_noise``): True when ``rate`` is within the two runs'
+    spreads of ``reference``; None when a spread is not measured."""
+    return within_noise(rate, reference, spread, reference_spread)
 
 
 def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device: str,
@@ -73,8 +72,12 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
         ranked = sorted(usable, key=_rate, reverse=True)
         fastest = ranked[0]["name"]
         top = _rate(ranked[0])
+        # A run joins the group only when it is within the noise of every member already in it, so any
+        # two runs named together are within each other's noise under the same rule the lines below use.
         for other in ranked[1:]:
-            if _tied(top, _rate(other), spreads.get(fastest), spreads.get(other["name"])):
+            group = [ranked[0], *(by_name[n] for n in tied)]
+            if all(_tied(_rate(other), _rate(m), spreads.get(other["name"]), spreads.get(m["name"]))
+                   for m in group):
                 tied.append(other["name"])
         fits_note = " that fits" if device_memory_bytes else ""
         if tied:
@@ -84,7 +87,7 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
         else:
             second = ranked[1] if len(ranked) > 1 else None
             why = (f", {top / _rate(second):.2f}x {second['name']}" if second else "")
-            unknown = second and _tied(top, _rate(second), spreads.get(fastest), spreads.get(second["name"])) is None
+            unknown = second and _tied(_rate(second), top, spreads.get(second["name"]), spreads.get(fastest)) is None
             lines.append(f"fastest run{fits_note}: {fastest} ({top:,.0f} {unit}{why})"
                          + (" — spread not measured (fewer than 4 timed steps), so the margin is untested"
                             if unknown else ""))
@@ -99,8 +102,11 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             ratio = _rate(r) / _rate(base)
             entry["throughput_ratio"] = ratio
             noisy = _tied(_rate(r), _rate(base), spreads.get(r["name"]), spreads.get(base["name"]))
-            cost = ("within the noise" if noisy else (f"costs {_pct(1 - ratio)} throughput" if ratio < 1
-                                                      else f"gains {_pct(ratio - 1)} throughput"))
+            entry["within_noise_of_baseline"] = noisy
+            cost = ("throughput within the noise" if noisy else (f"costs {_pct(1 - ratio)} throughput" if ratio < 1
+                                                                 else f"gains {_pct(ratio - 1)} throughput"))
+            if noisy is None:
+                cost += " (spread not measured: fewer than 4 timed steps, so not tested against noise)"
             saved = None
             states = _model_states(summary, r["name"]), _model_states(summary, base["name"])
             # A summary from before peak_mem_kind existed compared peaks: read it as it was written.
@@ -157,8 +163,7 @@ def section(c: Any, states: dict[str, Any], summary: dict[str, Any],
     """The recommendation for a comparison ``c`` whose runs are folded into ``states`` (``RunState``s)."""
     from shardscope.analysis import diff
 
-    spreads = {name: diff.relative_spread([r for s, r in st.throughput if s > 0] or [r for _, r in st.throughput])
-               for name, st in states.items()}
+    spreads = {name: diff.relative_spread(timed_rates(st.throughput)) for name, st in states.items()}
     devices = {str((st.start.get(0) or {}).get("device", "")) for st in states.values()}
     device = "cpu" if devices == {"cpu"} else ("cuda" if any(d.startswith("cuda") for d in devices) else "unknown")
     fits_at = ({r.name: smallest_fitting_world_size(c, r, device_memory_bytes) for r in c.runs}

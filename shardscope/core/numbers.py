@@ -105,6 +105,16 @@ def timed_rates(points: Iterable[tuple[int, float]]) -> list[float]:
     return [rate for step, rate in pts if step > 0] or [rate for _, rate in pts]
 
 
+def within_noise(rate: float, other: float, spread: float | None, other_spread: float | None) -> bool | None:
+    """The one noise rule every throughput comparison uses (recommendation, diff): two median rates
+    are indistinguishable when they differ, relative to the larger, by no more than the two runs' own
+    relative step-to-step spreads added (symmetric; for a slowdown this is ``1 - new/old <= band``).
+    None when either spread is not measured (fewer than 4 timed steps)."""
+    if spread is None or other_spread is None:
+        return None
+    return abs(rate - other) / max(rate, other) <= spread + other_spread
+
+
 def median_rate(points: Iterable[tuple[int, float]]) -> float | None:
     """Return the median throughput of (step, tokens/s or samples/s) points over ``timed_rates``
     (the lower and upper middle averaged for an even count); None without points. Callers pass the
