@@ -208,6 +208,13 @@ async def test_small_terminals_work(size):
         assert isinstance(app.screen, DashboardScreen)
 
 
+def _text_of(widget) -> str:
+    """What a widget shows on screen (border and all), as plain lines."""
+    from textual.geometry import Region
+
+    return "\n".join(strip.text for strip in widget.render_lines(Region(0, 0, *widget.size)))
+
+
 @run_async
 async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts():
     """At 100x30 a card shows its loss, labelled median throughput and peak RSS whole; the communication panel
@@ -223,6 +230,32 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
         assert "0.8694" in text and "median tokens/s" in text and "5.2k" in text and "…" not in text, text
         comm = app.screen.query_one(CommPanel)
         await wait_for(pilot, lambda: "AR all-reduce" in str(comm.border_subtitle))
+        # Run names are whole in the communication panel (each run heads its own rows) and the column
+        # header is not cut; the status bar does not repeat the launch command.
+        # Figures as a live run has them: exposed time and the theory ratio beside each run's name.
+        board = app.board
+        for n in board.names:
+            analysis = board.analyses.setdefault(n, {})
+            analysis["theory"] = {"ratio": 1.0}
+            st = board.states[n]
+            if st.comm:
+                st.comm = {r: {**rec, "per_step": {"exposed_comm_s": 0.0307}} for r, rec in st.comm.items()}
+            else:
+                analysis["per_step"] = {"exposed_comm_s": 0.0307}
+        app.redraw(force=True)
+        await wait_for(pilot, lambda: "30.7ms" in _text_of(comm))
+        shown = _text_of(comm)
+        for run in ("ddp", "fsdp2"):
+            assert f"■ {run} 30.7ms" in shown and "1.00×" in shown, shown
+        assert "…" not in "".join(shown.splitlines()[1:3]), shown
+        from shardscope.profiling.state import Notice
+
+        board.notices += [Notice("ddp: disk is filling", "warning"),
+                          Notice("fsdp2: OMP_NUM_THREADS=1 python -m torch.distributed.run --nnodes 1")]
+        app.screen._draw_status(board, True)
+        await pilot.pause(0.1)
+        status = str(app.screen.query_one("#status").render())
+        assert "torch.distributed.run" not in status and "ddp: disk is filling" in status, status
         notes = []
         app.notify = lambda message, **kw: notes.append(message)
         await pilot.press("s")

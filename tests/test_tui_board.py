@@ -93,3 +93,12 @@ def test_comm_panel_shows_observed_over_theory_and_says_when_it_cannot():
     assert theory_text({"ratio": 1.0001, "bytes_per_step": 10}).plain == "1.00× th"
     assert theory_text({"ratio": 0.333}).style == "yellow"  # off the theory: flagged, not hidden
     assert theory_text({"error": "unknown strategy"}).plain == "th ?"  # never a made-up ratio
+
+
+def test_console_pane_shows_the_launch_line_short():
+    from shardscope.tui.format import short_command
+
+    line = ("$ KINETO_LOG_LEVEL=6 OMP_NUM_THREADS=1 /venv/bin/python3 -m torch.distributed.run --nnodes 1 "
+            "--nproc-per-node 2 -m shardscope.engines.worker /out/ddp/spec.json")
+    assert short_command(line) == "$ torchrun --nnodes 1 --nproc-per-node 2 -m shardscope.engines.worker /out/ddp/spec.json"
+    assert short_command("loss went up") == "loss went up"  # the ranks' own lines pass as they are

@@ -60,11 +60,11 @@ async def test_device_panel_keeps_last_readings_and_peaks_after_runs_end():
         later = st.DeviceSample((st.DeviceReading("fsdp2 rank 0 (process RSS)", "process", 200 * 2**20, run="fsdp2",
                                                   ranks=(0,)),), "process-rss")
         app.post_message(UpdatesArrived([*rss, later]))
-        await wait_for(pilot, lambda: "fsdp2 rank 0" in rich_text(app.screen.devices.content))
+        await wait_for(pilot, lambda: "fsdp2 r0" in rich_text(app.screen.devices.content))
         text = rich_text(app.screen.devices.content)
         assert "No device samples yet" not in text
-        assert "fsdp2 rank 0" in text and "200.0 MiB ↑200.0 MiB" in text
-        assert "ddp rank 0 ended" in text and "400.0 MiB ↑500.0 MiB" in text  # last reading, peak
+        assert "fsdp2 r0" in text and "200.0 MiB ↑200.0 MiB" in text
+        assert "ddp r0 ended" in text and "400.0 MiB ↑500.0 MiB" in text  # last reading, peak
 
 
 def test_chart_axis_labels_tiny_differences_in_scientific_notation():

@@ -69,3 +69,19 @@ def test_report_screen(snap_compare):
         await pilot.pause(0.3)
 
     assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SIZE, run_before=open_report)
+
+
+SMALL = (100, 30)  # the smallest size the app promises to stay readable at
+
+
+def test_presets_screen_small(snap_compare, monkeypatch):
+    from shardscope.config import list_presets
+    from shardscope.tui.screens import presets
+
+    two = [p for p in list_presets() if p[0] in ("ddp-vs-fsdp", "smoke")]
+    monkeypatch.setattr(presets, "list_presets", lambda: two)
+    assert snap_compare(_app(), terminal_size=SMALL, run_before=lambda pilot: pilot.pause(0.3))
+
+
+def test_finished_dashboard_small(snap_compare):
+    assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SMALL, run_before=_settle)

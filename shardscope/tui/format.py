@@ -64,3 +64,17 @@ def display_path(path: str) -> str:
     if absolute.startswith(home + os.sep):
         return "~" + absolute[len(home):]
     return absolute
+
+
+def short_command(line: str) -> str:
+    """The launch line a run's console.log opens with (``$ ENV=... python -m torch.distributed.run ...``),
+    shortened for a narrow pane: ``$ torchrun`` and its arguments, without the environment additions and
+    the interpreter's path (console.log keeps the whole line). Any other line comes back as it is."""
+    if not line.startswith("$ "):
+        return line
+    words = line[2:].split(" ")
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        words.pop(0)  # VAR=value
+    if len(words) >= 3 and words[1:3] == ["-m", "torch.distributed.run"]:
+        words = ["torchrun", *words[3:]]
+    return "$ " + " ".join(words)

@@ -184,7 +184,9 @@ class DashboardScreen(Screen):
             parts.append("finished — press o for the report")
         elif not started:
             parts.append("not started — press s to start")
-        note = board.notices[-1].text.splitlines()[0] if board.notices else ""
+        # The last warning or error; launch lines (info) are in each run's console, not repeated here.
+        shown = [n for n in board.notices if n.level != "info"]
+        note = shown[-1].text.splitlines()[0] if shown else ""
         title = f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]"
         status = " · ".join(parts) + (f"   [dim]{escape(note)}[/dim]" if note else "")
         if (title, status) != self._bars:  # the same text again would still cost a repaint

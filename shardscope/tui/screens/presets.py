@@ -195,8 +195,12 @@ class PresetsScreen(Screen):
 
 
 def _entry(name: str, description: str, limit: int = 48) -> Text:
-    """A preset's line in the list: its name and the start of its description."""
-    short = description if len(description) <= limit else description[: limit - 1].rstrip() + "…"
+    """A preset's line in the list: its name and the start of its description, cut at a word (the
+    whole description is beside the list for the highlighted preset)."""
+    short = description
+    if len(description) > limit:
+        head = description[: limit - 1]
+        short = (head.rsplit(" ", 1)[0] if " " in head else head).rstrip(" ,;:—-") + "…"
     return Text.assemble((name, "bold"), "\n", (short, "dim"))
 
 

@@ -62,7 +62,7 @@ EMPTY_FINISHED = ("No communication figures: no run recorded a profiler window. 
                   "profile.start_step and profile.steps in the preset (it must start before the last step).")
 
 
-def theory_text(theory: dict[str, Any] | None) -> Text:
+def theory_text(theory: dict[str, Any] | None, compact: bool = False) -> Text:
     """Observed/theory bytes of a run's trace analysis (``1.00× th``); "" before the analysis, "th ?" when the
     theory could not be computed or some sizes were unknown (the report says which)."""
     if not theory:
@@ -71,7 +71,29 @@ def theory_text(theory: dict[str, Any] | None) -> Text:
     if ratio is None:
         return Text("th ?", "dim")
     style = "green" if abs(ratio - 1) <= 0.02 else "yellow"
-    return Text(f"{ratio:.2f}× th", style)
+    return Text(f"{ratio:.2f}×th" if compact else f"{ratio:.2f}× th", style)
+
+
+def _heading(name: str, colour: str, exposed: Any, theory: dict[str, Any] | None, compact: bool) -> Text:
+    """A run's line above its collectives: name, exposed communication per step, observed/theory bytes."""
+    heading = Text.assemble((f"■ {name}", f"bold {colour}"))
+    if isinstance(exposed, (int, float)):
+        heading.append(f" {exposed * 1000:.1f}ms {'exp.' if compact else 'exposed'}", "dim")
+    ratio = theory_text(theory, compact=compact)
+    if ratio:
+        heading.append(" ")
+        heading.append_text(ratio)
+    return heading
+
+
+def _table(narrow: bool, header: bool) -> Table:
+    """One run's collectives: fixed widths for the figures so that every run's columns line up."""
+    table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False, show_header=header)
+    table.add_column("op" if narrow else "collective", ratio=1, min_width=3, no_wrap=True, overflow="ellipsis",
+                     header_style="dim")
+    for col, width in (("time", 8), ("count", 5), ("bytes", 9)):
+        table.add_column(col, justify="right", no_wrap=True, header_style="dim", min_width=width)
+    return table
 
 
 class CommPanel(Static):
@@ -82,11 +104,7 @@ class CommPanel(Static):
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
         run's trace analysis."""
         narrow = 0 < self.content_size.width < NARROW  # abbreviate by rule, with a legend, instead of cutting
-        table = Table(expand=True, box=None, padding=(0, 0, 0, 1), show_edge=False)
-        table.add_column("coll." if narrow else "collective", ratio=1, min_width=4, no_wrap=True, overflow="ellipsis",
-                         header_style="dim")
-        for col in ("time", "count", "bytes"):
-            table.add_column(col, justify="right", no_wrap=True, header_style="dim")
+        blocks: list[Any] = []  # per run: a heading line (never cut: it wraps) and its table of collectives
         any_rows = False
         used: set[str] = set()  # abbreviated collective names, for the legend
         notes: list[Text] = []  # runs without figures, each with its reason
@@ -102,20 +120,22 @@ class CommPanel(Static):
                 continue
             per_step = source.get("per_step") or {}
             exposed = per_step.get("exposed_comm_s")
-            exposed_text = f"{exposed * 1000:.1f}ms" if isinstance(exposed, (int, float)) else ""
-            table.add_row(Text(f"■ {state.name}", f"bold {colour}"), Text(exposed_text, "dim"),
-                          Text("exposed" if exposed_text else "", "dim"),
-                          theory_text(analyses.get(state.name, {}).get("theory")))
+            heading = _heading(state.name, colour, exposed, analyses.get(state.name, {}).get("theory"), False)
+            if len(heading) > self.content_size.width > 0:  # by rule: short words before a wrapped line
+                heading = _heading(state.name, colour, exposed, analyses.get(state.name, {}).get("theory"), True)
+            table = _table(narrow, header=False)
             for name, t, count, nbytes in collectives(source):
                 any_rows = True
                 shown = SHORT.get(name, name) if narrow else name.replace("_", "-")
                 used.update([name] if narrow and name in SHORT else [])
                 table.add_row(" " + shown, "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
+            blocks += [heading, table]
         # the abbreviations' legend on the border, where a short panel cannot cut it
         self.border_subtitle = " · ".join(f"{SHORT[n]} {n.replace('_', '-')}" for n in sorted(used))
         if any_rows:
-            self.update(Group(Text("collectives per profiled step", "dim italic"), table, *notes))
+            self.update(Group(Text("collectives per profiled step", "dim italic"), _table(narrow, header=True),
+                              *blocks, *notes))
         elif notes:
             self.update(Group(*notes))
         else:

@@ -7,6 +7,7 @@ from textual.widgets import RichLog
 
 from shardscope.profiling.state import RunState
 from shardscope.tui.board import Console
+from shardscope.tui.format import short_command
 
 TRACEBACK_LINES = 25
 
@@ -19,10 +20,12 @@ class LogPane(RichLog):
         self.run = ""
         self._seen = 0
         self._error_shown = ""
+        self._hinted = False
 
     def follow(self, run: str, console: Console, state: RunState | None) -> None:
         """Start showing ``run``: clear and write its kept lines (and its error, if it failed)."""
         self.run, self._seen, self._error_shown = run, 0, ""
+        self._hinted = False
         self.clear()
         self.border_title = f"console · {run}"
         self.show(console, state)
@@ -32,7 +35,13 @@ class LogPane(RichLog):
         lines = console.since(self._seen)
         self._seen = console.total
         for line in lines:
-            self.write(Text(line))
+            if line.startswith("$ "):  # the launch line: one dim line, not a screenful (console.log has it all)
+                self.write(Text(short_command(line), "dim", no_wrap=True, overflow="ellipsis"))
+                if not self._hinted:
+                    self.write(Text("(the ranks' own output follows as they print it)", "dim italic"))
+                    self._hinted = True
+            else:
+                self.write(Text(line))
         if state is not None and state.status == "failed" and (state.error or state.traceback) \
                 and self._error_shown != state.error + state.traceback:
             self._error_shown = state.error + state.traceback
