@@ -57,6 +57,9 @@ def test_hybrid_states_are_sharded_over_the_shard_group(strategy, options):
                 == memory_model.model_state_bytes(params, memory_model.layout_for(c2, c2.runs[0]), rank % 2))
     predicted = memory_model.predict_run(c4, c4.runs[0])
     assert (predicted["shard_group"], predicted["replicas"]) == (2, 2)
+    # Tables (report.md, estimate) say how the 4 data-parallel ranks split, not "4×1" as if sharded over all.
+    assert memory_model.layout_label(predicted) == "4×1 (2-way shard × 2 replicas)"
+    assert memory_model.layout_label(memory_model.predict_run(c2, c2.runs[0])) == "2×1"
 
 
 def test_fsdp1_views_leave_padding_and_untouched_tensors_out():

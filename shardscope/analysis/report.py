@@ -288,7 +288,7 @@ def _memory_md(m: dict[str, Any]) -> str:
             rows.append([name, r["error"]] + [""] * 7)
             continue
         p, meas = r["predicted"], r.get("measured") or {}
-        rows.append([name, f"{p['dp']}×{p['tp']} ({p['shards']})",
+        rows.append([name, f"{memory_model.layout_label(p)} ({p['shards']})",
                      f"{fmt_bytes(p['param_bytes'])} / {fmt_bytes(meas.get('param_bytes'))}",
                      f"{fmt_bytes(p['grad_bytes'])} / {fmt_bytes(meas.get('grad_bytes'))}",
                      f"{fmt_bytes(p['optim_bytes'])} / {fmt_bytes(meas.get('optim_bytes'))}",

@@ -97,7 +97,7 @@ def render_table(rows: list[dict[str, Any]], world_size: int, device_memory_byte
         table.add_column("traced states", justify="right", no_wrap=True)
         table.add_column("traced peak", justify="right", no_wrap=True)
     for r in rows:
-        cells = [r["run"], r["strategy"], f"{r['dp']}×{r['tp']}", fmt_bytes(r["param_bytes"]),
+        cells = [r["run"], r["strategy"], memory_model.layout_label(r), fmt_bytes(r["param_bytes"]),
                  fmt_bytes(r["grad_bytes"]), fmt_bytes(r["optim_bytes"]), fmt_bytes(r["model_state_bytes"]),
                  fmt_bytes(r["gathered_unit_bytes"]), fmt_bytes(r["activation_bytes"]), fmt_bytes(r["total_bytes"])]
         if device_memory_bytes:

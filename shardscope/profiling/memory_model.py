@@ -329,3 +329,14 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
 def predict_comparison(c: Comparison, world_size: int | None = None) -> list[dict[str, Any]]:
     """``predict_run`` for every run of the comparison (at ``world_size`` if given)."""
     return [predict_run(c, run, world_size) for run in c.runs]
+
+
+def layout_label(pred: dict[str, Any]) -> str:
+    """A ``predict_run`` result's layout for tables: ``dp×tp``, and for hybrid sharding how the
+    data-parallel ranks split (``4×1 (2-way shard × 2 replicas)``), so that a hybrid run does not read
+    as sharded over all of them."""
+    label = f"{pred['dp']}×{pred['tp']}"
+    replicas = pred.get("replicas") or 1
+    if replicas > 1:
+        label += f" ({pred.get('shard_group')}-way shard × {replicas} replicas)"
+    return label
