@@ -232,6 +232,8 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
         await wait_for(pilot, lambda: "AR all-reduce" in str(comm.border_subtitle))
         # Run names are whole in the communication panel (each run heads its own rows) and the column
         # header is not cut; the status bar does not repeat the launch command.
+        # A replay without device samples says none were recorded, not that they will arrive.
+        await wait_for(pilot, lambda: "No device samples were recorded" in rich_text(app.screen.devices.content))
         # Figures as a live run has them: exposed time and the theory ratio beside each run's name.
         board = app.board
         for n in board.names:

@@ -64,6 +64,7 @@ class DashboardScreen(Screen):
         self._baseline_drawn = ""
         self._bars = ("", "")
         self._comm_final = False
+        self._devices_final = False
 
     def compose(self) -> ComposeResult:
         """Lay out the dashboard (cards are mounted as runs are defined)."""
@@ -144,8 +145,9 @@ class DashboardScreen(Screen):
             self._chart_t = now
             board.dirty_charts = False
             self._baseline_drawn = board.baseline
-        if force or board.dirty_devices:
-            self.devices.show(board.device_history)
+        if force or board.dirty_devices or (board.finished is not None and not self._devices_final):
+            self._devices_final = board.finished is not None
+            self.devices.show(board.device_history, finished=self._devices_final)
             board.dirty_devices = False
         if force or board.dirty_comm or (board.finished is not None and not self._comm_final):
             self._comm_final = board.finished is not None

@@ -33,11 +33,13 @@ class DevicePanel(Static):
     """Shows every device's (or rank process's) last reading and peak; the parent calls ``show``.
     Runs that ended keep their last reading and peak, marked as ended."""
 
-    def show(self, history: DeviceHistory | None) -> None:
-        """Redraw from ``history`` (None or empty: explain that nothing was sampled yet)."""
+    def show(self, history: DeviceHistory | None, finished: bool = False) -> None:
+        """Redraw from ``history`` (None or empty: explain that nothing was sampled, yet or at all once the
+        comparison has ``finished``)."""
         rows = history.rows() if history is not None else []
         if not rows:
-            self.update(Text("No device samples yet: they arrive while runs are live.", "dim"))
+            self.update(Text("No device samples were recorded for this comparison (devices.jsonl)." if finished
+                             else "No device samples yet: they arrive while runs are live.", "dim"))
             return
         width = max(3, (self.size.width or 40) // 8)
         if all(k.source == "process-rss" for k in rows):
