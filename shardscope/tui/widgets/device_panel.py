@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
+from shardscope.core.rundir import devices_name
 from shardscope.orchestrator.device_history import DeviceHistory
 from shardscope.profiling.state import DeviceReading
 from shardscope.tui.format import human_bytes
@@ -38,7 +39,7 @@ class DevicePanel(Static):
         comparison has ``finished``)."""
         rows = history.rows() if history is not None else []
         if not rows:
-            self.update(Text("No device samples were recorded for this comparison (devices.jsonl)." if finished
+            self.update(Text(f"No device samples were recorded for this comparison ({devices_name()})." if finished
                              else "No device samples yet: they arrive while runs are live.", "dim"))
             return
         width = max(3, (self.size.width or 40) // 8)
