@@ -218,7 +218,7 @@ def _text_of(widget) -> str:
 @run_async
 async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts():
     """At 100x30 a card shows its loss, labelled median throughput and peak RSS whole; the communication panel
-    abbreviates collective names by rule with their legend on its border; `s` in a replay explains itself."""
+    abbreviates collective names by rule with their legend whole and scrolls to every run's rows; `s` in a replay explains itself."""
     from shardscope.tui.widgets.comm_panel import CommPanel
 
     app = build_app(replay_dir=FIXTURE, host=cpu_host())
@@ -229,7 +229,13 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
         text = str(card.render())
         assert "0.8694" in text and "median tokens/s" in text and "5.2k" in text and "…" not in text, text
         comm = app.screen.query_one(CommPanel)
-        await wait_for(pilot, lambda: "AR all-reduce" in str(comm.border_subtitle))
+        # Every run's rows are there, the panel scrolls to them; the abbreviations' legend is whole, on the
+        # border where it fits, else as the panel's last line.
+        await wait_for(pilot, lambda: "RS reduce-scatter" in _text_of(comm.body) + str(comm.border_subtitle))
+        body = _text_of(comm.body)
+        assert comm.body.size.height > comm.scrollable_content_region.height and comm.allow_vertical_scroll, body
+        assert "reduce-scatter" not in str(comm.border_subtitle) or "…" not in str(comm.border_subtitle)
+        assert " RS " in body and "fsdp2-fault not measured" in body and "AR all-reduce" in body, body
         # Run names are whole in the communication panel (each run heads its own rows) and the column
         # header is not cut; the status bar does not repeat the launch command.
         # A replay without device samples says none were recorded, not that they will arrive.
@@ -245,8 +251,8 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
             else:
                 analysis["per_step"] = {"exposed_comm_s": 0.0307}
         app.redraw(force=True)
-        await wait_for(pilot, lambda: "30.7ms" in _text_of(comm))
-        shown = _text_of(comm)
+        await wait_for(pilot, lambda: "30.7ms" in _text_of(comm.body))
+        shown = _text_of(comm.body)
         for run in ("ddp", "fsdp2"):
             assert f"■ {run} 30.7ms" in shown and "1.00×" in shown, shown
         assert "…" not in "".join(shown.splitlines()[1:3]), shown

@@ -12,6 +12,8 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from shardscope.profiling.state import RunState
@@ -96,14 +98,29 @@ def _table(narrow: bool, header: bool) -> Table:
     return table
 
 
-class CommPanel(Static):
-    """Shows each run's collectives (rank 0's figures); the parent calls ``show``."""
+class CommPanel(VerticalScroll):
+    """Shows each run's collectives (rank 0's figures); the parent calls ``show``. It scrolls: a short
+    terminal hides no run's rows, it shows a scroll bar instead."""
+
+    def compose(self) -> ComposeResult:
+        """The figures, one static body inside the scrolling frame."""
+        yield Static(id="comm-body")
+
+    @property
+    def body(self) -> Static:
+        """The text the panel shows (border title and legend live on the panel itself)."""
+        return self.query_one("#comm-body", Static)
+
+    def update(self, content: Any) -> None:
+        """Replace what the panel shows."""
+        self.body.update(content)
 
     def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]],
              finished: bool = False) -> None:
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
         run's trace analysis."""
-        narrow = 0 < self.content_size.width < NARROW  # abbreviate by rule, with a legend, instead of cutting
+        width = self.scrollable_content_region.width  # without the scroll bar
+        narrow = 0 < width < NARROW  # abbreviate by rule, with a legend, instead of cutting
         blocks: list[Any] = []  # per run: a heading line (never cut: it wraps) and its table of collectives
         any_rows = False
         used: set[str] = set()  # abbreviated collective names, for the legend
@@ -121,7 +138,7 @@ class CommPanel(Static):
             per_step = source.get("per_step") or {}
             exposed = per_step.get("exposed_comm_s")
             heading = _heading(state.name, colour, exposed, analyses.get(state.name, {}).get("theory"), False)
-            if len(heading) > self.content_size.width > 0:  # by rule: short words before a wrapped line
+            if len(heading) > width > 0:  # by rule: short words before a wrapped line
                 heading = _heading(state.name, colour, exposed, analyses.get(state.name, {}).get("theory"), True)
             table = _table(narrow, header=False)
             for name, t, count, nbytes in collectives(source):
@@ -131,11 +148,16 @@ class CommPanel(Static):
                 table.add_row(" " + shown, "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
             blocks += [heading, table]
-        # the abbreviations' legend on the border, where a short panel cannot cut it
-        self.border_subtitle = " · ".join(f"{SHORT[n]} {n.replace('_', '-')}" for n in sorted(used))
+        # The abbreviations' legend: on the border where it fits whole, else as the last lines (the panel
+        # scrolls, so a short panel hides nothing).
+        short = {SHORT[n]: n.replace("_", "-") for n in used}
+        legend = " · ".join(f"{k} {short[k]}" for k in sorted(short))
+        fits = len(legend) + 4 <= self.size.width
+        self.border_subtitle = legend if fits else ""
         if any_rows:
-            self.update(Group(Text("collectives per profiled step", "dim italic"), _table(narrow, header=True),
-                              *blocks, *notes))
+            tail = [Text(legend, "dim")] if legend and not fits else []
+            self.update(Group(Text("per profiled step", "dim italic"), _table(narrow, header=True),
+                              *blocks, *notes, *tail))
         elif notes:
             self.update(Group(*notes))
         else:
