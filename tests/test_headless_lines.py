@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -36,6 +37,12 @@ def test_dry_run_says_it_writes_nothing(tmp_path):
     assert proc.stdout.startswith("# dry run: nothing is written or launched. preset smoke")
     assert f"a real run would write {out}" in proc.stdout and "# run ddp: would write its spec and launch" in proc.stdout
     assert not out.exists()
+    # Each run's settings as it will run them: the comparison's world size and precision, the strategy's defaults.
+    settings = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.index("\n# run ")])
+    for run in settings["runs"]:
+        assert run["world_size"] == settings["world_size"] == 2 and run["precision"] == settings["precision"], run
+    fsdp2 = next(r for r in settings["runs"] if r["strategy"] == "fsdp2")
+    assert "reshard_after_forward" in fsdp2["options"], fsdp2
 
 
 def _has_gpu() -> bool:

@@ -30,7 +30,12 @@ def print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
     """``--dry-run``: print the resolved settings and each run's torchrun command line."""
     from shardscope.orchestrator.session import Session
 
+    from shardscope.presets.schema import resolved_options, resolved_precision, resolved_world_size
+
     resolved = comparison.to_dict()
+    for run, shown in zip(comparison.runs, resolved.get("runs", [])):  # what each run will use, not "inherit"
+        shown.update(world_size=resolved_world_size(comparison, run), precision=resolved_precision(comparison, run),
+                     options=resolved_options(run))
     click.echo(f"# dry run: nothing is written or launched. preset {comparison.name} ({comparison.source}) on "
                f"{device}; a real run would write {out}")
     click.echo(json.dumps(resolved, indent=2))
