@@ -228,6 +228,9 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
         card = app.screen.query_one("#card-0")
         text = str(card.render())
         assert "0.8694" in text and "median tokens/s" in text and "5.2k" in text and "…" not in text, text
+        # A run's options take a line of their own (its bar gives way) rather than being cut.
+        text = str(app.screen.query_one("#card-2").render())
+        assert "reshard_after_forward=False" in text and "peak RSS" in text and "…" not in text, text
         comm = app.screen.query_one(CommPanel)
         # Every run's rows are there, the panel scrolls to them; the abbreviations' legend is whole, on the
         # border where it fits, else as the panel's last line.

@@ -78,12 +78,16 @@ class RunCard(Static):
 
     def _body(self, s: RunState, width: int) -> Text:
         opts = ", ".join(f"{k}={v}" for k, v in s.options.items())
-        head = Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim")
-        head.truncate(width, overflow="ellipsis")
+        head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim")]
+        if opts and len(head[0]) > width:  # by rule: the options on a line of their own before anything is cut
+            head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}", "dim"), Text(opts, "dim")]
+        for line in head:
+            line.truncate(width, overflow="ellipsis")
         eta = f"ETA {human_duration(s.eta_s)}" if s.status == "running" else ""
         lines = [
-            head,
-            _bar(s.progress, width, self.colour),
+            *head,
+            # the bar repeats "step n/N": a card whose options took a line gives the bar up (fixed height)
+            *([_bar(s.progress, width, self.colour)] if len(head) == 1 else []),
             _row(Text(f"step {s.steps_completed}/{s.steps_total}"), Text(eta, "dim"), width),
             # label left, value right: a narrow card (100 columns) cuts nothing but spaces
             _row(Text("loss"), Text(fmt_loss(s.loss), "bold"), width),
