@@ -74,6 +74,13 @@ def load_preset(
         raise ConfigError(_blame_override(str(err), src, overrides)) from None
 
 
+def cpu_overrides(name_or_path: str) -> dict[str, Any]:
+    """The preset's ``[cpu_overrides]`` (dotted key -> value) that shrink it on a machine without a GPU; {} when
+    it has none. Raises ConfigError when the preset does not load."""
+    table = read_preset(preset_path(name_or_path)).get("cpu_overrides")
+    return dict(table) if isinstance(table, dict) else {}
+
+
 def _blame_override(message: str, src: str, overrides: list[str] | tuple[str, ...]) -> str:
     """Name ``--set key=value`` instead of the preset file when the bad value came from an override."""
     head = f"{src}: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -59,3 +60,15 @@ def test_explain_uses_the_sizes_a_run_here_would_use():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sizes as a run of ddp-vs-fsdp on this machine uses them (no GPU: the preset's "
                                   "[cpu_overrides] applied)")
+
+
+@pytest.mark.skipif(_has_gpu(), reason="a GPU machine uses the presets' full sizes")
+def test_presets_lists_what_a_run_here_uses():
+    """Without a GPU each preset's [cpu_overrides] are listed beside its full-size description."""
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "presets"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert "here (no GPU: its [cpu_overrides])" in proc.stdout, proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("│ ddp-vs-fsdp"))
+    assert "d_model 256" in row and "n_layers 2" in row, row
+    assert "as described" in next(line for line in proc.stdout.splitlines() if line.startswith("│ smoke"))

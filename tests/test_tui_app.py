@@ -56,6 +56,11 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         screen = app.screen
         assert isinstance(screen, PresetsScreen)
         assert screen.preset == "smoke"  # the default on a machine without a GPU
+        assert "No GPU here" not in str(screen.query_one("#preset-desc").render())  # smoke has no cpu_overrides
+        assert screen.choose("ddp-vs-fsdp")  # its description gives the full sizes; the CPU run is shrunk
+        desc = str(screen.query_one("#preset-desc").render())
+        assert "No GPU here: its [cpu_overrides] shrink it (steps 20, d_model 256," in desc, desc
+        assert screen.choose("smoke")
         steps = screen.query_one("#knob-steps")
         steps.value = "0"
         await pilot.pause()

@@ -22,11 +22,21 @@ def presets_cmd() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from shardscope.orchestrator.devices import resolve_device
+
+    try:
+        gpu = resolve_device("auto") == "cuda"
+    except ConfigError:
+        gpu = False
     table = Table(title="built-in presets (shardscope run --preset NAME)")
     table.add_column("name", style="bold")
     table.add_column("description")
+    if not gpu:  # the descriptions give the full sizes; say what a run here really uses
+        table.add_column("here (no GPU: its \\[cpu_overrides])", style="dim")
     for name, desc in config.list_presets():
-        table.add_row(name, desc)
+        shrink = config.cpu_overrides(name)
+        table.add_row(name, desc, *([", ".join(f"{k.removeprefix('model.')} {v}" for k, v in shrink.items())
+                                     or "as described"] if not gpu else []))
     Console().print(table)
 
 

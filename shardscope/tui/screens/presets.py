@@ -15,7 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from shardscope.config import Comparison, ConfigError, list_presets, load_preset, resolved_precision, \
+from shardscope.config import Comparison, ConfigError, cpu_overrides, list_presets, load_preset, resolved_precision, \
     resolved_world_size
 from shardscope.tui.format import display_path
 from shardscope.tui.screens.knobs import KNOBS, choices, current_value, overrides, route_error, without_source
@@ -103,8 +103,14 @@ class PresetsScreen(Screen):
             return False
         path_error.update("")
         self.preset, self.base, self.comparison, self.overrides = name_or_path, base, base, []
+        shrunk = ""
+        if base.size_profile == "cpu":  # the description gives the full sizes: say what a run here uses
+            sizes = ", ".join(f"{k.removeprefix('model.')} {v}" for k, v in cpu_overrides(name_or_path).items())
+            shrunk = f"\n[yellow]No GPU here: its \\[cpu_overrides] shrink it ({sizes}); the runs and fields below " \
+                     "are what will run.[/yellow]"
         self.query_one("#preset-desc", Static).update(
-            f"[b]{base.name}[/b] — {base.description or '(no description)'}\n[dim]{display_path(base.source)}[/dim]")
+            f"[b]{base.name}[/b] — {base.description or '(no description)'}{shrunk}\n"
+            f"[dim]{display_path(base.source)}[/dim]")
         for knob in KNOBS:
             value = current_value(base, knob.key)
             if knob.kind == "int":
