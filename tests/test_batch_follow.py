@@ -66,3 +66,15 @@ def test_cli_says_the_global_batch_followed(args):
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "shardscope: note: global_batch 8 -> " in proc.stdout + proc.stderr
+
+
+def test_estimate_says_it_uses_the_full_sizes():
+    """A preset with [cpu_overrides] is estimated at its full sizes, and the command says so; smoke has none."""
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "estimate", "--preset", "ddp-vs-fsdp",
+                           "--world-size", "8"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "sizes: ddp-vs-fsdp's full sizes (its [cpu_overrides] shrink only runs" in proc.stdout
+    assert "91,877,376 parameters" in proc.stdout  # 768 wide, 6 layers, 32k vocab: not the shrunk model
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "estimate", "--preset", "smoke",
+                           "--world-size", "8"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "full sizes" not in proc.stdout, proc.stdout

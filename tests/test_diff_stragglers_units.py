@@ -151,3 +151,16 @@ def test_app_panel_shows_what_the_traces_say():
     console = Console(width=100, record=True)
     console.print(render(st))
     assert "trace compute" not in console.export_text()  # before the profiler window: nothing said
+
+
+def test_memory_diff_names_its_kind_and_never_sets_a_gpu_peak_against_rss():
+    from shardscope.profiling.state import RunState
+
+    cpu_old = RunState(name="ddp", strategy="ddp", peak_mem_bytes=100, start={0: {"device": "cpu"}})
+    cpu_new = RunState(name="ddp", strategy="ddp", peak_mem_bytes=150, start={0: {"device": "cpu"}})
+    gpu = RunState(name="ddp", strategy="ddp", peak_mem_bytes=150, start={0: {"device": "cuda:0"}},
+                   memory={0: {"mem_alloc_bytes": 1}})
+    same = diff.mem_diff(cpu_old, cpu_new)
+    assert same["kind"] == "process RSS" and same["ratio"] == 1.5 and "reason" not in same
+    mixed = diff.mem_diff(cpu_old, gpu)
+    assert mixed["ratio"] is None and mixed["reason"] == "not comparable: old is the process RSS, new the allocator peak"

@@ -72,3 +72,23 @@ def test_presets_lists_what_a_run_here_uses():
     row = next(line for line in proc.stdout.splitlines() if line.startswith("│ ddp-vs-fsdp"))
     assert "d_model 256" in row and "n_layers 2" in row, row
     assert "as described" in next(line for line in proc.stdout.splitlines() if line.startswith("│ smoke"))
+
+
+def test_live_table_names_rss_as_rss():
+    """On CPU the live table's memory column is the process's RSS and says so; a GPU run makes it 'peak mem'."""
+    import io
+
+    from rich.console import Console
+
+    from shardscope.cli.headless import HeadlessView
+    from shardscope.profiling.state import RunState
+
+    def header(states: dict) -> list[str]:
+        view = HeadlessView(Console(file=io.StringIO(), width=200), list(states))
+        view.states = states
+        return [c.header for c in view.table().columns]
+
+    cpu = RunState(name="ddp", strategy="ddp", peak_mem_bytes=1 << 20, start={0: {"device": "cpu"}})
+    assert "peak RSS" in header({"ddp": cpu}) and "peak mem" not in header({"ddp": cpu})
+    gpu = RunState(name="fsdp2", strategy="fsdp2", peak_mem_bytes=1 << 20, start={0: {"device": "cuda:0"}})
+    assert "peak mem" in header({"ddp": cpu, "fsdp2": gpu})

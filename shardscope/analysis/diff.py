@@ -159,11 +159,18 @@ def speed_diff(old: RunState, new: RunState) -> dict[str, Any]:
 
 
 def mem_diff(old: RunState, new: RunState) -> dict[str, Any]:
-    """Peak memory (max over ranks of allocator peak, or peak RSS on CPU) of each side and new/old."""
+    """Peak memory (max over ranks of allocator peak, or peak RSS on CPU) of each side and new/old; ``kind`` says
+    which, and an allocator peak is never set against a process RSS."""
+    from shardscope.analysis.summary import on_gpu
+
     a, b = old.peak_mem_bytes, new.peak_mem_bytes
-    out: dict[str, Any] = {"old": a, "new": b, "ratio": b / a if a and b else None}
-    if out["ratio"] is None:
+    kinds = ["allocator peak" if on_gpu(s) else "process RSS" for s in (old, new)]
+    out: dict[str, Any] = {"old": a, "new": b, "ratio": b / a if a and b and kinds[0] == kinds[1] else None,
+                           "kind": kinds[1]}
+    if not (a and b):
         out["reason"] = "not measured: a side has no memory figure"
+    elif kinds[0] != kinds[1]:
+        out["reason"] = f"not comparable: old is the {kinds[0]}, new the {kinds[1]}"
     return out
 
 
@@ -259,7 +266,7 @@ def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Toleranc
                             f"±{band:.1%}")
     mem = entry["memory"]
     if mem["ratio"] is not None and mem["ratio"] > 1 + tol.mem:
-        failures.append(f"{label}: peak memory {mem['ratio']:.3f}x of old ({mem['new']:,} vs {mem['old']:,} bytes), "
+        failures.append(f"{label}: {mem['kind']} {mem['ratio']:.3f}x of old ({mem['new']:,} vs {mem['old']:,} bytes), "
                         f"beyond {tol.mem:.0%}")
     entry["failures"] = failures
     return entry

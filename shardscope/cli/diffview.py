@@ -28,6 +28,13 @@ def _ratio(x: float | None, band: float | None = None) -> str:
     return f"{x:.3f}x" + (f" ±{band:.1%}" if band is not None else "")
 
 
+def _mem_cell(mem: dict[str, Any], mixed: bool) -> str:
+    """new/old peak memory; where runs' figures are of different kinds, each cell names its own."""
+    if mem.get("reason", "").startswith("not comparable"):
+        return mem["reason"]
+    return _ratio(mem["ratio"]) + (f" ({mem.get('kind')})" if mixed and mem["ratio"] is not None else "")
+
+
 def _loss_cell(loss: dict[str, Any]) -> str:
     if not loss["steps_compared"]:
         return "no common step"
@@ -47,13 +54,15 @@ def _comm_cell(comm: dict[str, Any]) -> str:
 def diff_table(result: dict[str, Any]) -> Table:
     """Return the per-run table of a ``diff.diff_dirs`` result."""
     table = Table(title=f"diff {result['old']} → {result['new']}")
-    for col in ("run", "status", "loss |Δ|", "throughput new/old", "peak mem new/old", "bytes/step", "verdict"):
+    kinds = {r["memory"].get("kind") for r in result["runs"]}
+    mem_col = "peak RSS new/old" if kinds == {"process RSS"} else "peak mem new/old"  # CPU: the process's RSS
+    for col in ("run", "status", "loss |Δ|", "throughput new/old", mem_col, "bytes/step", "verdict"):
         table.add_column(col, justify="left" if col in ("run", "status", "loss |Δ|", "bytes/step", "verdict")
                          else "right", overflow="fold")
     for r in result["runs"]:
         label = r["old_run"] if r["old_run"] == r["new_run"] else f"{r['old_run']}→{r['new_run']}"
         table.add_row(label, f"{r['old_status']}→{r['new_status']}", _loss_cell(r["loss"]),
-                      _ratio(r["speed"]["ratio"], r["speed"]["noise_band"]), _ratio(r["memory"]["ratio"]),
+                      _ratio(r["speed"]["ratio"], r["speed"]["noise_band"]), _mem_cell(r["memory"], len(kinds) > 1),
                       _comm_cell(r["communication"]),
                       "[red]differs[/]" if r["failures"] else "[green]same within tolerance[/]")
     for name in result["only_old"]:

@@ -20,7 +20,7 @@ from shardscope.profiling import state
 from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.analysis import straggler_report
 from shardscope.profiling import stragglers
-from shardscope.analysis.summary import memory_headers, throughput_unit
+from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 
 
 def fmt_num(x: float | None, spec: str = ".4f") -> str:
@@ -100,7 +100,8 @@ class HeadlessView:
                 self._plain_marks[name] = tenth
                 self.console.print(
                     f"[{name}] step {st.steps_completed}/{st.steps_total} loss {st.loss:.4f} "
-                    f"median {st.unit} {fmt_rate(st.median)} mem {fmt_bytes(st.peak_mem_bytes)}",
+                    f"median {st.unit} {fmt_rate(st.median)} {'mem' if on_gpu(st) else 'RSS'} "
+                    f"{fmt_bytes(st.peak_mem_bytes)}",
                     highlight=False, markup=False)
 
     def table(self) -> Table:
@@ -108,9 +109,10 @@ class HeadlessView:
         table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
         with self._lock:
             units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
+            gpu = any(on_gpu(st) for st in self.states.values())  # else every figure is the process's RSS
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
                              ("step", "right"), ("loss", "right"), ("median " + " or ".join(sorted(units)), "right"),
-                             ("peak mem", "right"), ("eta", "right")):
+                             ("peak mem" if gpu else "peak RSS", "right"), ("eta", "right")):
             table.add_column(col, justify=justify)
         with self._lock:
             for name in self.order:

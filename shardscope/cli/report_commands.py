@@ -120,6 +120,9 @@ def estimate_cmd(preset: str, world_size: int, device_memory: str | None, overri
         except ValueError as err:
             fail_usage(f"--device-memory {device_memory!r}: {err}")
     say_adjustments(comparison)
+    if config.cpu_overrides(preset):  # the user may have seen the shrunk sizes in a CPU run: say which these are
+        click.echo(f"sizes: {comparison.name}'s full sizes (its [cpu_overrides] shrink only runs on a machine "
+                   "without a GPU; an estimate is for the devices you name)")
     estimate.print_estimate(comparison, world_size, limit, traced=traced)
 
 
