@@ -103,7 +103,12 @@ def test_device_memory_refits_the_summary_and_report_of_a_run_directory(tmp_path
     out = tmp_path / "run"
     shutil.copytree(Path(__file__).parent / "data" / "replay-smoke", out)
     write_reports(str(out))
+    outside = tmp_path / "not-yours.md"  # a report.md that links out of the directory is replaced, not written through
+    outside.write_text("keep me")
+    (out / "report.md").unlink()
+    (out / "report.md").symlink_to(outside)
     summary = refit(str(out), 1 * MiB)  # every run's measured peak is above 1 MiB
+    assert outside.read_text() == "keep me" and not (out / "report.md").is_symlink()
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["recommendation"] == summary["recommendation"]
     assert summary["recommendation"]["device_memory_bytes"] == MiB

@@ -35,7 +35,7 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
     """Recompute a finished run directory's recommendation against ``device_memory_bytes`` (which runs
     would not fit, and from which world size the memory model says they would), write it into
     summary.json and report.md, and return the summary (None when the directory has no summary)."""
-    from shardscope.config import dump_json
+    from shardscope.config import dump_json, write_atomic
     from shardscope.analysis import fold
     from shardscope.analysis import recommend
     from shardscope.analysis.report import render_markdown
@@ -48,8 +48,8 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
     summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary,
                                                   device_memory_bytes)
     dump_json(RunDir(out_dir).summary, summary)
-    with open(RunDir(out_dir).report, "w", encoding="utf-8") as fh:
-        fh.write(render_markdown(summary))
+    markdown = render_markdown(summary)
+    write_atomic(RunDir(out_dir).report, lambda fh: fh.write(markdown))  # never through a link out of the directory
     return summary
 
 
