@@ -124,3 +124,28 @@ def test_the_report_sets_predictions_beside_measurements(calibration):
         assert row["error"] == pytest.approx(row["tokens_per_s"] / row["measured_tokens_per_s"] - 1)
     report = open(RunDir(str(calibration)).report).read()
     assert "## Predicted beside measured" in report and "(calibration run: fit error)" in report
+
+
+def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_error(calibration):
+    """recommend DIR --world-size N ranks the runs as predict does at N (the same figures as predict --json), each
+    ratio with the error the calibration showed here; a GPU what-if says no error was measured."""
+    proc = run_cli("recommend", str(calibration), "--world-size", "4")
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())  # rich wraps lines at the terminal's width
+    predicted = json.loads(run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--set", "steps=10",
+                                   "--set", "profile.start_step=4", "--world-size", "4", "--json").stdout)
+    rates = {r["name"]: r["tokens_per_s"] for r in predicted["runs"]}
+    fast, slow = sorted(rates, key=lambda n: -rates[n])
+    assert f"at 4 ranks (this machine's calibration): fastest predicted {fast} ({rates[fast]:,.0f} tokens/s;" in out, out
+    assert (f"{fast} is predicted {rates[fast] / rates[slow]:.2f}× {slow} ({rates[fast]:,.0f} vs "
+            f"{rates[slow]:,.0f} tokens/s; fit error here: {fast} ") in out, out
+    assert "caveat: the fit error is in-sample" in out and "assumptions:" in out
+    what_if = run_cli("recommend", str(calibration), "-n", "8", "--device", "H100", "--device-memory", "80GiB")
+    assert what_if.returncode == 0, what_if.stderr
+    assert "at 8 ranks of H100 (what-if, not measured here): fastest predicted that fits" in " ".join(what_if.stdout.split())
+    assert "what-if: error not measured" in what_if.stdout
+    for args, said in ((["--device", "H100"], "--device: give --world-size too"),
+                       (["-n", "8", "--device", "TPU"], "--device 'TPU': known:"),
+                       (["-n", "0"], "--world-size 0: must be >= 1")):
+        bad = run_cli("recommend", str(calibration), *args)
+        assert bad.returncode == 2 and said in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr

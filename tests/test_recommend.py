@@ -175,3 +175,14 @@ def test_recommendation_and_diff_share_the_rule():
     assert rec["no_clear_difference"] == ["ddp", "fsdp"]
     rec = recommend.recommend(_summary(_run("ddp", 100, 800), _run("fsdp", 94, 500)), {"ddp": 0.03, "fsdp": 0.02}, "cuda")
     assert rec["no_clear_difference"] == []
+
+
+def test_a_comparison_at_another_world_size_keeps_each_ranks_micro_batch():
+    from shardscope import config
+    from shardscope.analysis.recommend_scale import comparison_at
+
+    c = config.load_preset("smoke", host=config.cpu_host())
+    at8, notes = comparison_at(c, 8)
+    assert (at8.world_size, at8.global_batch) == (8, c.global_batch * 8 // c.world_size)
+    assert [r.name for r in at8.runs] == [r.name for r in c.runs] and "global_batch" in notes[0]
+    assert comparison_at(c, c.world_size) == (c, [])

@@ -333,3 +333,31 @@ async def test_device_panel_labels_gpus_with_run_and_ranks():
         text = rich_text(app.screen.devices.content)
         assert "GPU0 NVIDIA H100" in text and "ddp ranks 0,1" in text and "idle" in text
         assert "40.0 GiB/80.0 GiB" in text and "97%" in text
+
+
+@run_async
+async def test_report_screen_sets_each_runs_prediction_beside_its_measurement(tmp_path):
+    import json
+    import shutil
+
+    out = tmp_path / "replay"
+    shutil.copytree(FIXTURE, out)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["prediction"] = {
+        "calibrated_on": "ddp (this comparison's baseline run)",
+        "runs": {"ddp": {"tokens_per_s": 5200.0, "measured_tokens_per_s": 5210.0, "error": -0.002,
+                         "calibration_run": True, "bound": None},
+                 "fsdp2": {"tokens_per_s": 6000.0, "measured_tokens_per_s": 4700.0, "error": 6000 / 4700 - 1,
+                           "calibration_run": False, "bound": "upper"},
+                 "fsdp2-fault": {"why": "no fully-sharded run calibrated"}}}
+    (out / "summary.json").write_text(json.dumps(summary))
+    app = build_app(replay_dir=str(out), host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ReportScreen))
+        text = str(app.screen.query_one("#report-prediction").render())
+        assert "Predicted beside measured" in text
+        assert "ddp: predicted 5,200 tokens/s, measured 5,210 (-0.2%, the calibration run: its fit error)" in text
+        assert "fsdp2: predicted ≤ 6,000 tokens/s, measured 4,700 (+27.7%)" in text
+        assert "fsdp2-fault: not predicted: no fully-sharded run calibrated" in text

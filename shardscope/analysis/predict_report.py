@@ -83,3 +83,21 @@ def markdown(sec: dict[str, Any]) -> str:
     out += notes
     out += ["", "Assumptions:", *(f"- {a}" for a in sec.get("assumptions", []))]
     return "\n".join(out) + "\n"
+
+
+def plain_lines(sec: dict[str, Any]) -> list[str]:
+    """The section as short sentences, for the app's report screen: each run predicted beside measured."""
+    if not sec:
+        return []
+    if sec.get("why"):
+        return [f"not predicted: {sec['why']}"]
+    lines = [f"calibrated on {sec['calibrated_on']}; error = predicted / measured median tokens/s - 1"]
+    for name, r in sec["runs"].items():
+        if r.get("why"):
+            lines.append(f"{name}: not predicted: {r['why']}")
+            continue
+        err = "error not measured" if r.get("error") is None else f"{r['error']:+.1%}"
+        lines.append(f"{name}: predicted {'≤ ' if r.get('bound') else ''}{_rate(r.get('tokens_per_s'))} tokens/s, "
+                     f"measured {_rate(r.get('measured_tokens_per_s'))} ({err}"
+                     + (", the calibration run: its fit error)" if r.get("calibration_run") else ")"))
+    return lines

@@ -64,21 +64,56 @@ def parse_device_memory(text: str | None) -> int | None:
         raise  # unreachable
 
 
+def print_at_scale(out_dir: str, world_size: int, device: str | None, limit: int | None, console: Any) -> None:
+    """Print the recommendation predicted at ``world_size`` ranks (``analysis.recommend_scale``); exits 2 with one
+    line when ``device`` is unknown and says why when the comparison cannot calibrate a prediction."""
+    from shardscope.analysis import recommend_scale
+    from shardscope.analysis.predict_devices import DEVICES, device_spec
+    from shardscope.analysis.predict_work import NotPredicted
+
+    if device and device.strip().upper() not in DEVICES:
+        _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")
+    console.print(f"[bold]predicted at {world_size} ranks[/] (shardscope predict, calibrated on {out_dir})",
+                  highlight=False)
+    try:
+        result = recommend_scale.at_scale(out_dir, world_size, device_spec(device) if device else None, limit)
+    except NotPredicted as err:
+        console.print(f"  not predicted: {err}", highlight=False, markup=False)
+        return
+    for line in [*result["notes"], *result["lines"]]:
+        console.print(f"  {line}", highlight=False, markup=False)
+    console.print("  assumptions:", highlight=False)
+    for line in result["assumptions"]:
+        console.print(f"    - {line}", highlight=False, markup=False)
+
+
 @click.command("recommend")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--device-memory", default=None, help="Device memory to check each run against, e.g. 80GiB.")
-def recommend_cmd(out_dir: str, device_memory: str | None) -> None:
-    """Recommend a run of a finished run directory: the fastest that fits, what each saves and costs."""
+@click.option("--world-size", "-n", type=int, default=None,
+              help="Also rank the runs as predicted at this many ranks (calibrated on OUT_DIR; see shardscope predict).")
+@click.option("--device", default=None, metavar="NAME",
+              help="With --world-size: a what-if on GPUs of this kind (A100, H100, H200, B200).")
+def recommend_cmd(out_dir: str, device_memory: str | None, world_size: int | None, device: str | None) -> None:
+    """Recommend a run of a finished run directory: the fastest that fits, what each saves and costs; with
+    --world-size, which would be fastest at that scale, as predicted, with the error measured here."""
     from rich.console import Console
 
     from shardscope.analysis import fold
     from shardscope.analysis import recommend
 
     limit = parse_device_memory(device_memory)
+    if world_size is not None and world_size < 1:
+        _fail(f"--world-size {world_size}: must be >= 1")
+    if device and world_size is None:
+        _fail("--device: give --world-size too (the what-if is a prediction at a world size)")
     try:
         comparison = fold.load_comparison(out_dir)
         summary = load_summary(out_dir)
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
     summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary, limit)
-    print_recommendation(summary, Console())
+    console = Console()
+    print_recommendation(summary, console)
+    if world_size is not None:
+        print_at_scale(out_dir, world_size, device, limit, console)

@@ -17,7 +17,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from shardscope.core.numbers import fmt_sig, median_rate
-from shardscope.analysis import recommend
+from shardscope.analysis import predict_report, recommend
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.core.rundir import SUMMARY, RunDir, read_summary
 from shardscope.tui.board import Board
@@ -107,6 +107,7 @@ class ReportScreen(Screen):
             yield Static(id="report-note")
             yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
             yield Static(id="report-recommendation")
+            yield Static(id="report-prediction")
             yield Static(id="report-paths")
         yield Footer()
 
@@ -133,6 +134,12 @@ class ReportScreen(Screen):
         if rec.get("lines"):
             shown.update("\n[b]Recommendation[/b]\n"
                          + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
+        predicted = predict_report.plain_lines(summary.get("prediction") or {})
+        shown = self.query_one("#report-prediction", Static)
+        shown.display = bool(predicted)
+        if predicted:
+            shown.update("[b]Predicted beside measured[/b] (shardscope predict)\n"
+                         + "\n".join(escape(f"• {line}") for line in predicted) + "\n")
         names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
         self.query_one("#report-paths", Static).update(
             "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))
