@@ -361,3 +361,46 @@ async def test_report_screen_sets_each_runs_prediction_beside_its_measurement(tm
         assert "ddp: predicted 5,200 tokens/s, measured 5,210 (-0.2%, the calibration run: its fit error)" in text
         assert "fsdp2: predicted ≤ 6,000 tokens/s, measured 4,700 (+27.7%)" in text
         assert "fsdp2-fault: not predicted: no fully-sharded run calibrated" in text
+
+
+@run_async
+async def test_console_says_when_the_ranks_printed_nothing():
+    """The console pane promises the ranks' output after the launch line; a run that ended without printing
+    says so instead of leaving the promise open, and one that printed does not."""
+    from textual.app import App
+
+    from shardscope.profiling.state import RunState
+    from shardscope.tui.board import Console
+
+    class One(App):
+        def compose(self):
+            yield LogPane()
+
+    app = One()
+    async with app.run_test(size=(100, 20)) as pilot:
+        pane = app.query_one(LogPane)
+        console = Console()
+        console.add("$ OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 -m shardscope.engines.worker x\n")
+        run = RunState(name="ddp", strategy="ddp", status="running")
+        pane.follow("ddp", console, run)
+        run.status = "ok"
+        pane.show(console, run)
+        pane.show(console, run)
+        await pilot.pause()
+        text = "\n".join(line.text for line in pane.lines)
+        assert text.count("(no output from the ranks; ddp ended ok)") == 1, text
+        console.add("[rank0] hello\n")
+        pane.follow("ddp", console, run)
+        await pilot.pause()
+        assert "no output from the ranks" not in "\n".join(line.text for line in pane.lines)
+
+
+def test_a_card_lists_only_the_options_a_run_changed():
+    """A live run's start record lists every option with its default; the card shows what differs."""
+    from shardscope.core import registry
+    from shardscope.tui.widgets.run_card import chosen_options
+
+    defaults = {k: spec.default for k, spec in registry.STRATEGIES["fsdp2"].options.items()}
+    assert chosen_options("fsdp2", defaults) == {}
+    assert chosen_options("fsdp2", {**defaults, "reshard_after_forward": False}) == {"reshard_after_forward": False}
+    assert chosen_options("no-such-strategy", {"x": 1}) == {"x": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import RichLog
 
-from shardscope.profiling.state import RunState
+from shardscope.profiling.state import FINISHED, RunState
 from shardscope.tui.board import Console
 from shardscope.tui.format import short_command
 
@@ -21,11 +21,13 @@ class LogPane(RichLog):
         self._seen = 0
         self._error_shown = ""
         self._hinted = False
+        self._printed = False  # a rank wrote a line
+        self._silent_said = False
 
     def follow(self, run: str, console: Console, state: RunState | None) -> None:
         """Start showing ``run``: clear and write its kept lines (and its error, if it failed)."""
         self.run, self._seen, self._error_shown = run, 0, ""
-        self._hinted = False
+        self._hinted = self._printed = self._silent_said = False
         self.clear()
         self.border_title = f"console · {run}"
         self.show(console, state)
@@ -42,6 +44,11 @@ class LogPane(RichLog):
                     self._hinted = True
             else:
                 self.write(Text(line))
+                self._printed = True
+        if (state is not None and state.status in FINISHED and self._hinted and not self._printed
+                and not self._silent_said):  # the hint promised output: say there was none
+            self._silent_said = True
+            self.write(Text(f"(no output from the ranks; {state.name} ended {state.status})", "dim italic"))
         if state is not None and state.status == "failed" and (state.error or state.traceback) \
                 and self._error_shown != state.error + state.traceback:
             self._error_shown = state.error + state.traceback

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.text import Text
 from textual.widgets import Static
 
+from shardscope.core import registry
 from shardscope.profiling.state import RunState
 from shardscope.analysis.summary import on_gpu
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
@@ -22,6 +25,13 @@ def _row(left: Text, right: Text, width: int) -> Text:
 def _bar(fraction: float, width: int, colour: str) -> Text:
     done = int(round(max(0.0, min(1.0, fraction)) * width))
     return Text.assemble(("━" * done, colour), ("━" * (width - done), "grey30"))
+
+
+def chosen_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options that differ from the strategy's defaults (a live run's start record lists them all)."""
+    info = registry.STRATEGIES.get(strategy)
+    defaults = {k: spec.default for k, spec in info.options.items()} if info is not None else {}
+    return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
 
 
 class RunCard(Static):
@@ -77,7 +87,7 @@ class RunCard(Static):
             self.show(self._state, baseline=self._baseline, traced=self._traced)
 
     def _body(self, s: RunState, width: int) -> Text:
-        opts = ", ".join(f"{k}={v}" for k, v in s.options.items())
+        opts = ", ".join(f"{k}={v}" for k, v in chosen_options(s.strategy, s.options).items())
         head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim")]
         if opts and len(head[0]) > width:  # by rule: the options on a line of their own before anything is cut
             head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}", "dim"), Text(opts, "dim")]
