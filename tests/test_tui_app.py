@@ -404,3 +404,19 @@ def test_a_card_lists_only_the_options_a_run_changed():
     assert chosen_options("fsdp2", defaults) == {}
     assert chosen_options("fsdp2", {**defaults, "reshard_after_forward": False}) == {"reshard_after_forward": False}
     assert chosen_options("no-such-strategy", {"x": 1}) == {"x": 1}
+
+
+@run_async
+async def test_an_empty_chart_says_what_it_waits_for_even_when_narrow():
+    """plotext drops a title wider than its chart; an empty chart says its title and what it waits for."""
+    from textual.app import App
+
+    class One(App):
+        def compose(self):
+            yield StepChart("loss − ddp", empty="waiting for steps of two runs")
+
+    app = One()
+    async with app.run_test(size=(32, 12)) as pilot:
+        await pilot.pause()
+        shown = _text_of(app.query_one(StepChart))
+        assert "loss − ddp by step" in shown and "waiting for steps of two runs" in shown, shown

@@ -10,6 +10,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from rich.align import Align
+from rich.text import Text
 from textual_plotext import PlotextPlot
 
 from shardscope.core.numbers import common_steps, fmt_sig
@@ -114,13 +116,14 @@ class StepChart(PlotextPlot):
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        plt.title(f"{self.title} by step")
         drawn = [s for s in self._series if s.xs]
+        if not drawn:  # plotext drops a title wider than the chart: say it as wrapped text, not an empty frame
+            return Align.center(Text(f"{self.title} by step\n\n{self.empty}", style="dim", justify="center"),
+                                vertical="middle")
+        plt.title(f"{self.title} by step")
         for s in drawn:
             plt.plot(list(s.xs), list(s.ys), label=s.label, color=rgb(s.colour), marker="braille")
         ticks = y_ticks([y for s in drawn for y in s.ys])
         if ticks:  # plotext would write 0.000000119; tiny differences read better as 1.19e-07
             plt.yticks(ticks, [fmt_sig(t) for t in ticks])
-        if not drawn:
-            plt.title(f"{self.title}: {self.empty}")
         return super().render()
