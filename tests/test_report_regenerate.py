@@ -181,3 +181,12 @@ def test_a_comparison_whose_report_failed_exits_1(tmp_path, monkeypatch):
     session._finish()
     assert session.exit_code == 1
     assert any(getattr(u, "text", "") == made.failed for u in seen)
+
+
+def test_a_figure_that_is_not_zero_is_never_printed_as_zero():
+    """148 B of an all-reduce per step is 0.000141 MiB: report.md says so instead of '0.000'."""
+    from shardscope.analysis.report import _num
+
+    assert _num(148 / 2**20, "{:,.3f}") == "1.41e-04"
+    assert _num(0.4) == "0.4" and _num(0.0, "{:.3f}") == "0.000" and _num(None) == "-"
+    assert _num(2.5e-5 * -1, "{:.3f}") == "-2.50e-05" and _num(1234.5) == "1,234"

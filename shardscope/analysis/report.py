@@ -15,12 +15,11 @@ from typing import Any
 from shardscope.config import Comparison, dump_json, write_atomic
 from shardscope.analysis import fold
 from shardscope.profiling.state import RunState
-from shardscope.core.numbers import not_measured
 from shardscope.core.outspace import describe, disk_error
 from shardscope.core.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
 from shardscope.analysis import divergence, explain_report, plots, predict_report, recommend, straggler_report, summary, why
 from shardscope.profiling import framework_fixes, memory_model, traces
-from shardscope.core.numbers import fmt_bytes, median_rate
+from shardscope.core.numbers import fmt_bytes, fmt_sig, median_rate, not_measured
 from shardscope.analysis.summary import throughput_unit
 
 
@@ -220,7 +219,8 @@ def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what 
 
 
 def _num(v: Any, fmt: str = "{:,.0f}") -> str:
-    return "-" if v is None else fmt.format(v)
+    text = "-" if v is None else fmt.format(v)  # a figure that is not zero is never printed as one ("0.000")
+    return fmt_sig(v) if v and not text.strip("0.,-") else text
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
