@@ -48,7 +48,7 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
     from shardscope import config
     from shardscope.orchestrator import launcher
 
-    overrides = [f"world_size={args.world_size}", f"steps={2 * (args.pairs + args.warmup)}", "profile.enabled=false",
+    overrides = [f"world_size={args.world_size}", f"steps={2 * (args.pairs + args.warmup + args.profile_steps)}", "profile.enabled=false",
                  f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.seq_len={args.seq}",
                  f"global_batch={args.batch}", "model.vocab_size=1024", "model.n_heads=4", f"model.d_ff={4 * args.d_model}",
                  f"runs.ddp.strategy='{strategy}'"]
@@ -63,7 +63,7 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
         config.dump_json(spec_path, config.run_spec_payload(comparison, run, out_dir=out, device="cpu"))
         argv = list(launcher.torchrun_argv(spec_path, nproc_per_node=args.world_size))
         argv[argv.index("-m", 3):] = [__file__, "--inner", spec_path, "--pairs", str(args.pairs),
-                                      "--warmup", str(args.warmup)]
+                                      "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
         env = {**os.environ, **launcher.worker_env("cpu"), "PYTHONPATH": REPO}
         proc = subprocess.run(argv, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -84,11 +84,18 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
           f"{100 * result['barrier_s'] / result['bare_step_s']:.1f}% of a bare step)")
     print(f"paired step ratios:    median {result['pair_median']:.3f}")
     print(f"ratio (total time):    {result['ratio']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
+    added = result.get("added")
+    if added:
+        print(f"what the instrumented step adds (cProfile, {added['steps']} steps of each; an upper bound): "
+              f"{1000 * added['per_step_s']:.3f} ms per step = {100 * added['per_step_s'] / result['bare_step_s']:.2f}% "
+              "of a bare step")
+        for fn_name, per_step in added["top"]:
+            print(f"  {1000 * per_step:7.3f} ms  {fn_name}")
     print(f"overhead_ratio {strategy}: {result['ratio']:.3f}")
     return 0
 
 
-def inner(spec_path: str, pairs: int, warmup: int) -> None:
+def inner(spec_path: str, pairs: int, warmup: int, profile_steps: int = 0) -> None:
     """Inside torchrun: interleave bare and instrumented steps; rank 0 writes result.json."""
     import torch
 
@@ -140,6 +147,7 @@ def inner(spec_path: str, pairs: int, warmup: int) -> None:
             if pair >= warmup:
                 times[name].append(now - last)
             last = now
+    added = _profile_added(bare_step, trainer.step, 2 * (warmup + pairs), profile_steps) if profile_steps else None
     trainer.finish()
     barrier()
     t0 = time.perf_counter()
@@ -153,10 +161,35 @@ def inner(spec_path: str, pairs: int, warmup: int) -> None:
         result = {"bare": tokens * len(bare) / sum(bare), "instrumented": tokens * len(instr) / sum(instr),
                   "ratio": ratio, "ci95": _bootstrap(bare, instr), "barrier_s": barrier_s,
                   "bare_step_s": statistics.median(bare),
-                  "pair_median": statistics.median(b / i for b, i in zip(bare, instr)), "steps_s": times}
+                  "pair_median": statistics.median(b / i for b, i in zip(bare, instr)), "steps_s": times,
+                  "added": added}
         with open(os.path.join(spec["out_dir"], "result.json"), "w") as fh:
             json.dump(result, fh)
     torch.distributed.destroy_process_group()
+
+
+def _profile_added(bare, instrumented, first_step: int, n: int) -> dict:
+    """Both loops side by side under cProfile, ``n`` steps each: the calls the instrumented step makes beyond the
+    bare one (a function only it calls, or the share of calls beyond the bare step's), as own time per step.
+    cProfile slows Python calls, so these are upper bounds on what the instrumentation costs in Python."""
+    import cProfile
+    import pstats
+
+    own = {}
+    for name, fn in (("bare", bare), ("instrumented", instrumented)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for s in range(n):
+            fn(first_step + s)
+        prof.disable()
+        own[name] = {f"{os.path.basename(k[0])}:{k[1]}({k[2]})": (v[1], v[2]) for k, v in pstats.Stats(prof).stats.items()}
+    extra = {}
+    for fn_name, (calls, own_s) in own["instrumented"].items():
+        bare_calls = own["bare"].get(fn_name, (0, 0.0))[0]
+        if calls > bare_calls:
+            extra[fn_name] = own_s * (calls - bare_calls) / calls / n
+    top = sorted(extra.items(), key=lambda kv: -kv[1])
+    return {"steps": n, "per_step_s": sum(extra.values()), "top": top[:10]}
 
 
 def _bootstrap(bare: list[float], instr: list[float], rounds: int = 2000) -> tuple[float, float]:
@@ -185,12 +218,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=100,
+                        help="then profile this many steps of each loop (cProfile) and list what the instrumented adds")
     parser.add_argument("--save", default="", help="also write every step's time to SAVE.<strategy>.json")
     args = parser.parse_args()
     if args.inner:
         from shardscope.engines.worker import exit_now  # skip finalization: see its docstring
 
-        inner(args.inner, args.pairs, args.warmup)
+        inner(args.inner, args.pairs, args.warmup, args.profile_steps)
         exit_now(0)
     return outer(args)
 
