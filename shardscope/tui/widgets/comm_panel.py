@@ -12,12 +12,10 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
-from textual.app import ComposeResult
-from textual.containers import VerticalScroll
-from textual.widgets import Static
 
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import human_bytes
+from shardscope.tui.widgets.scroll_panel import ScrollPanel
 
 EMPTY = ("No communication figures yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "
          "appear here once its profiler window has been recorded and analysed.")
@@ -98,28 +96,15 @@ def _table(narrow: bool, header: bool) -> Table:
     return table
 
 
-class CommPanel(VerticalScroll):
+class CommPanel(ScrollPanel):
     """Shows each run's collectives (rank 0's figures); the parent calls ``show``. It scrolls: a short
     terminal hides no run's rows, it shows a scroll bar instead."""
-
-    def compose(self) -> ComposeResult:
-        """The figures, one static body inside the scrolling frame."""
-        yield Static(id="comm-body")
-
-    @property
-    def body(self) -> Static:
-        """The text the panel shows (border title and legend live on the panel itself)."""
-        return self.query_one("#comm-body", Static)
-
-    def update(self, content: Any) -> None:
-        """Replace what the panel shows."""
-        self.body.update(content)
 
     def show(self, states: list[tuple[RunState, str]], analyses: dict[str, dict[str, Any]],
              finished: bool = False) -> None:
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
         run's trace analysis."""
-        width = self.scrollable_content_region.width  # without the scroll bar
+        width = self.width  # without the scroll bar
         narrow = 0 < width < NARROW  # abbreviate by rule, with a legend, instead of cutting
         blocks: list[Any] = []  # per run: a heading line (never cut: it wraps) and its table of collectives
         any_rows = False

@@ -8,12 +8,12 @@ from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
-from textual.widgets import Static
 
 from shardscope.core.rundir import devices_name
 from shardscope.orchestrator.device_history import DeviceHistory
 from shardscope.profiling.state import DeviceReading
 from shardscope.tui.format import human_bytes
+from shardscope.tui.widgets.scroll_panel import ScrollPanel
 
 
 def _bar(fraction: float, width: int, colour: str) -> ProgressBar:
@@ -30,7 +30,7 @@ def _who(r: DeviceReading, narrow: bool = False) -> str:
     return f"{r.run} rank{'s' if len(r.ranks) > 1 else ''} {ranks}" if ranks else r.run
 
 
-class DevicePanel(Static):
+class DevicePanel(ScrollPanel):
     """Shows every device's (or rank process's) last reading and peak; the parent calls ``show``.
     Runs that ended keep their last reading and peak, marked as ended."""
 
@@ -42,7 +42,7 @@ class DevicePanel(Static):
             self.update(Text(f"No device samples were recorded for this comparison ({devices_name()})." if finished
                              else "No device samples yet: they arrive while runs are live.", "dim"))
             return
-        width = max(3, (self.size.width or 40) // 8)
+        width = max(3, (self.width or 40) // 8)
         if all(k.source == "process-rss" for k in rows):
             return self.update(self._rss(rows, width))
         # A GPU: its name and who uses it on one line (wrapping, never cut), then its bars and figures.
@@ -67,15 +67,19 @@ class DevicePanel(Static):
     def _rss(self, rows: list[Any], width: int) -> Group:
         """A CPU run's rows: each rank process's RSS, last and peak. By rule instead of cut names: when
         the longest whole row does not fit, rows drop the bar, then say "r0" for "rank 0"."""
-        def label(k: Any, narrow: bool, ended: bool = True) -> Text:
-            who = Text(_who(k.last, narrow) if k.last.run else k.last.label, "" if k.live else "dim")
+        def label(k: Any, narrow: bool, ended: bool = True, room: int = 0) -> Text:
+            text = _who(k.last, narrow) if k.last.run else k.last.label
+            if room and len(text) > room and k.last.run and k.last.ranks:  # the run's name gives way, never the rank
+                suffix = text[len(k.last.run):]
+                text = k.last.run[:max(1, room - len(suffix) - 1)] + "…" + suffix
+            who = Text(text, "" if k.live else "dim")
             if not k.live and ended:  # without room, dim alone says the run ended
                 who.append(" ended", "dim italic")
             return who
 
         figures = [f"{human_bytes(k.last.used_bytes)} ↑{human_bytes(k.peak_used_bytes)}" for k in rows]
         fig_width = max(map(len, figures)) + 1
-        have = self.content_size.width
+        have = self.width
         longest = max(len(label(k, False)) for k in rows)
         bar = not have or longest + width + 1 + fig_width <= have  # first the bar goes, then the long labels
         narrow = bool(have) and not bar and longest + fig_width > have
@@ -83,7 +87,7 @@ class DevicePanel(Static):
         top = max((k.peak_used_bytes for k in rows), default=0) or 1
         ended = not narrow or max(len(label(k, True)) for k in rows) + fig_width <= have
         for k, fig in zip(rows, figures):
-            cells = [label(k, narrow, ended), Text(fig)]
+            cells = [label(k, narrow, ended, room=have - fig_width - 1 if narrow else 0), Text(fig)]
             if bar:
                 cells.insert(1, _bar(k.last.used_bytes / top, width, "cyan" if k.live else "grey50"))
             table.add_row(*cells)

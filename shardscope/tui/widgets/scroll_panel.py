@@ -1,0 +1,36 @@
+"""A bordered panel whose text scrolls: a short terminal hides none of its rows, a scroll bar says there is more."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+
+class ScrollPanel(VerticalScroll):
+    """One static body inside a scrolling frame; ``update`` replaces the body, ``width`` is what a line may use."""
+
+    def compose(self) -> ComposeResult:
+        """The body: one Static, as tall as its text."""
+        yield Static(classes="panel-body")
+
+    @property
+    def body(self) -> Static:
+        """The text the panel shows (border title and subtitle live on the panel itself)."""
+        return self.query_one(".panel-body", Static)
+
+    @property
+    def content(self) -> Any:
+        """What the body shows (as ``Static.content``)."""
+        return self.body.content
+
+    @property
+    def width(self) -> int:
+        """Columns a line may use: the panel's content width without its scroll bar (0 before layout)."""
+        return self.scrollable_content_region.width
+
+    def update(self, content: Any) -> None:
+        """Replace what the panel shows."""
+        self.body.update(content)
