@@ -337,6 +337,11 @@ def get(name: str) -> StrategyInfo:
         raise KeyError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(STRATEGIES))}") from None
 
 
+def option_defaults(name: str) -> dict[str, Any]:
+    """The default of each option of the strategy named ``name``; raises KeyError as ``get`` does."""
+    return {k: spec.default for k, spec in get(name).options.items()}
+
+
 def names() -> list[str]:
     """Return all registered strategy names, sorted."""
     return sorted(STRATEGIES)

@@ -171,10 +171,7 @@ def resolved_precision(comparison: Comparison, run: RunSpec) -> str:
 
 def resolved_options(run: RunSpec) -> dict[str, Any]:
     """Return the run's strategy options with registry defaults filled in."""
-    info = registry.get(run.strategy)
-    opts = {k: spec.default for k, spec in info.options.items()}
-    opts.update(run.options)
-    return opts
+    return {**registry.option_defaults(run.strategy), **run.options}
 
 
 def parse_fault(text: str) -> dict[str, Any]:

@@ -104,7 +104,7 @@ class CommPanel(ScrollPanel):
              finished: bool = False) -> None:
         """Redraw from (state, colour) pairs: rank 0's ``comm`` record (the in-rank count), else the
         run's trace analysis."""
-        width = self.width  # without the scroll bar
+        width = self.line_width  # without the scroll bar
         narrow = 0 < width < NARROW  # abbreviate by rule, with a legend, instead of cutting
         blocks: list[Any] = []  # per run: a heading line (never cut: it wraps) and its table of collectives
         any_rows = False

@@ -42,7 +42,7 @@ class DevicePanel(ScrollPanel):
             self.update(Text(f"No device samples were recorded for this comparison ({devices_name()})." if finished
                              else "No device samples yet: they arrive while runs are live.", "dim"))
             return
-        width = max(3, (self.width or 40) // 8)
+        width = max(3, (self.line_width or 40) // 8)
         if all(k.source == "process-rss" for k in rows):
             return self.update(self._rss(rows, width))
         # A GPU: its name and who uses it on one line (wrapping, never cut), then its bars and figures.
@@ -79,7 +79,7 @@ class DevicePanel(ScrollPanel):
 
         figures = [f"{human_bytes(k.last.used_bytes)} ↑{human_bytes(k.peak_used_bytes)}" for k in rows]
         fig_width = max(map(len, figures)) + 1
-        have = self.width
+        have = self.line_width
         longest = max(len(label(k, False)) for k in rows)
         bar = not have or longest + width + 1 + fig_width <= have  # first the bar goes, then the long labels
         narrow = bool(have) and not bar and longest + fig_width > have

@@ -29,8 +29,7 @@ def _bar(fraction: float, width: int, colour: str) -> Text:
 
 def chosen_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options that differ from the strategy's defaults (a live run's start record lists them all)."""
-    info = registry.STRATEGIES.get(strategy)
-    defaults = {k: spec.default for k, spec in info.options.items()} if info is not None else {}
+    defaults = registry.option_defaults(strategy) if strategy in registry.STRATEGIES else {}
     return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
 
 

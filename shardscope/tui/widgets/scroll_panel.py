@@ -10,7 +10,7 @@ from textual.widgets import Static
 
 
 class ScrollPanel(VerticalScroll):
-    """One static body inside a scrolling frame; ``update`` replaces the body, ``width`` is what a line may use."""
+    """One static body inside a scrolling frame; ``update`` replaces the body, ``line_width`` is what a line may use."""
 
     def compose(self) -> ComposeResult:
         """The body: one Static, as tall as its text."""
@@ -27,7 +27,7 @@ class ScrollPanel(VerticalScroll):
         return self.body.content
 
     @property
-    def width(self) -> int:
+    def line_width(self) -> int:
         """Columns a line may use: the panel's content width without its scroll bar (0 before layout)."""
         return self.scrollable_content_region.width
 
