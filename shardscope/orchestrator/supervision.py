@@ -100,15 +100,16 @@ class RunSupervision:
                 and world > 0 and len(active.finished) >= world)
 
     def _silent_ranks(self, active: _Active) -> list[int]:
-        """This node's ranks that wrote neither an ``end`` nor an ``error`` record, when some other rank did
-        (all silent: the run never trained, and its console says why)."""
+        """This node's ranks that wrote neither an ``end`` nor an ``error`` record. When no rank reported, those
+        that trained (torchrun may kill a peer before it records the broken connection); none when the run never
+        trained, and its console says why."""
         world = self.states[active.name].world_size
         launch = self.comparison.launch
         per_node = max(1, world // max(1, launch.nnodes))
         mine = range(launch.node_rank * per_node, (launch.node_rank + 1) * per_node)
         reported = active.ended | {int(e.get("rank", -1)) for e in active.errors}
         if not reported:
-            return []
+            return [r for r in mine if r in active.last_steps]
         return [r for r in mine if r not in reported]
 
     def _ask_where(self, active: _Active, wait_s: float = STALL_ANSWER_S) -> None:
