@@ -4,9 +4,10 @@ Through the real command line: the parity preset (every strategy on the built-in
 2, tensor parallel at 4 on the Qwen2 layout) with profiling and ``profile.count_collectives`` on, in fp32
 with two micro-batches per step: the hardest schedule (ZeRO-2/3 reduce every micro-batch, ZeRO-3 gathers
 in every micro-batch, DDP broadcasts its buffers once per step) in the precision every theory starts from.
-fp32 with one micro-batch and bf16 parameters are checked for every layout at 2 and 4 ranks by
-tests/test_layout_matrix.py (a plain fp32 parity comparison here repeated that one at CI's cost). The in-rank count (engines/comm_count.py) reads the tensors handed to each
-collective; the trace analysis reads only the profiler's trace; the theory reads only the spec.
+One micro-batch is checked for every layout by tests/test_layout_matrix.py (fp32 at 2 and 4 ranks, bf16
+parameters at 4); a plain fp32 parity comparison here repeated that at CI's cost. The in-rank count
+(engines/comm_count.py) reads the tensors handed to each collective; the trace analysis reads only the
+profiler's trace; the theory reads only the spec.
 """
 
 from __future__ import annotations
