@@ -244,7 +244,9 @@ async def test_readable_at_100_by_30_and_s_in_a_replay_says_why_nothing_starts()
         await wait_for(pilot, lambda: "RS reduce-scatter" in _text_of(comm.body) + str(comm.border_subtitle)
                        and "fsdp2-fault not measured" in _text_of(comm.body))
         body = _text_of(comm.body)
-        assert comm.body.size.height > comm.scrollable_content_region.height and comm.allow_vertical_scroll, body
+        # Its size follows the new rows on the next layout pass: wait for it (fails if the rows never overflow).
+        await wait_for(pilot, lambda: comm.body.size.height > comm.scrollable_content_region.height)
+        assert comm.allow_vertical_scroll, body
         assert "reduce-scatter" not in str(comm.border_subtitle) or "…" not in str(comm.border_subtitle)
         assert " RS " in body and "fsdp2-fault not measured" in body and "AR all-reduce" in body, body
         # Run names are whole in the communication panel (each run heads its own rows) and the column

@@ -135,4 +135,7 @@ async def test_device_rows_keep_every_rank_and_scroll_at_100_by_30():
             row = next(line for line in lines if f"… r{r} " in line or f"fsdp2-hybrid-sharded r{r} " in line)
             assert f"{300 + r}.0 MiB" in row, row
         panel = app.screen.devices
-        assert panel.body.size.height > panel.scrollable_content_region.height and panel.allow_vertical_scroll
+        # The body's size follows its new content on the next layout pass, not at once (CI under load once read
+        # the old two-line size): wait for the layout, which fails the test if the rows never overflow.
+        await wait_for(pilot, lambda: panel.body.size.height > panel.scrollable_content_region.height)
+        assert panel.allow_vertical_scroll
