@@ -43,6 +43,7 @@ from shardscope.cli.predictview import load_for  # noqa: E402
 from shardscope.presets.files import PRESET_DIR  # noqa: E402
 from shardscope.analysis import predict  # noqa: E402
 from shardscope.analysis.predict_collectives import measure  # noqa: E402
+from shardscope.analysis.predict_probe import probe_runs  # noqa: E402
 from shardscope.core.rundir import load_summary  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -116,6 +117,8 @@ def main() -> int:
                     help="calibrate once, not again before each preset")
     ap.add_argument("--no-collectives", dest="collectives", action="store_false",
                     help="fit collectives on the calibration's traces only (no short torchrun job per world size)")
+    ap.add_argument("--probe", action="store_true", help="measure each run's compute and framework overhead "
+                    "in a one-rank probe at its world size (predict --probe) instead of carrying the calibration's over")
     ap.add_argument("--second", default="", help="calibrate on a second smoke comparison at another model size "
                     "too, these overrides separated by ';' (e.g. 'model.d_model=192;model.d_ff=768')")
     args = ap.parse_args()
@@ -135,13 +138,14 @@ def main() -> int:
             except ConfigError as err:
                 skipped.append(f"{preset} at {ws}: {err}")
                 continue
-            anything = any(r["why"] is None for r in predict.predict_comparison(c, model)["runs"])
+            probes = probe_runs(c, progress=lambda t: print(t, flush=True)) if args.probe else None
+            anything = any(r["why"] is None for r in predict.predict_comparison(c, model, probes=probes)["runs"])
             if anything and args.fresh and not given and rows:
                 model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True, ws if args.collectives else 0)
                 fits[f"{preset}-ws{ws}"] = model.fit_error
             elif anything and args.collectives:
                 model = calibrate(given or list(LAST), False, ws)
-            predicted = {r["name"]: r for r in predict.predict_comparison(c, model)["runs"]}
+            predicted = {r["name"]: r for r in predict.predict_comparison(c, model, probes=probes)["runs"]}
             for r in predicted.values():
                 if r["why"]:
                     skipped.append(f"{preset}/{r['name']} at {r['world_size'] or ws}: not predicted: {r['why']}")

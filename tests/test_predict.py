@@ -221,3 +221,31 @@ def test_no_phase_split_means_no_calibration():
         predict_fit.fit([run])
     row = predict.predict_run(smoke(), RunSpec("ddp", "ddp"), None)
     assert row["why"] == "no calibration"
+
+
+def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_says_why():
+    from shardscope.analysis.predict_probe import core_phases
+
+    model = _model()  # 8 cores: 2 ranks get a core each, so the probe's seconds are the ranks'
+    c = config.load_preset("fsdp-impls", host=CPU)
+    probed = {"forward": 0.010, "backward": 0.020, "optimizer": 0.005}
+    probes = {r.name: dict(probed) for r in c.runs}
+    probes["fsdp1-ac"] = {"error": "the probe failed (exit 1): boom"}
+    rows = {r["name"]: r for r in predict.predict_comparison(c, model, probes=probes)["runs"]}
+    # bf16 runs are predicted once their own compute is measured (without a probe they are not: see above)
+    for name in ("handwritten-bf16", "fsdp2-ac", "ddp-fp32"):
+        row = rows[name]
+        assert row["why"] is None and row["bound"] is None
+        assert row["compute_s"] == pytest.approx(0.035) and any("one-rank probe" in n for n in row["notes"])
+        assert row["step_time_s"] >= 0.035 + model.rest_s
+    assert rows["fsdp1-ac"]["why"] == "compute probe: the probe failed (exit 1): boom"
+    assert rows["fsdp1-ac"]["tokens_per_s"] is None
+    tp = config.load_preset("tp-verification", host=CPU)
+    row = predict.predict_comparison(tp, model, probes={"fsdp2-tp": probed})["runs"]
+    assert "per-layer activation all-reduces" in next(r for r in row if r["name"] == "fsdp2-tp")["why"]
+    # a probe that got 40% of its core is counted at its CPU time: 40% of its wall-clock phases
+    got = core_phases({"time_forward_s": 0.1, "time_backward_s": 0.2, "time_optimizer_s": 0.05,
+                       "step_time_s": 0.5, "busy_s": 0.2})
+    assert got == pytest.approx({"forward": 0.04, "backward": 0.08, "optimizer": 0.02})
+    with pytest.raises(ValueError, match="time_backward_s"):
+        core_phases({"time_forward_s": 0.1, "time_optimizer_s": 0.05, "step_time_s": 0.5})

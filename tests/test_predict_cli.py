@@ -90,7 +90,9 @@ def test_bad_input_exits_2_in_one_line(calibration, tmp_path):
     for args, words in ((["--calibrate", str(tmp_path), "--preset", "smoke"], "not a finished"),
                         (["--calibrate", str(calibration), "--preset", "nope"], "nope"),
                         (["--calibrate", str(calibration), "--preset", "smoke", "--device", "TPU"], "known: A100"),
-                        (["--calibrate", str(calibration), "--preset", "smoke", "--world-size", "0"], ">= 1")):
+                        (["--calibrate", str(calibration), "--preset", "smoke", "--world-size", "0"], ">= 1"),
+                        (["--calibrate", str(calibration), "--preset", "smoke", "--probe", "--device", "H100"],
+                         "give one of them")):
         proc = run_cli("predict", *args)
         assert proc.returncode == 2, (args, proc.stderr)
         assert words in proc.stderr and "Traceback" not in proc.stderr
@@ -149,3 +151,30 @@ def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_erro
                        (["-n", "0"], "--world-size 0: must be >= 1")):
         bad = run_cli("recommend", str(calibration), *args)
         assert bad.returncode == 2 and said in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_probe_measures_every_strategy_at_the_predicted_world_size_and_leaves_nothing_running(calibration):
+    """``--probe`` on parity (every strategy): each run's compute comes from its own one-rank probe at 2 ranks;
+    tensor-parallel runs say why they are not predicted; no probe process is left."""
+    import psutil
+
+    before = {p.pid for p in psutil.process_iter()}
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "parity", "--world-size", "2", "--probe",
+                   "--json", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    rows = {r["name"]: r for r in data["runs"]}
+    assert {r["strategy"] for r in rows.values()} >= {"ddp", "fsdp1", "fsdp2", "fsdp-handwritten", "deepspeed-zero1",
+                                                        "deepspeed-zero2", "deepspeed-zero3"}
+    for name, r in rows.items():
+        if r["family"] == "tensor-parallel":
+            assert "per-layer activation all-reduces" in r["why"] and f"probing {name} " not in proc.stderr, r
+            continue
+        assert f"probing {name} " in proc.stderr  # progress, one line per run
+        assert r["why"] is None and r["bound"] is None and r["world_size"] == 2, r
+        assert any("one-rank probe of this run at 2 ranks" in n for n in r["notes"]), r
+        assert 0 < r["compute_s"] <= r["step_time_s"] and r["tokens_per_s"] > 0
+    assert any("one-rank probe" in a for a in data["assumptions"])
+    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
+            and "compute_probe" in " ".join(p.info["cmdline"] or [])]
+    assert left == []

@@ -104,10 +104,27 @@ def _what_if_compute(w: Work, model: MachineModel | None, device: DeviceSpec) ->
     return {"forward": fwd, "backward": bwd, "optimizer": opt}, notes
 
 
-def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None) -> dict[str, Any]:
+def _probed_compute(w: Work, model: MachineModel, probed: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+    """The run's own compute per phase from its probe (a core of its own), shared out as the ranks share cores."""
+    slow = slowdown(w, model.backend, model.cores, model.background)
+    notes = [f"compute and framework overhead measured by a one-rank probe of this run at {w.world_size} ranks "
+             "(fake process group: its collectives return at once; communication added from the collective fit)"]
+    if slow > 1:
+        notes.append(f"{w.world_size} ranks share {model.cores} cores" + (f" with {model.background:.1f} other "
+                     "busy processes" if model.background > 0.05 else "") + f": compute x{slow:.2f}")
+    return {p: probed[p] * slow for p in PHASE_KEYS}, notes
+
+
+def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None,
+                  probed: dict[str, float] | None = None) -> dict[str, Any]:
     notes: list[str] = []
     bound = None  # "upper": tokens/s is an upper bound (framework overhead not calibrated, none counted)
-    if device is not None:
+    if device is None and probed is not None:
+        assert model is not None
+        comp, notes = _probed_compute(w, model, probed)
+        reference = dict(comp)
+        comm, overlap, rest = _comm_fn(model.collectives), model.backend != "gloo", model.rest_s
+    elif device is not None:
         comp, notes = _what_if_compute(w, model, device)
         reference = dict(comp)
         comm, overlap, rest = _device_comm(device), True, 0.0
@@ -148,12 +165,14 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
             "phases_s": timing.phase_s, "bound": bound, "notes": notes}
 
 
-def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None) -> dict[str, Any]:
+def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None,
+                probed: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run's prediction: ``name strategy world_size family`` and ``tokens_per_s step_time_s compute_s
     exposed_comm_s rest_s comm_s`` (seconds per optimizer step), ``peak_mem_bytes`` (memory model, per rank),
     ``bound`` ("upper" when tokens/s is an upper bound: no framework overhead calibrated for the strategy or
     its family), ``notes``; ``why`` (and None figures) when it cannot be predicted. Needs ``model`` unless
-    ``device``."""
+    ``device``. ``probed``: this run's compute probe (``predict_probe``), used in place of the calibration's
+    compute and overhead; a probe that failed (``{"error"}``) leaves the run unpredicted with its reason."""
     row: dict[str, Any] = {"name": run.name, "strategy": run.strategy, "world_size": None, "family": None,
                            **dict.fromkeys(FIGURES), "peak_mem_bytes": None, "bound": None, "notes": [], "why": None}
     try:
@@ -166,7 +185,13 @@ def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device:
         row["world_size"], row["family"] = w.world_size, w.family
         if model is None and device is None:
             raise NotPredicted("no calibration")
-        row.update(_predict_work(w, model, device))
+        if probed is not None and device is None:
+            if w.family == TENSOR_PARALLEL:
+                raise NotPredicted("tensor parallel: the schedule has no per-layer activation all-reduces to add to "
+                                   "a probed compute")
+            if "error" in probed:
+                raise NotPredicted(f"compute probe: {probed['error']}")
+        row.update(_predict_work(w, model, device, probed if device is None else None))
     except NotPredicted as err:
         row["why"] = str(err)
     except (KeyError, ValueError) as err:
@@ -201,14 +226,19 @@ def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) ->
     return out
 
 
-def predict_comparison(c: Comparison, model: MachineModel | None, device: DeviceSpec | None = None) -> dict[str, Any]:
-    """``{"preset", "what_if", "device", "runs": [predict_run rows], "assumptions", "calibration", "fit_error"}``."""
+def predict_comparison(c: Comparison, model: MachineModel | None, device: DeviceSpec | None = None,
+                       probes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``{"preset", "what_if", "device", "runs": [predict_run rows], "assumptions", "calibration", "fit_error"}``;
+    ``probes``: {run name: its compute probe} (``predict_probe.probe_runs``)."""
+    probes = probes or {}
     return {
         "preset": c.name,
         "what_if": device is not None,
         "device": device.name if device else (model.device_name or model.device if model else None),
-        "runs": [predict_run(c, run, model, device) for run in c.runs],
-        "assumptions": assumptions(model, device),
+        "runs": [predict_run(c, run, model, device, probes.get(run.name)) for run in c.runs],
+        "assumptions": assumptions(model, device) + ([
+            "compute and framework overhead per run measured by a one-rank probe at the predicted world size "
+            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else []),
         "families": {k: v for k, v in FAMILY_TEXT.items()},
         "calibration": model.to_dict() if model else None,
         "fit_error": model.fit_error if model else None,

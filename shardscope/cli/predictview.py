@@ -133,9 +133,12 @@ def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
 @click.option("--device", default=None, metavar="NAME", help="What-if on GPUs of this kind (A100, H100, H200, B200).")
 @click.option("--collectives", is_flag=True, help="Also time collectives of a few sizes in a short torchrun job "
               "at the predicted world size (for types or sizes the calibration lacks).")
+@click.option("--probe", is_flag=True, help="Measure each run's compute and framework overhead in a few steps of one "
+              "rank on a fake process group at the predicted world size (a subprocess per run), instead of carrying "
+              "the calibration's per-FLOP compute and overhead over to this model and strategy.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
-                device: str | None, collectives: bool, as_json: bool) -> None:
+                device: str | None, collectives: bool, probe: bool, as_json: bool) -> None:
     """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
     from shardscope.analysis import predict
     from shardscope.analysis.predict_devices import DEVICES, device_spec
@@ -145,6 +148,9 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         _fail(f"--world-size {world_size}: must be >= 1")
     if device and device.strip().upper() not in DEVICES:
         _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")
+    if probe and device:
+        _fail("--probe with --device: a probe measures this machine's compute, a --device what-if takes it from the "
+              "device's table: give one of them")
     spec = device_spec(device) if device else None
     model, why = None, ""
     try:
@@ -160,7 +166,12 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         _fail(str(err))
     if collectives and model is not None:
         model = _with_collectives(list(calibrate_dirs), model.backend, world_size or comparison.world_size)
-    result = predict.predict_comparison(comparison, model, spec)
+    probes = None
+    if probe and model is not None and spec is None:
+        from shardscope.analysis.predict_probe import probe_runs
+
+        probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True))
+    result = predict.predict_comparison(comparison, model, spec, probes)
     result["calibrated_on"] = list(calibrate_dirs)
     if why:
         for row in result["runs"]:

@@ -1,0 +1,112 @@
+"""Compute probe: one rank of a run at any world size, its compute and framework overhead timed, its
+communication taken away.
+
+``shardscope predict --probe`` runs this module once per run (a subprocess each, so the command line
+stays torch-free). Rank 0 of a fake process group (``backend="fake"``: every collective returns at
+once, as in ``traced_estimate``) stands in for the run: the model is built at its real size with real
+tensors, the registered strategy's own ``apply`` shards it for the predicted world size, and the
+training loop of every run (``loop.train``) runs a few steps with the step clock on. What the step
+records then hold per phase is this rank's own work at that world size (matmuls on its local batch,
+the strategy's hooks, flat-parameter views, DTensor dispatch, the optimizer on its shard), with no
+wait and no transfer in a collective: the part of a step that ``predict`` would otherwise carry over
+from the calibration's model size and strategies, measured instead for the model and strategy being
+predicted (operator profiling on one device, as vTrain and Lumos do). Communication is added back by
+``predict``'s collective fit on the strategy's schedule.
+
+A fake collective leaves its output as allocated: the gathered parameters and reduced gradients hold
+whatever the allocator handed out, so the losses are not the run's (the probe reports none of them).
+Denormals are flushed, so that such values cost what ordinary ones do; non-finite losses do not stop it.
+
+    python -m shardscope.engines.compute_probe SPEC.json STEPS     # prints one JSON object
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardscope.config import Comparison
+from shardscope.core import events, registry
+from shardscope.engines.data import build_batches
+from shardscope.engines.loop import LoopConfig, train
+from shardscope.engines.model import build_model, resolve
+from shardscope.engines.traced_estimate import fake_rank_context
+from shardscope.engines.worker import train_settings
+
+PHASE_FIELDS = ("time_forward_s", "time_backward_s", "time_optimizer_s", "busy_s", "step_time_s")
+WARMUP = 1  # step 0 allocates and warms caches: left out of the medians as the calibration does
+
+
+def _complete_ddp_buckets(model: torch.nn.Module) -> None:
+    """DDP's reducer wants each bucket's all-reduce to yield a tensor; the fake group's yields none. A
+    communication hook that hands the bucket back at once stands in for it (the all-reduce's time is
+    ``predict``'s to add)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+
+    def done(_, bucket):  # type: ignore[no-untyped-def]  (DDP reads the annotations: none, or GradBucket itself)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, done)
+
+
+def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``spec``'s run as rank 0 of a fake process group of its world size; return
+    the median over steps ``WARMUP``.. of each phase's seconds, ``busy_s`` and ``step_time_s``, and
+    ``{"steps", "world_size", "threads"}``."""
+    if steps <= WARMUP:
+        raise ValueError(f"steps = {steps}: the probe needs more than {WARMUP} (the first is a warm-up)")
+    comparison = Comparison.from_dict({**spec["comparison"], "runs": [], "steps": steps})
+    run = spec["run"]
+    torch.set_flush_denormal(True)
+    # DeepSpeed reads the launcher's variables even when the process group exists: rank 0 of the fake group.
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(run["world_size"]), "LOCAL_WORLD_SIZE": "1"})
+    torch.manual_seed(comparison.seed)
+    ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]))
+    settings = train_settings(comparison, run, ctx.dp_size)
+    model = build_model(comparison.model, comparison.seed)
+    prep = resolve(registry.get(run["strategy"]).entry)(
+        model, ctx, settings, {k: v for k, v in run["options"].items() if k not in registry.LOOP_OPTIONS})
+    _complete_ddp_buckets(prep.model)
+    micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
+    cfg = LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
+                     min_lr_ratio=comparison.min_lr_ratio, stop_on_nonfinite=False)
+    with tempfile.TemporaryDirectory(prefix="shardscope-probe-") as tmp:
+        path = os.path.join(tmp, "rank0.jsonl")
+        writer = events.RecordWriter(path, run["name"], 0)
+        try:
+            train(prep, ctx, settings, cfg, micro_batches, writer)
+        finally:
+            writer.close()
+        records, _ = events.read_records(path)
+    done = [r for r in records if r.get("kind") == events.STEP and int(r.get("step", 0)) >= WARMUP]
+    out: dict[str, Any] = {"steps": len(done), "world_size": ctx.world_size, "threads": torch.get_num_threads()}
+    for key in PHASE_FIELDS:
+        values = [float(r[key]) for r in done if isinstance(r.get(key), (int, float))]
+        out[key] = statistics.median(values) if values else None
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: probe the spec in ``argv[0]`` for ``argv[1]`` steps and print the result as one JSON line."""
+    args = sys.argv[1:] if argv is None else argv
+    with open(args[0], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    print(json.dumps(probe(spec, int(args[1]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
