@@ -7,7 +7,8 @@ once, as in ``traced_estimate``) stands in for the run: the model is built at it
 tensors, the registered strategy's own ``apply`` shards it for the predicted world size, and the
 training loop of every run (``loop.train``) runs a few steps with the step clock on. What the step
 records then hold per phase is this rank's own work at that world size (matmuls on its local batch,
-the strategy's hooks, flat-parameter views, DTensor dispatch, the optimizer on its shard), with no
+the strategy's hooks, flat-parameter views, DTensor dispatch, the optimizer on its shard, parity mode's
+per-layer norms when the preset asks for them), with no
 wait and no transfer in a collective: the part of a step that ``predict`` would otherwise carry over
 from the calibration's model size and strategies, measured instead for the model and strategy being
 predicted (operator profiling on one device, as vTrain and Lumos do). Communication is added back by
@@ -81,7 +82,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     _complete_ddp_buckets(prep.model)
     micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     cfg = LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
-                     min_lr_ratio=comparison.min_lr_ratio, stop_on_nonfinite=False)
+                     min_lr_ratio=comparison.min_lr_ratio, parity=comparison.parity, stop_on_nonfinite=False)
     with tempfile.TemporaryDirectory(prefix="shardscope-probe-") as tmp:
         path = os.path.join(tmp, "rank0.jsonl")
         writer = events.RecordWriter(path, run["name"], 0)

@@ -36,31 +36,55 @@ def _square_sum(t: torch.Tensor) -> torch.Tensor:
     return full_value(t.detach().float().pow(2).sum())  # DTensor: reduce partial sums across the mesh
 
 
+def _shard_group(t: torch.Tensor) -> Any:
+    """The process group a DTensor's squared sum is added across when it is sharded on a one-dimensional mesh
+    (FSDP2's Shard(0)); None for a plain tensor or another layout (a partial sum, a two-dimensional mesh),
+    which ``full_value`` reduces tensor by tensor. Duck-typed, so that a strategy without DTensors does not
+    import them."""
+    placements = getattr(t, "placements", None)
+    if placements is None or len(placements) != 1 or not placements[0].is_shard():
+        return None  # a mesh of two dimensions (FSDP2 + TP) keeps the per-tensor reduction: its layouts vary
+    return t.device_mesh.get_group(0)
+
+
 def layer_norms(named: Iterable[tuple[str, torch.Tensor | None]], *, shard_group: Any = None,
                 sharded: bool = False) -> dict[str, float]:
     """Return {layer: L2 norm} over the tensors in ``named`` (None skipped).
 
     Plain tensors that are disjoint local shards (``sharded=True``) have their squared sums added
-    across ``shard_group``; DTensors are reduced by their own placements; replicated plain tensors
-    need nothing.
+    across ``shard_group``; DTensors sharded on a one-dimensional mesh have their local shards' squared
+    sums added across its group, every layer in one all-reduce (one per tensor cost a collective per
+    parameter per step: FSDP2 ran 52 on a two-layer model); other DTensors
+    are reduced by their own placements; replicated plain tensors need nothing.
     """
     keys: list[str] = []
-    sums: list[torch.Tensor] = []
+    plain: dict[str, torch.Tensor] = {}
+    by_group: dict[Any, dict[str, torch.Tensor]] = {}  # insertion order: the parameters', the same on every rank
     for name, t in named:
         if t is None:
             continue
         key = layer_key(name)
-        sq = _square_sum(t)
-        if key in keys:
-            sums[keys.index(key)] = sums[keys.index(key)] + sq
-        else:
+        if key not in keys:
             keys.append(key)
-            sums.append(sq)
-    if not sums:
+        group = _shard_group(t)
+        if group is not None:
+            sums, sq = by_group.setdefault(group, {}), t.to_local().detach().float().pow(2).sum()
+        else:
+            sums, sq = plain, _square_sum(t)
+        sums[key] = sums[key] + sq if key in sums else sq
+    if not keys:
         return {}
-    vec = torch.stack(sums)
+    some = next(iter(plain.values()), None)
+    if some is None:
+        some = next(iter(next(iter(by_group.values())).values()))
+    zero = torch.zeros((), device=some.device)
+    vec = torch.stack([plain.get(k, zero) for k in keys])
     if sharded and dist.is_initialized():
         dist.all_reduce(vec, group=shard_group)
+    for group, sums in by_group.items():
+        part = torch.stack([sums.get(k, zero) for k in keys])
+        dist.all_reduce(part, group=group)
+        vec = vec + part
     return {k: float(v) for k, v in zip(keys, vec.sqrt().tolist())}
 
 
