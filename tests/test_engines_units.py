@@ -271,3 +271,31 @@ def test_rss_reading_matches_psutil_and_follows_growth():
     assert abs(grown - psutil.Process().memory_info().rss) <= 4 * 1024 * 1024
     assert grown - before >= 48 * 1024 * 1024
     del block
+
+
+def test_layer_norms_of_sharded_dtensors_take_one_all_reduce(tmp_path) -> None:
+    """FSDP2's Shard(0) DTensors: every layer's squared sums in one all-reduce (not one per tensor), same norms."""
+    import subprocess
+    import sys
+
+    script = f"""
+import math, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+from shardscope.engines import norms
+dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / 'store')!r}, 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+plain = {{"layers.0.a": torch.full((4, 2), 1.0), "layers.0.b": torch.full((5,), 2.0), "head.w": torch.full((3,), 3.0)}}
+named = [(n, distribute_tensor(t, mesh, [Shard(0)])) for n, t in plain.items()]
+calls = []
+real = dist.all_reduce
+dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+got = norms.layer_norms(named)
+assert len(calls) == 1, calls
+want = {{"layers.0": math.sqrt(8 + 20), "head": math.sqrt(27)}}
+assert got.keys() == want.keys() and all(math.isclose(got[k], want[k], rel_tol=1e-6) for k in want), got
+dist.destroy_process_group()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
