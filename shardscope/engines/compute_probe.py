@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from shardscope.config import Comparison
 from shardscope.core import events, registry
+from shardscope.core.rundir import RunDir
 from shardscope.engines.data import build_batches
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, resolve
@@ -84,7 +85,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     cfg = LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
                      min_lr_ratio=comparison.min_lr_ratio, parity=comparison.parity, stop_on_nonfinite=False)
     with tempfile.TemporaryDirectory(prefix="shardscope-probe-") as tmp:
-        path = os.path.join(tmp, "rank0.jsonl")
+        path = RunDir(tmp).run(run["name"]).rank_file(0)  # a scratch run directory, laid out as a run's
         writer = events.RecordWriter(path, run["name"], 0)
         try:
             train(prep, ctx, settings, cfg, micro_batches, writer)
