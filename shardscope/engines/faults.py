@@ -13,7 +13,7 @@ At the start of the given step, on the given rank:
 - ``memlimit``: caps the rank's address space (RLIMIT_AS) just above what it uses, then allocates
   1 GiB: the allocator fails as it does on a host without memory;
 - ``oomkill``: moves the rank into a memory cgroup (v1 or v2; needs root) limited just above its
-  use and touches 1 GiB, so the kernel's OOM killer SIGKILLs it; raises RuntimeError where no
+  use and touches more than that limit, so the kernel's OOM killer SIGKILLs it; raises RuntimeError where no
   cgroup can be made;
 - ``nospace``: from this step on the rank's record writer fails with ENOSPC, as on a full disk,
   until the rank frees its reserved spare (what it does to write its last records);
@@ -109,8 +109,12 @@ class Fault:
             torch.ones(_GIB // 4, dtype=torch.float32)
             return
         if self.kind == "oomkill":
-            _join_limited_cgroup(psutil.Process().memory_info().rss + 64 * (1 << 20))
-            torch.ones(_GIB // 4, dtype=torch.float32)  # written, so resident: the limit is hit
+            limit = psutil.Process().memory_info().rss + 64 * (1 << 20)
+            _join_limited_cgroup(limit)
+            # More than the whole limit, written so resident: the limit is hit whether or not the rank's
+            # earlier pages moved with it (a cgroup charges only new pages unless told to move them; a
+            # fixed 1 GiB fitted under the limit of a rank whose CUDA libraries made its RSS near 1 GiB).
+            torch.ones((limit + _GIB // 4) // 4, dtype=torch.float32)
             raise RuntimeError("oomkill: the memory cgroup limit did not stop this rank")
         if self.kind == "nospace":
             self.writer.inject_error(errno.ENOSPC)
