@@ -75,10 +75,12 @@ def after_reduction(engine: Any, callback: Callable[[], None]) -> Callable[[], N
 
 
 def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict[str, float]]:
-    """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, on
-    full tensors: DeepSpeed's ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` gather ZeRO
-    partitions (collectives: every rank calls this in the same order, after backward and before
-    step). Parameters are the fp32 masters, as FSDP's sharded parameters are.
+    """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, of the
+    full tensors: from each rank's own ZeRO pieces (``_local_pieces``, one all-reduce per kind) where
+    every parameter has them, else from DeepSpeed's ``safe_get_full_grad`` / ``safe_get_full_fp32_param``,
+    which gather tensor by tensor (collectives either way: every rank calls this in the same order,
+    after the reduction and before clipping). Parameters are the fp32 masters, as FSDP's sharded
+    parameters are.
 
     Under AutoTP (``tp_size`` > 1) a tensor-parallel shard's square sum is added over the TP group;
     a replicated tensor is scaled by 1/sqrt(tp_size) first so that adding its tp identical copies
@@ -86,6 +88,12 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
     """
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
+    if tp_size == 1:
+        local = _local_pieces(module)
+        if local is not None:  # every rank's own piece: two all-reduces a step, not a gather per tensor
+            grads_, params_, dp_group = local
+            return {"grad": norms.layer_norms(grads_, shard_group=dp_group, sharded=True),
+                    "param": norms.layer_norms(params_, shard_group=dp_group, sharded=True)}
     grads: list[tuple[str, torch.Tensor | None]] = []
     params: list[tuple[str, torch.Tensor]] = []
     for name, p in module.named_parameters():
@@ -99,6 +107,59 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
     group = groups.get_tensor_model_parallel_group() if tp_size > 1 else None
     return {"grad": norms.layer_norms(grads, shard_group=group, sharded=tp_size > 1),
             "param": norms.layer_norms(params, shard_group=group, sharded=tp_size > 1)}
+
+
+Pieces = tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], Any]
+
+
+def _local_pieces(module: nn.Module) -> Pieces | None:
+    """Each parameter's reduced fp32 gradient and fp32 master as this rank's own disjoint piece of them, with the
+    data-parallel group whose pieces add up to the whole; None where a parameter is held otherwise (a full
+    ``.grad``, no ZeRO wrapper) or the groups differ, for the per-tensor gathers of ``deepspeed_layer_norms``.
+
+    The pieces are those DeepSpeed's own ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` gather: ZeRO-3's
+    partitions (``safe_get_local_grad`` / ``safe_get_local_fp32_param``), and ZeRO-1/2's and the bf16
+    optimizer's fragments (``param._hp_mapping``; DeepSpeed's local API covers ZeRO-3 only, so the fragment is
+    read as its ``get_full_hp_grad`` reads it, without the all-reduce). A gather per tensor cost ZeRO runs 104
+    collectives in two steps of a two-layer model; the sums of squares of disjoint pieces need one all-reduce.
+    """
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad
+
+    grads: list[tuple[str, torch.Tensor]] = []
+    params: list[tuple[str, torch.Tensor]] = []
+    group = None
+    for name, p in module.named_parameters():
+        if hasattr(p, "ds_id"):  # ZeRO-3
+            owner = p.ds_process_group
+            g, w = (safe_get_local_grad(p), safe_get_local_fp32_param(p)) if p.requires_grad else (None, None)
+        elif hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group") and (
+                getattr(p, "_hp_grad", None) is not None or p.grad is None):
+            owner = p._dp_group
+            g, w = _hp_pieces(p)
+        else:
+            return None
+        if group is None:
+            group = owner
+        elif owner is not group:
+            return None
+        empty = torch.zeros(0, device=p.device)  # keeps the key on every rank: the vectors match in length
+        grads.append((name, empty if g is None else g))
+        params.append((name, empty if w is None else w))
+    return (grads, params, group) if group is not None else None
+
+
+def _hp_pieces(p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This rank's fragment of a ZeRO-1/2 (or bf16 optimizer) parameter's reduced gradient and fp32 master, as
+    DeepSpeed's ``get_full_hp_grad`` / ``get_full_hp_param`` (``utils/tensor_fragment.py``) place it in the
+    buffer they all-reduce; (None, None) where this rank holds no fragment of it."""
+    mapping = p._hp_mapping
+    if mapping is None:
+        return None, None
+    address = mapping.lp_fragment_address
+    grad = mapping.get_lp_grad_fragment(p._index_in_param_group).float().flatten()
+    if grad.numel() == p.numel():  # the bf16 optimizer keeps a whole accumulation buffer: only the owned fragment
+        grad = grad.narrow(0, address.start, address.numel)
+    return grad, mapping.get_hp_fragment().float()
 
 
 # Attributes of DeepSpeed's ZeRO optimizers that hold gradient partitions or reduction buffers
