@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Any
+
+from shardscope.core.bounded import run_bounded
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a collective's whole buffer
@@ -38,14 +38,10 @@ def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) ->
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
                "-m", "shardscope.analysis.predict_collectives", out, backend]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            console, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise RuntimeError(f"the collective calibration ran past {timeout_s:.0f} s and was stopped") from None
+        proc = run_bounded(cmd, timeout_s, env, merge_stderr=True)
+        if proc is None:
+            raise RuntimeError(f"the collective calibration ran past {timeout_s:.0f} s and was stopped")
+        console = proc.stdout
         if proc.returncode != 0 or not os.path.exists(out):
             tail = " / ".join(console.strip().splitlines()[-3:])
             raise RuntimeError(f"the collective calibration failed (exit {proc.returncode}): {tail}")

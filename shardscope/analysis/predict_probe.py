@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
+from shardscope.core.bounded import run_bounded
 
 STEPS = 6  # the first is a warm-up: medians over five
 PHASES = {"forward": "time_forward_s", "backward": "time_backward_s", "optimizer": "time_optimizer_s"}
@@ -66,15 +65,10 @@ def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 
 
 
 def _one(spec: str, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
-    proc = subprocess.Popen([sys.executable, "-m", "shardscope.engines.compute_probe", spec, str(STEPS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    done = run_bounded([sys.executable, "-m", "shardscope.engines.compute_probe", spec, str(STEPS)], timeout_s, env)
+    if done is None:
         return {"error": f"the probe ran past {timeout_s:.0f} s and was stopped"}
+    proc, stdout, stderr = done, done.stdout, done.stderr
     lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
