@@ -23,7 +23,6 @@ Denormals are flushed, so that such values cost what ordinary ones do; non-finit
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ from shardscope.core.rundir import RunDir
 from shardscope.engines.data import build_batches
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, resolve
-from shardscope.engines.traced_estimate import fake_rank_context
+from shardscope.engines.traced_estimate import fake_rank_context, spec_main
 from shardscope.engines.worker import train_settings
 
 PHASE_FIELDS = ("time_forward_s", "time_backward_s", "time_optimizer_s", "busy_s", "step_time_s")
@@ -103,11 +102,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: probe the spec in ``argv[0]`` for ``argv[1]`` steps and print the result as one JSON line."""
-    args = sys.argv[1:] if argv is None else argv
-    with open(args[0], encoding="utf-8") as fh:
-        spec = json.load(fh)
-    print(json.dumps(probe(spec, int(args[1]))))
-    return 0
+    return spec_main(argv, lambda spec, steps: probe(spec, int(steps)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -126,13 +126,19 @@ def trace(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: trace the spec in ``argv[0]`` and print the result as one JSON line."""
+def spec_main(argv: list[str] | None, fn: Callable[..., dict[str, Any]]) -> int:
+    """The entry point of a one-rank helper (this module, ``compute_probe``): read the spec JSON named by
+    ``argv[0]`` (``sys.argv`` when None), call ``fn(spec, *argv[1:])`` and print its result as one JSON line."""
     args = sys.argv[1:] if argv is None else argv
     with open(args[0], encoding="utf-8") as fh:
         spec = json.load(fh)
-    print(json.dumps(trace(spec)))
+    print(json.dumps(fn(spec, *args[1:])))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: trace the spec in ``argv[0]`` and print the result as one JSON line."""
+    return spec_main(argv, trace)
 
 
 if __name__ == "__main__":
