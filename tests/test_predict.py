@@ -240,9 +240,19 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
         assert row["step_time_s"] >= 0.035 + model.rest_s
     assert rows["fsdp1-ac"]["why"] == "compute probe: the probe failed (exit 1): boom"
     assert rows["fsdp1-ac"]["tokens_per_s"] is None
+    # a tensor-parallel run is predicted from its probe (no tensor-parallel run in the calibration): the probe's
+    # compute plus the schedule's per-layer activation all-reduces, each blocking, on top of its data parallelism
     tp = config.load_preset("tp-verification", host=CPU)
-    row = predict.predict_comparison(tp, model, probes={"fsdp2-tp": probed})["runs"]
-    assert "per-layer activation all-reduces" in next(r for r in row if r["name"] == "fsdp2-tp")["why"]
+    row = next(r for r in predict.predict_comparison(tp, model, probes={"fsdp2-tp": probed})["runs"]
+               if r["name"] == "fsdp2-tp")
+    assert row["why"] is None and row["compute_s"] == pytest.approx(0.035)
+    w = work_of(tp, tp.run("fsdp2-tp"))
+    calls = []
+    simulate(w, 0.010, 0.020, 0.005, lambda k, b, n: calls.append((k, n)) or 0.0, False)
+    activations = sum(k == "all_reduce" and n == w.tp for k, n in calls)
+    assert activations >= 2 * tp.model.hf_layers  # forward and backward, per layer
+    comm = predict_fit._comm_fn(model.collectives)
+    assert row["exposed_comm_s"] == pytest.approx(simulate(w, 0.010, 0.020, 0.005, comm, False).exposed_comm_s)
     # a probe that got 40% of its core is counted at its CPU time: 40% of its wall-clock phases
     got = core_phases({"time_forward_s": 0.1, "time_backward_s": 0.2, "time_optimizer_s": 0.05,
                        "step_time_s": 0.5, "busy_s": 0.2})

@@ -186,9 +186,6 @@ def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device:
         if model is None and device is None:
             raise NotPredicted("no calibration")
         if probed is not None and device is None:
-            if w.family == TENSOR_PARALLEL:
-                raise NotPredicted("tensor parallel: the schedule has no per-layer activation all-reduces to add to "
-                                   "a probed compute")
             if "error" in probed:
                 raise NotPredicted(f"compute probe: {probed['error']}")
         row.update(_predict_work(w, model, device, probed if device is None else None))

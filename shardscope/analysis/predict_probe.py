@@ -44,8 +44,8 @@ def core_phases(result: dict[str, Any]) -> dict[str, float]:
 def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 600.0,
                progress: Any = None) -> dict[str, dict[str, Any]]:
     """Probe every run of ``c`` (at ``world_size`` when given); return {run name: {"forward", "backward",
-    "optimizer"} seconds on a core of its own} or {run name: {"error": text}} for a probe that failed (or a
-    tensor-parallel run, not probed: ``predict`` cannot place its per-layer collectives).
+    "optimizer"} seconds on a core of its own} or {run name: {"error": text}} for a probe that failed. A
+    tensor-parallel run is probed on its 2-D mesh; ``predict`` adds its per-layer activation all-reduces.
     ``progress(text)`` is called before each probe. Nothing is left running past ``timeout_s``."""
     out: dict[str, dict[str, Any]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as the launcher's ranks
@@ -53,9 +53,6 @@ def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 
         for run in c.runs:
             at_size = dataclasses.replace(run, world_size=world_size) if world_size else run
             payload = config.run_spec_payload(c, at_size, out_dir=tmp, device="cpu")
-            if int(payload["run"]["tp"]) > 1:  # predict cannot place a tensor-parallel run's collectives: no probe
-                out[run.name] = {"error": "not probed: tensor parallel"}
-                continue
             spec = os.path.join(tmp, f"{run.name}.json")
             config.dump_json(spec, payload)
             if progress is not None:

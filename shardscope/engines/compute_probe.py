@@ -62,6 +62,16 @@ def _complete_ddp_buckets(model: torch.nn.Module) -> None:
     model.register_comm_hook(None, done)
 
 
+def _drop_tp_input_check(model: Any) -> None:
+    """DeepSpeed's AutoTP engine checks on its first forward that its tensor-parallel group got equal inputs
+    (a broadcast, then an all-reduce of the verdict); a fake group's broadcast carries nothing, so the check
+    would fail. The probe removes it: the real run pays it once, at step 0, which no median counts."""
+    handle = getattr(model, "first_dataloader_check", None)
+    if handle is not None:
+        handle.remove()
+        model.first_dataloader_check = None
+
+
 def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     """Train ``steps`` steps of ``spec``'s run as rank 0 of a fake process group of its world size; return
     the median over steps ``WARMUP``.. of each phase's seconds, ``busy_s`` and ``step_time_s``, and
@@ -80,6 +90,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     prep = resolve(registry.get(run["strategy"]).entry)(
         model, ctx, settings, {k: v for k, v in run["options"].items() if k not in registry.LOOP_OPTIONS})
     _complete_ddp_buckets(prep.model)
+    _drop_tp_input_check(prep.model)
     micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     cfg = LoopConfig(global_batch=comparison.global_batch, tokens_per_sample=source.tokens_per_sample,
                      min_lr_ratio=comparison.min_lr_ratio, parity=comparison.parity, stop_on_nonfinite=False)
