@@ -64,6 +64,20 @@ def test_collective_fit_recovers_latency_and_bus_bandwidth():
     assert fits["broadcast"].source == "derived from all_gather"  # a type no run did: said where it came from
 
 
+def test_each_type_gets_its_own_latency_when_every_type_was_timed_at_three_sizes_or_more():
+    known = {"all_reduce": (2e-3, 2e9), "all_gather": (1e-3, 1.5e9), "reduce_scatter": (2.5e-3, 1e9),
+             "broadcast": (0.3e-3, 3e9)}  # (latency per ring step, bus bandwidth): in-step figures differ by type
+    truth = {k: CollectiveFit(k, lat, bw, 4, 0, 0, None, "measured") for k, (lat, bw) in known.items()}
+    calls = [(k, b, truth[k].seconds(b, 4), 4) for k in known for b in (4e3, 6.4e4, 1e6, 8e6)]
+    fits = predict_fit.fit_collectives(calls, [])
+    for kind, (lat, bw) in known.items():
+        assert fits[kind].step_latency_s == pytest.approx(lat, rel=1e-6)
+        assert fits[kind].busbw_Bps == pytest.approx(bw, rel=1e-6)
+    # two sizes of a type (a smoke comparison's traces): one latency shared by every type, as before
+    shared = predict_fit.fit_collectives([c for c in calls if c[1] in (4e3, 8e6)], [])
+    assert len({f.step_latency_s for f in shared.values()}) == 1
+
+
 def test_one_size_per_type_charges_its_time_to_bandwidth_and_says_so():
     notes: list[str] = []
     fit = predict_fit.fit_collectives([("all_reduce", 5e5, 1e-3, 2)] * 3, notes)["all_reduce"]
@@ -259,3 +273,32 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
     assert got == pytest.approx({"forward": 0.04, "backward": 0.08, "optimizer": 0.02})
     with pytest.raises(ValueError, match="time_backward_s"):
         core_phases({"time_forward_s": 0.1, "time_optimizer_s": 0.05, "step_time_s": 0.5})
+
+
+def test_timed_collectives_on_cpu_are_in_step_costs_floored_at_the_barrier_timed_call():
+    from shardscope.analysis.predict_collectives import _calls
+
+    rank0 = [("all_gather", 1e3, 0.5e-3, "barrier"), ("all_gather", 1e3, 0.7e-3, "barrier"),
+             ("all_gather", 1e3, 2.0e-3, "in_step"), ("all_gather", 1e3, 0.1e-3, "in_step")]
+    rank1 = [("all_gather", 1e3, 0.3e-3, "barrier"), ("all_gather", 1e3, 0.9e-3, "barrier"),
+             ("all_gather", 1e3, 4.0e-3, "in_step"), ("all_gather", 1e3, -0.2e-3, "in_step")]
+    got = _calls([rank0, rank1], 2)
+    # in-step: the median over ranks (3 ms; -0.05 ms, noise) and at least the barrier-timed fastest median (0.5 ms)
+    assert got == [("all_gather", 1e3, pytest.approx(3.0e-3), 2), ("all_gather", 1e3, pytest.approx(0.5e-3), 2)]
+    # a GPU's job has only barrier-timed calls: each its fastest rank's time
+    got = _calls([rank0[:2], rank1[:2]], 2)
+    assert [t for *_, t, _ in got] == [pytest.approx(0.3e-3), pytest.approx(0.7e-3)]
+
+
+def test_collectives_timed_in_a_loop_of_compute_replace_the_traces_figures_of_their_type_on_cpu():
+    c = smoke()
+    runs = _runs(c)
+    slower = [(k, b, 3 * t, n) for k, b, t, n in runs[0].collectives]  # every traced type, each call 3x
+    model = predict_fit.fit(runs, cores=8, collectives=slower)
+    for kind in COLLECTIVES:
+        fit = model.collectives[kind]
+        assert fit.points == sum(k == kind for k, *_ in slower)  # the traces' calls of the type left out
+        for k, b, t, n in slower:
+            if k == kind:
+                assert fit.seconds(b, n) == pytest.approx(t, rel=1e-6)
+    assert any("the traces' figures of those types left out" in n for n in model.notes)

@@ -7,8 +7,15 @@ size being predicted. The parent side (``measure``) is torch-free: it starts tor
 its own, kills the group if it outlives ``timeout_s``, and reads the one JSON file rank 0 writes. The rank
 side (``python -m shardscope.analysis.predict_collectives OUT``) imports torch inside ``main``.
 
-Each call is timed on every rank after a barrier; the call's cost is its fastest rank's time (a rank that
-arrives late makes the others wait inside the collective), as the traces are read in ``predict_fit``.
+On a GPU each call is timed on every rank after a barrier; the call's cost is its fastest rank's time (a
+rank that arrives late makes the others wait inside the collective), as the traces are read in
+``predict_fit``. On CPU (gloo) that figure is too low for a training step: there a rank reaches each
+collective after compute, wakes its peers through the kernel and shares its cores with their compute and
+gloo's threads, so a call costs a step more than a back-to-back call after a barrier (``benchmarks/RESULTS.md``,
+stop 29: 9 all-gathers of 256 KiB between matmuls added 10-16 ms a step at 2 ranks, barrier-timed 0.4 ms each).
+So on CPU a call's cost is what it adds to a loop of compute: rounds of [a fixed burst of matmuls; the
+call] against rounds of the burst alone, alternated, the median of the differences per call (at least
+the barrier-timed fastest rank's time).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from shardscope.core.bounded import run_bounded
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a collective's whole buffer
 REPEATS, WARMUP = 5, 2
+ROUNDS, BURST_MATMULS, BURST_DIM = 4, 4, 256  # CPU: rounds per timed loop; the compute burst before each call
 
 
 def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) -> list[tuple[str, float, float, int]]:
@@ -64,6 +72,52 @@ def _one(dist: Any, torch: Any, kind: str, nbytes: int, world: int, device: Any)
     return lambda: dist.reduce_scatter_tensor(part, full)
 
 
+def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
+    """What ``call`` adds to a CPU loop of compute, per call: REPEATS times, ROUNDS rounds of [burst; call]
+    and ROUNDS of [burst] alone (which goes first alternates), their difference over ROUNDS. Every rank runs
+    the same rounds, so each call meets peers that just computed, as in a step."""
+    import time
+
+    a = torch.randn(BURST_DIM, BURST_DIM)
+
+    def loop(with_call: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(ROUNDS):
+            for _ in range(BURST_MATMULS):
+                torch.mm(a, a)
+            if with_call:
+                call()
+        dist.barrier()  # both loops end on a barrier: the slowest rank's time, as a step's
+        return time.perf_counter() - t0
+
+    loop(True)  # warm-up
+    out = []
+    for i in range(REPEATS):
+        first = i % 2 == 0
+        x = loop(first)
+        y = loop(not first)
+        with_call, alone = (x, y) if first else (y, x)
+        out.append((with_call - alone) / ROUNDS)
+    return out
+
+
+def _calls(everyone: list[Any], world: int) -> list[tuple[str, float, float, int]]:
+    """(type, bytes, seconds, group) per timed call from every rank's (type, bytes, seconds, how) list: a
+    "barrier" call is its fastest rank's time; where "in_step" figures exist (CPU), those are taken instead,
+    each the median over ranks and at least the median barrier-timed fastest time of its type and size."""
+    import statistics
+
+    rows = everyone[0]
+    fastest = [(k, b, min(r[i][2] for r in everyone)) for i, (k, b, _, how) in enumerate(rows) if how == "barrier"]
+    in_step = [(k, b, statistics.median(r[i][2] for r in everyone))
+               for i, (k, b, _, how) in enumerate(rows) if how == "in_step"]
+    if not in_step:
+        return [(k, b, t, world) for k, b, t in fastest]
+    floors = {key: statistics.median(t for k, b, t in fastest if (k, b) == key) for key in {(k, b) for k, b, _ in fastest}}
+    return [(k, b, max(t, floors.get((k, b), 0.0)), world) for k, b, t in in_step]
+
+
 def main(out_path: str, backend: str) -> None:
     """Rank side: time every type at every size; rank 0 writes [(type, bytes, seconds, group)] to ``out_path``."""
     import time
@@ -76,7 +130,7 @@ def main(out_path: str, backend: str) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mine: list[tuple[str, float, float]] = []
+    mine: list[tuple[str, float, float, str]] = []
     for kind in KINDS:
         for size in SIZES:
             call = _one(dist, torch, kind, size, world, device)
@@ -87,11 +141,13 @@ def main(out_path: str, backend: str) -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if i >= WARMUP:
-                    mine.append((kind, float(size), time.perf_counter() - t0))
+                    mine.append((kind, float(size), time.perf_counter() - t0, "barrier"))
+            if device.type == "cpu":
+                mine += [(kind, float(size), x, "in_step") for x in in_step_seconds(dist, torch, call)]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        calls = [(k, b, min(r[i][2] for r in everyone), world) for i, (k, b, _) in enumerate(mine)]
+        calls = _calls(everyone, world)
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(calls, fh)
     dist.destroy_process_group()

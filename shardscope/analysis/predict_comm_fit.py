@@ -33,7 +33,7 @@ class CollectiveFit:
     """time = step_latency_s x ring_steps(n) + bytes x bus_factor(n) / busbw_Bps."""
 
     kind: str
-    step_latency_s: float  # per ring step, shared by every type of the calibration
+    step_latency_s: float  # per ring step: its own type's when every type was timed at 3+ sizes, else shared
     busbw_Bps: float
     group: int  # the group size it was measured at
     points: int  # collectives measured (each the fastest rank's time of one call)
@@ -91,18 +91,26 @@ def fit_collectives(calls: list[Call], notes: list[str]) -> dict[str, Collective
     fits: dict[str, CollectiveFit] = {}
     if not points:
         return fits
-    rows = [[ring_steps(k, n) / t] + [b * bus_factor(k, n) / t if k == kind else 0.0 for kind in kinds]
-            for k, b, t, n in points]
+    sizes = {kind: len({round(b) for k, b, _, _ in points if k == kind}) for kind in kinds}
+    # A latency per type when every type was timed at 3 sizes or more (predict --collectives): on CPU a call's
+    # fixed cost differs by type (gloo's algorithms, wake-ups per ring step), which one shared figure fits badly
+    # (an in-step reduce-scatter of 4 KiB at 4 ranks on 2 cores: 7.6 ms, a broadcast 0.8 ms). Otherwise one
+    # latency per ring step shared by all types (on one machine, the same wake-up and handshake whatever the type).
+    own = min(sizes.values()) >= 3
+    lat = kinds if own else ["*"]
+    rows = [[ring_steps(k, n) / t if own is False or k == key else 0.0 for key in lat]
+            + [b * bus_factor(k, n) / t if k == kind else 0.0 for kind in kinds] for k, b, t, n in points]
     if len({(k, round(b)) for k, b, _, _ in points}) <= len(kinds):  # one size per type: latency not separable
         notes.append("collectives: one message size per type measured: latency not separable, all their time "
                      "charged to bandwidth (predict --collectives times several sizes)")
-        rows = [[0.0] + r[1:] for r in rows]
+        rows = [[0.0] * len(lat) + r[len(lat):] for r in rows]
     coef = solve(rows, [1.0] * len(points))
     if coef is None:
         notes.append("collectives: the fit is singular; no collective timing")
         return fits
-    latency = coef[0]
+    latencies, coef = dict(zip(lat, coef[:len(lat)])), [0.0] + coef[len(lat):]
     for i, kind in enumerate(kinds, 1):
+        latency = latencies[kind if own else "*"]
         mine = [p for p in points if p[0] == kind]
         if coef[i] <= 0:  # all of its time went to latency: its bandwidth is not measurable here
             per_byte = sum(max(0.0, t - latency * ring_steps(k, n)) for k, _, t, n in mine) / sum(
@@ -117,7 +125,7 @@ def fit_collectives(calls: list[Call], notes: list[str]) -> dict[str, Collective
     if weak:
         notes.append("collective fits resting on few sizes or scattered calls: " + ", ".join(weak)
                      + "; predict --collectives times four sizes of every type")
-    base = max(fits.values(), key=lambda f: f.points)
+    base = max(fits.values(), key=lambda f: f.points)  # a derived type takes its latency and bandwidth
     for kind in DERIVABLE:
         if kind not in fits:
             fits[kind] = CollectiveFit(kind, base.step_latency_s, base.busbw_Bps, base.group, 0, 0, None,

@@ -264,10 +264,15 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
     first = usable[0]
     cores = cores or (os.cpu_count() or 1)
     overlap = backend != "gloo"
-    fits = fit_collectives([p for r in usable for p in r.collectives] + list(collectives or []), notes)
+    timed = {k for k, *_ in collectives or []}
+    # On CPU a timed job's figures are each call's cost inside a loop of compute (predict_collectives); a trace's
+    # fastest-rank time of the same type leaves out the wake-ups a step pays, so the job's figures replace them.
+    traced = [p for r in usable for p in r.collectives if not (backend == "gloo" and p[0] in timed)]
+    fits = fit_collectives(traced + list(collectives or []), notes)
     if collectives:
         notes.append(f"collectives also timed by a short torchrun job ({len(collectives)} calls at "
-                     f"{sorted({n for *_, n in collectives})} ranks)")
+                     f"{sorted({n for *_, n in collectives})} ranks" + (", each call's cost inside a loop of "
+                     "compute; the traces' figures of those types left out" if backend == "gloo" else "") + ")")
     if not fits and any(r.work and r.work.world_size > 1 for r in usable):
         notes.append("no collective measured in the calibration's traces: runs that communicate are not predicted")
     background = background_load(usable, cores) if backend == "gloo" else 0.0
