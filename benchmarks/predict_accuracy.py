@@ -146,6 +146,12 @@ def main() -> int:
             elif anything and args.collectives:
                 model = calibrate(given or list(LAST), False, ws)
             predicted = {r["name"]: r for r in predict.predict_comparison(c, model, probes=probes)["runs"]}
+            if args.collectives:  # a run at another world size (tensor parallel's dp x tp) gets collectives timed there
+                for other in sorted({r["world_size"] for r in predicted.values() if not r["why"]} - {ws}):
+                    at = calibrate(given or list(LAST), False, other)
+                    for run in c.runs:
+                        if predicted[run.name]["world_size"] == other:
+                            predicted[run.name] = predict.predict_run(c, run, at, probed=(probes or {}).get(run.name))
             for r in predicted.values():
                 if r["why"]:
                     skipped.append(f"{preset}/{r['name']} at {r['world_size'] or ws}: not predicted: {r['why']}")

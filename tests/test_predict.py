@@ -73,6 +73,14 @@ def test_each_type_gets_its_own_latency_when_every_type_was_timed_at_three_sizes
     for kind, (lat, bw) in known.items():
         assert fits[kind].step_latency_s == pytest.approx(lat, rel=1e-6)
         assert fits[kind].busbw_Bps == pytest.approx(bw, rel=1e-6)
+    # the world's subgroups timed too (a pair of 4 ranks sharing 2 cores): a latency per type and group size
+    pair = {k: CollectiveFit(k, 3 * lat, bw, 2, 0, 0, None, "measured") for k, (lat, bw) in known.items()}
+    both = calls + [(k, b, pair[k].seconds(b, 2), 2) for k in known for b in (4e3, 6.4e4, 1e6, 8e6)]
+    fits = predict_fit.fit_collectives(both, [])
+    for kind, (lat, bw) in known.items():
+        assert fits[kind].group == 4 and fits[kind].step_latency_s == pytest.approx(lat, rel=1e-6)
+        assert fits[kind].latency_by_group == {2: pytest.approx(3 * lat, rel=1e-6)}
+        assert fits[kind].seconds(1e6, 2) == pytest.approx(pair[kind].seconds(1e6, 2), rel=1e-6)
     # two sizes of a type (a smoke comparison's traces): one latency shared by every type, as before
     shared = predict_fit.fit_collectives([c for c in calls if c[1] in (4e3, 8e6)], [])
     assert len({f.step_latency_s for f in shared.values()}) == 1
@@ -80,7 +88,9 @@ def test_each_type_gets_its_own_latency_when_every_type_was_timed_at_three_sizes
 
 def test_one_size_per_type_charges_its_time_to_bandwidth_and_says_so():
     notes: list[str] = []
-    fit = predict_fit.fit_collectives([("all_reduce", 5e5, 1e-3, 2)] * 3, notes)["all_reduce"]
+    fit = predict_fit.fit_collectives([("all_reduce", 5e5, 1e-3, 2)] * 3 + [("all_reduce", 5e5, 0.0, 2)],
+                                      notes)["all_reduce"]
+    assert fit.points == 3  # a call timed at 0 (noise) is left out, not divided by
     assert fit.step_latency_s == 0 and fit.seconds(5e5, 2) == pytest.approx(1e-3)
     assert any("latency not separable" in n for n in notes)
 
@@ -278,15 +288,20 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
 def test_timed_collectives_on_cpu_are_in_step_costs_floored_at_the_barrier_timed_call():
     from shardscope.analysis.predict_collectives import _calls
 
-    rank0 = [("all_gather", 1e3, 0.5e-3, "barrier"), ("all_gather", 1e3, 0.7e-3, "barrier"),
-             ("all_gather", 1e3, 2.0e-3, "in_step"), ("all_gather", 1e3, 0.1e-3, "in_step")]
-    rank1 = [("all_gather", 1e3, 0.3e-3, "barrier"), ("all_gather", 1e3, 0.9e-3, "barrier"),
-             ("all_gather", 1e3, 4.0e-3, "in_step"), ("all_gather", 1e3, -0.2e-3, "in_step")]
-    got = _calls([rank0, rank1], 2)
-    # in-step: the median over ranks (3 ms; -0.05 ms, noise) and at least the barrier-timed fastest median (0.5 ms)
-    assert got == [("all_gather", 1e3, pytest.approx(3.0e-3), 2), ("all_gather", 1e3, pytest.approx(0.5e-3), 2)]
+    rank0 = [("all_gather", 1e3, 0.5e-3, "barrier", 4), ("all_gather", 1e3, 0.7e-3, "barrier", 4),
+             ("all_gather", 1e3, 2.0e-3, "in_step", 4), ("all_gather", 1e3, 0.1e-3, "in_step", 4),
+             ("all_gather", 1e3, 1.0e-3, "in_step", 2), ("all_gather", 1e3, -1.0e-3, "in_step", 2)]
+    rank1 = [("all_gather", 1e3, 0.3e-3, "barrier", 4), ("all_gather", 1e3, 0.9e-3, "barrier", 4),
+             ("all_gather", 1e3, 4.0e-3, "in_step", 4), ("all_gather", 1e3, -0.2e-3, "in_step", 4),
+             ("all_gather", 1e3, 3.0e-3, "in_step", 2), ("all_gather", 1e3, 0.5e-3, "in_step", 2)]
+    got = _calls([rank0, rank1], 4)
+    # in-step: the median over ranks (3 ms; -0.05 ms, noise) and at least the barrier-timed fastest median (0.5 ms);
+    # a subgroup's call (2 of the 4 ranks) keeps its group size and has no barrier-timed floor: one whose median is
+    # not above 0 (noise) is dropped
+    assert got == [("all_gather", 1e3, pytest.approx(3.0e-3), 4), ("all_gather", 1e3, pytest.approx(0.5e-3), 4),
+                   ("all_gather", 1e3, pytest.approx(2.0e-3), 2)]
     # a GPU's job has only barrier-timed calls: each its fastest rank's time
-    got = _calls([rank0[:2], rank1[:2]], 2)
+    got = _calls([rank0[:2], rank1[:2]], 4)
     assert [t for *_, t, _ in got] == [pytest.approx(0.3e-3), pytest.approx(0.7e-3)]
 
 

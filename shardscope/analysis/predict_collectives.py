@@ -57,19 +57,20 @@ def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) ->
             return [(k, float(b), float(s), int(n)) for k, b, s, n in json.load(fh)]
 
 
-def _one(dist: Any, torch: Any, kind: str, nbytes: int, world: int, device: Any) -> Any:
-    """The tensors of one collective of ``nbytes`` (nccl-tests' size) and the call that runs it."""
+def _one(dist: Any, torch: Any, kind: str, nbytes: int, world: int, device: Any, group: Any = None) -> Any:
+    """The tensors of one collective of ``nbytes`` (nccl-tests' size) over ``world`` ranks (``group``, default
+    all of them) and the call that runs it."""
     n = max(world, nbytes // 4 // world * world)
     if kind == "all_reduce":
         t = torch.ones(n, device=device)
-        return lambda: dist.all_reduce(t)
+        return lambda: dist.all_reduce(t, group=group)
     if kind == "broadcast":
         t = torch.ones(n, device=device)
-        return lambda: dist.broadcast(t, 0)
+        return lambda: dist.broadcast(t, group_src=0, group=group)
     full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part)
-    return lambda: dist.reduce_scatter_tensor(part, full)
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    return lambda: dist.reduce_scatter_tensor(part, full, group=group)
 
 
 def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
@@ -103,19 +104,22 @@ def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
 
 
 def _calls(everyone: list[Any], world: int) -> list[tuple[str, float, float, int]]:
-    """(type, bytes, seconds, group) per timed call from every rank's (type, bytes, seconds, how) list: a
+    """(type, bytes, seconds, group) per timed call from every rank's (type, bytes, seconds, how, group) list: a
     "barrier" call is its fastest rank's time; where "in_step" figures exist (CPU), those are taken instead,
-    each the median over ranks and at least the median barrier-timed fastest time of its type and size."""
+    each the median over ranks and at least the median barrier-timed fastest time of its type, size and group (a
+    subgroup's, timed in-step only, is dropped when its median is not above 0)."""
     import statistics
 
     rows = everyone[0]
-    fastest = [(k, b, min(r[i][2] for r in everyone)) for i, (k, b, _, how) in enumerate(rows) if how == "barrier"]
-    in_step = [(k, b, statistics.median(r[i][2] for r in everyone))
-               for i, (k, b, _, how) in enumerate(rows) if how == "in_step"]
+    fastest = [(k, b, min(r[i][2] for r in everyone), g) for i, (k, b, _, how, g) in enumerate(rows) if how == "barrier"]
+    in_step = [(k, b, statistics.median(r[i][2] for r in everyone), g)
+               for i, (k, b, _, how, g) in enumerate(rows) if how == "in_step"]
     if not in_step:
-        return [(k, b, t, world) for k, b, t in fastest]
-    floors = {key: statistics.median(t for k, b, t in fastest if (k, b) == key) for key in {(k, b) for k, b, _ in fastest}}
-    return [(k, b, max(t, floors.get((k, b), 0.0)), world) for k, b, t in in_step]
+        return fastest
+    keys = {(k, b, g) for k, b, _, g in fastest}
+    floors = {key: statistics.median(t for k, b, t, g in fastest if (k, b, g) == key) for key in keys}
+    out = [(k, b, max(t, floors.get((k, b, g), 0.0)), g) for k, b, t, g in in_step]
+    return [c for c in out if c[2] > 0]  # a subgroup's call lost in the noise (no barrier-timed floor) is dropped
 
 
 def main(out_path: str, backend: str) -> None:
@@ -130,7 +134,7 @@ def main(out_path: str, backend: str) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mine: list[tuple[str, float, float, str]] = []
+    mine: list[tuple[str, float, float, str, int]] = []
     for kind in KINDS:
         for size in SIZES:
             call = _one(dist, torch, kind, size, world, device)
@@ -141,9 +145,20 @@ def main(out_path: str, backend: str) -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if i >= WARMUP:
-                    mine.append((kind, float(size), time.perf_counter() - t0, "barrier"))
+                    mine.append((kind, float(size), time.perf_counter() - t0, "barrier", world))
             if device.type == "cpu":
-                mine += [(kind, float(size), x, "in_step") for x in in_step_seconds(dist, torch, call)]
+                mine += [(kind, float(size), x, "in_step", world) for x in in_step_seconds(dist, torch, call)]
+    if device.type == "cpu":
+        # Groups smaller than the world (a tensor-parallel pair, the data-parallel replicas of a 2-D mesh), all of
+        # them at once as in a step: on a CPU with fewer cores than ranks a pair's call waits for cores the other
+        # ranks hold, which a world of that size alone would not show.
+        for size_of_group in [g for g in range(2, world) if world % g == 0]:
+            sub, _ = dist.new_subgroups(group_size=size_of_group)
+            for kind in KINDS:
+                for size in SIZES:
+                    call = _one(dist, torch, kind, size, size_of_group, device, sub)
+                    mine += [(kind, float(size), x, "in_step", size_of_group)
+                             for x in in_step_seconds(dist, torch, call)]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

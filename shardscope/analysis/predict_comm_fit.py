@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardscope.profiling.traces import BUS_FACTORS
 
@@ -33,19 +33,23 @@ class CollectiveFit:
     """time = step_latency_s x ring_steps(n) + bytes x bus_factor(n) / busbw_Bps."""
 
     kind: str
-    step_latency_s: float  # per ring step: its own type's when every type was timed at 3+ sizes, else shared
+    step_latency_s: float  # per ring step at ``group``: its own type's when every type was timed at 3+ sizes, else shared
     busbw_Bps: float
     group: int  # the group size it was measured at
     points: int  # collectives measured (each the fastest rank's time of one call)
     sizes: int  # distinct message sizes seen
     rel_rms_error: float | None
     source: str  # "measured" | "derived from <type>"
+    # per ring step at each group size timed at 3+ sizes apart from ``group`` (predict --collectives on CPU times
+    # the world's subgroups too: with more ranks than cores a pair's call costs more than the ring steps say)
+    latency_by_group: dict[int, float] = field(default_factory=dict)
 
     def seconds(self, nbytes: float, n: int) -> float:
         """Predicted seconds for one collective of ``nbytes`` over ``n`` ranks."""
         if n <= 1:
             return 0.0
-        return self.step_latency_s * ring_steps(self.kind, n) + nbytes * bus_factor(self.kind, n) / self.busbw_Bps
+        latency = self.latency_by_group.get(n, self.step_latency_s)
+        return latency * ring_steps(self.kind, n) + nbytes * bus_factor(self.kind, n) / self.busbw_Bps
 
 
 def solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
@@ -86,7 +90,7 @@ def fit_collectives(calls: list[Call], notes: list[str]) -> dict[str, Collective
     One least-squares fit over every call: a latency per ring step shared by all types (on one machine it
     is the same wake-up and handshake whatever the type) and a bus bandwidth per type, each call weighted
     by its own time, so that a 100-byte all-reduce and a 10 MB one count alike (relative error)."""
-    points = [p for p in calls if p[3] > 1]
+    points = [p for p in calls if p[3] > 1 and p[2] > 0]  # a call timed at 0 or less (noise) says nothing
     kinds = sorted({k for k, _, _, _ in points})
     fits: dict[str, CollectiveFit] = {}
     if not points:
@@ -96,9 +100,11 @@ def fit_collectives(calls: list[Call], notes: list[str]) -> dict[str, Collective
     # fixed cost differs by type (gloo's algorithms, wake-ups per ring step), which one shared figure fits badly
     # (an in-step reduce-scatter of 4 KiB at 4 ranks on 2 cores: 7.6 ms, a broadcast 0.8 ms). Otherwise one
     # latency per ring step shared by all types (on one machine, the same wake-up and handshake whatever the type).
-    own = min(sizes.values()) >= 3
-    lat = kinds if own else ["*"]
-    rows = [[ring_steps(k, n) / t if own is False or k == key else 0.0 for key in lat]
+    # With several group sizes timed (the world and its subgroups), a latency per type and group size.
+    pairs = sorted({(k, n) for k, _, _, n in points})
+    own = min(len({round(b) for k, b, _, n in points if (k, n) == pair}) for pair in pairs) >= 3
+    lat: list[tuple[str, int]] = pairs if own else [("*", 0)]
+    rows = [[ring_steps(k, n) / t if own is False or (k, n) == key else 0.0 for key in lat]
             + [b * bus_factor(k, n) / t if k == kind else 0.0 for kind in kinds] for k, b, t, n in points]
     if len({(k, round(b)) for k, b, _, _ in points}) <= len(kinds):  # one size per type: latency not separable
         notes.append("collectives: one message size per type measured: latency not separable, all their time "
@@ -110,14 +116,20 @@ def fit_collectives(calls: list[Call], notes: list[str]) -> dict[str, Collective
         return fits
     latencies, coef = dict(zip(lat, coef[:len(lat)])), [0.0] + coef[len(lat):]
     for i, kind in enumerate(kinds, 1):
-        latency = latencies[kind if own else "*"]
         mine = [p for p in points if p[0] == kind]
+        group = statistics.mode(n for _, _, _, n in mine)
+        by_group = {n: x for (k, n), x in latencies.items() if k == kind} if own else {}
+        latency = by_group.get(group, latencies.get(("*", 0), 0.0))
+
+        def lat_of(n: int) -> float:
+            return by_group.get(n, latency)
+
         if coef[i] <= 0:  # all of its time went to latency: its bandwidth is not measurable here
-            per_byte = sum(max(0.0, t - latency * ring_steps(k, n)) for k, _, t, n in mine) / sum(
+            per_byte = sum(max(0.0, t - lat_of(n) * ring_steps(k, n)) for k, _, t, n in mine) / sum(
                 b * bus_factor(k, n) for k, b, _, n in mine)
             coef[i] = per_byte or 1e-12
-        fit = CollectiveFit(kind, latency, 1.0 / coef[i], statistics.mode(n for _, _, _, n in mine), len(mine),
-                            len({round(b) for _, b, _, _ in mine}), None, "measured")
+        fit = CollectiveFit(kind, latency, 1.0 / coef[i], group, len(mine), len({round(b) for _, b, _, _ in mine}),
+                            None, "measured", {n: x for n, x in by_group.items() if n != group})
         fit.rel_rms_error = rel_rms([fit.seconds(b, n) for _, b, _, n in mine], [t for _, _, t, _ in mine])
         fits[kind] = fit
     weak = [f"{f.kind} ({f.points} calls, {f.sizes} sizes, rms error {f.rel_rms_error:.0%})" for f in fits.values()
