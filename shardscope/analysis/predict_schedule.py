@@ -165,6 +165,7 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
     sharded = w.shards == "all"
     partitioned = w.shards in ("optim", "grads")
     tp_fwd, tp_bwd = w.tp_layer_bytes
+    calls_fwd, calls_bwd = w.tp_layer_calls
     dp_allreduce = by_type.get("all_reduce", 0) - (tp_fwd + tp_bwd) * len(blocks) * w.accum
     micro_f, micro_b = fwd_s / w.accum, bwd_s / w.accum
     overlap = sim.overlap
@@ -184,7 +185,8 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
                 sim.wait(("ag", m, i))
             sim.compute(micro_f * share)
             if name != "root" and tp_fwd:
-                sim.blocking("all_reduce", tp_fwd, w.tp, exact=True)
+                for _ in range(calls_fwd):
+                    sim.blocking("all_reduce", tp_fwd / calls_fwd, w.tp, exact=True)
         sim.enter("backward")
         regather = sharded and t.regather
         reduce_now = last or t.reduces_per_micro
@@ -198,7 +200,8 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
                 sim.wait(("bg", m, i))
             sim.compute(micro_b * share)
             if name != "root" and tp_bwd:
-                sim.blocking("all_reduce", tp_bwd, w.tp, exact=True)
+                for _ in range(calls_bwd):
+                    sim.blocking("all_reduce", tp_bwd / calls_bwd, w.tp, exact=True)
             if sharded and reduce_now:
                 key = ("rs", m, i)
                 sim.issue(key, "reduce_scatter", numel, group)

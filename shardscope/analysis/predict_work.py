@@ -91,6 +91,9 @@ class Work:
     # (forward, backward); their sum over layers and micro-batches is part of by_type["all_reduce"]
     traits: Traits
     notes: list[str] = field(default_factory=list)
+    # the calls those bytes are split over, per layer and micro-batch: two in forward (attention and MLP outputs),
+    # one per column-parallel linear in backward (a real AutoTP step on 2 layers: 17 all-reduces, RESULTS.md)
+    tp_layer_calls: tuple[int, int] = (1, 1)
 
 
 def family_of(shards: str, tp: int) -> str:
@@ -164,12 +167,16 @@ def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int) -> tuple
     if tp <= 1:
         return (0.0, 0.0)
     m = c.model
-    params = memory_model.model_params(m)
     micro = max(1, c.global_batch // (dp * max(1, c.grad_accum)))
     h = memory_model.ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
-    col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
     one = float(micro * m.seq_len * h * compute_bytes)
-    return (2 * one, col * one)
+    return (2 * one, column_linears(c) * one)
+
+
+def column_linears(c: Comparison) -> int:
+    """Column-parallel linears per layer (each all-reduces its input's gradient in backward)."""
+    params = memory_model.model_params(c.model)
+    return sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
 
 
 def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
@@ -213,5 +220,6 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         units=unit_shares(c, layout.tp), emb_elements=memory_model.embedding_count(c.model),
         by_type={k: float(v) for k, v in theory["by_type"].items()},
         tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes),
+        tp_layer_calls=(2, max(1, column_linears(c))) if layout.tp > 1 else (1, 1),
         traits=traits_of(info, options, layout.shards, layout.tp),
     )
