@@ -183,6 +183,43 @@ def test_a_comparison_whose_report_failed_exits_1(tmp_path, monkeypatch):
     assert any(getattr(u, "text", "") == made.failed for u in seen)
 
 
+def test_the_end_is_set_when_a_view_fails_and_stderr_is_a_broken_pipe(tmp_path, monkeypatch):
+    """A subscriber that raises while stderr is a pipe whose reader is gone (a killed `| tee`, a killed test
+    runner): the session still ends, so `shardscope run` waiting on it exits instead of hanging forever."""
+    import sys
+
+    from shardscope.orchestrator.session import Session
+    from shardscope.profiling import state
+
+    class BrokenPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    c = config.validate(config.Comparison(name="fake", runs=[RunSpec("ddp", "ddp")], model=MODEL, steps=2,
+                                          global_batch=4))
+    session = Session(c, str(tmp_path / "out"), sample_devices=False)
+    session._define(c.runs[0])
+    session._emit(state.StatusChanged("ddp", state.OK))
+
+    def view(batch):
+        raise RuntimeError("the view broke")
+
+    session.subscribe(view)
+    monkeypatch.setattr(sys, "stderr", BrokenPipe())
+    session._finish()
+    assert session.finished and session.wait(0) is not None  # ended, with its exit code
+    # and when the end itself fails, the end is still set, with exit code 1
+    session2 = Session(c, str(tmp_path / "out2"), sample_devices=False)
+    session2._define(c.runs[0])
+    monkeypatch.setattr(session2, "_flush", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        session2._finish()
+    assert session2.finished and session2.wait(0) == 1
+
+
 def test_a_figure_that_is_not_zero_is_never_printed_as_zero():
     """148 B of an all-reduce per step is 0.000141 MiB: report.md says so instead of '0.000'."""
     from shardscope.analysis.report import _num

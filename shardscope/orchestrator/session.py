@@ -158,7 +158,10 @@ class Session(RunSupervision, SessionEnds, Completion):
             try:
                 callback(batch)
             except Exception as err:  # a broken view must not kill the runs; say so on stderr
-                print(f"shardscope: subscriber failed: {err!r}", file=sys.stderr)
+                try:
+                    print(f"shardscope: subscriber failed: {err!r}", file=sys.stderr)
+                except (OSError, ValueError):  # stderr a closed pipe (its reader gone): nowhere left to say it
+                    pass
 
     def _main(self) -> None:
         try:
@@ -198,11 +201,15 @@ class Session(RunSupervision, SessionEnds, Completion):
             for active in list(self._active.values()):
                 active.proc.kill()
         finally:
-            self._stop_sampler()
-            self._watch.stop()
-            self._finish()
-            if self._records is not None:
-                self._records.stop()
+            try:
+                self._stop_sampler()
+                self._watch.stop()
+            finally:
+                try:
+                    self._finish()  # sets the end whatever happens in it: a waiting command line never hangs
+                finally:
+                    if self._records is not None:
+                        self._records.stop()
 
     def _define(self, run: config.RunSpec) -> None:
         self._emit(state.RunDefined(

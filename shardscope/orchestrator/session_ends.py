@@ -72,13 +72,24 @@ class SessionEnds:
             self._sampler.close()
 
     def _finish(self) -> None:
+        """Write the reports, say the comparison finished, and set the end. The end is set whatever fails here
+        (exit code 1 then): the command line and the app wait on it, and a session thread that died without it
+        left `shardscope run` waiting forever (seen with stderr a pipe whose reader had been killed)."""
+        try:
+            self._write_ends()
+        except BaseException:
+            self.exit_code = 1
+            raise
+        finally:
+            self._done.set()
+
+    def _write_ends(self) -> None:
         statuses = [self.states[n].status for n in self.run_names]
         self.exit_code = 0 if statuses and all(s == state.OK for s in statuses) else 1
         summary_path = report_path = ""
         if self.comparison.launch.node_rank > 0:  # node 0 writes the reports
             self._emit(state.ComparisonFinished(self.out_dir, self.exit_code))
             self._flush()
-            self._done.set()
             return
         self._spare.release()  # its room is for the summary
         try:
@@ -95,5 +106,4 @@ class SessionEnds:
             self._emit(state.Notice(f"writing the reports failed: {why}", "error"))
         self._emit(state.ComparisonFinished(self.out_dir, self.exit_code, summary_path, report_path))
         self._flush()
-        self._done.set()
 
