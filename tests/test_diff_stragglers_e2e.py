@@ -71,8 +71,11 @@ def dirs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("diff")
     old, proc = run_preset(tmp, "old")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # --against end to end: identical settings for "ddp" pass; the new-only runs are reported, not errors.
-    new, against = run_preset(tmp, "new", "--against", str(old), "--speed-tol", "0.6", extra=SLOW_RUNS)
+    # --against end to end: identical settings for "ddp" pass; the new-only runs are reported, not errors. Speed is
+    # not gated here (--speed-tol 100): the two comparisons run minutes apart, and beside a second test suite on
+    # 2 cores the same DDP run measured 0.35x of its first throughput (a CI run, stop 29). Only the slowed run's
+    # test gates on speed, where the fault's 60 ms a step dwarfs any load.
+    new, against = run_preset(tmp, "new", "--against", str(old), "--speed-tol", "100", extra=SLOW_RUNS)
     lr, _ = run_preset(tmp, "lr", lr=4e-3)
     big, _ = run_preset(tmp, "big", batch=4096)  # activations well above the CUDA build's RSS noise
     return {"old": old, "new": new, "against": against, "lr": lr, "big": big}
@@ -102,7 +105,7 @@ def test_slow_rank_named_and_no_false_flag(dirs):
 
 
 def test_diff_identical_settings_passes(dirs):
-    proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--speed-tol", "0.6", "--json")
+    proc = cli("diff", str(dirs["old"]), str(dirs["new"]), "--speed-tol", "100", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:]
     result = json.loads(proc.stdout)
     (ddp,) = result["runs"]
@@ -120,7 +123,7 @@ def test_diff_slow_run_fails_on_throughput(dirs):
 
 
 def test_diff_lr_fails_on_loss(dirs):
-    proc = cli("diff", str(dirs["old"]), str(dirs["lr"]), "--speed-tol", "0.6")
+    proc = cli("diff", str(dirs["old"]), str(dirs["lr"]), "--speed-tol", "100")
     assert proc.returncode == 1
     assert "diff: ddp: loss differs beyond 0.0001 from step 1" in proc.stdout
     assert "lr" in proc.stdout and "0.004" in proc.stdout  # what differs: the setting, both values
