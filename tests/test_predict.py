@@ -297,14 +297,14 @@ def test_timed_collectives_on_cpu_are_in_step_costs_floored_at_the_barrier_timed
     rank1 = [("all_gather", 1e3, 0.3e-3, "barrier", 4), ("all_gather", 1e3, 0.9e-3, "barrier", 4),
              ("all_gather", 1e3, 4.0e-3, "in_step", 4), ("all_gather", 1e3, -0.2e-3, "in_step", 4),
              ("all_gather", 1e3, 3.0e-3, "in_step", 2), ("all_gather", 1e3, 0.5e-3, "in_step", 2)]
-    got = _calls([rank0, rank1], 4)
+    got = _calls([rank0, rank1])
     # in-step: the median over ranks (3 ms; -0.05 ms, noise) and at least the barrier-timed fastest median (0.5 ms);
     # a subgroup's call (2 of the 4 ranks) keeps its group size and has no barrier-timed floor: one whose median is
     # not above 0 (noise) is dropped
     assert got == [("all_gather", 1e3, pytest.approx(3.0e-3), 4), ("all_gather", 1e3, pytest.approx(0.5e-3), 4),
                    ("all_gather", 1e3, pytest.approx(2.0e-3), 2)]
     # a GPU's job has only barrier-timed calls: each its fastest rank's time
-    got = _calls([rank0[:2], rank1[:2]], 4)
+    got = _calls([rank0[:2], rank1[:2]])
     assert [t for *_, t, _ in got] == [pytest.approx(0.3e-3), pytest.approx(0.7e-3)]
 
 

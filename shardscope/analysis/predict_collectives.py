@@ -103,7 +103,7 @@ def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
     return out
 
 
-def _calls(everyone: list[Any], world: int) -> list[tuple[str, float, float, int]]:
+def _calls(everyone: list[Any]) -> list[tuple[str, float, float, int]]:
     """(type, bytes, seconds, group) per timed call from every rank's (type, bytes, seconds, how, group) list: a
     "barrier" call is its fastest rank's time; where "in_step" figures exist (CPU), those are taken instead,
     each the median over ranks and at least the median barrier-timed fastest time of its type, size and group (a
@@ -162,7 +162,7 @@ def main(out_path: str, backend: str) -> None:
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        calls = _calls(everyone, world)
+        calls = _calls(everyone)
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(calls, fh)
     dist.destroy_process_group()
