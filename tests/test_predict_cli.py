@@ -99,22 +99,6 @@ def test_bad_input_exits_2_in_one_line(calibration, tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_collectives_job_times_every_type_and_leaves_nothing_running(calibration):
-    import psutil
-
-    before = {p.pid for p in psutil.process_iter()}
-    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--collectives", "--json")
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
-    fits = data["calibration"]["collectives"]
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
-        assert fits[kind]["source"] == "measured" and fits[kind]["sizes"] >= 4, kind
-    assert any("short torchrun job" in a for a in data["assumptions"])
-    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
-            and "predict_collectives" in " ".join(p.info["cmdline"] or [])]
-    assert left == []
-
-
 def test_the_report_sets_predictions_beside_measurements(calibration):
     summary = json.loads(open(RunDir(str(calibration)).summary).read())
     section = summary["prediction"]
@@ -153,16 +137,22 @@ def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_erro
         assert bad.returncode == 2 and said in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
 
-def test_probe_measures_every_strategy_at_the_predicted_world_size_and_leaves_nothing_running(calibration):
-    """``--probe`` on parity (every strategy): each run's compute comes from its own one-rank probe at 2 ranks,
-    the tensor-parallel runs' too (probed on their 2-D mesh); no probe process is left."""
+def test_probe_and_collectives_measure_every_strategy_at_its_own_world_size_and_leave_nothing_running(calibration):
+    """``--probe --collectives`` on parity (every strategy): each run's compute comes from its own one-rank probe
+    at 2 ranks, the tensor-parallel runs' too (probed on their 2-D mesh); collectives are timed by a short
+    torchrun job at 2 ranks and again at the tensor-parallel runs' own 4; no probe or job process is left."""
     import psutil
 
     before = {p.pid for p in psutil.process_iter()}
     proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "parity", "--world-size", "2", "--probe",
-                   "--json", timeout=900)
+                   "--collectives", "--json", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
+    fits = data["calibration"]["collectives"]
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        assert fits[kind]["source"] == "measured" and fits[kind]["sizes"] >= 4, kind
+    assert any("short torchrun job" in a for a in data["assumptions"])
+    assert "timing collectives at 2 ranks" in proc.stderr and "timing collectives at 4 ranks" in proc.stderr
     rows = {r["name"]: r for r in data["runs"]}
     assert {r["strategy"] for r in rows.values()} >= {"ddp", "fsdp1", "fsdp2", "fsdp-handwritten", "deepspeed-zero1",
                                                         "deepspeed-zero2", "deepspeed-zero3"}
@@ -170,11 +160,12 @@ def test_probe_measures_every_strategy_at_the_predicted_world_size_and_leaves_no
     for name, r in rows.items():
         assert f"probing {name} " in proc.stderr  # progress, one line per run
         # the tensor-parallel runs keep their own 4 ranks (dp 2 x tp 2: the preset names their world size)
-        assert r["why"] is None and r["bound"] is None and r["world_size"] == (
-            4 if r["family"] == "tensor-parallel" else 2), r
+        tp = r["family"] == "tensor-parallel"
+        assert r["why"] is None and r["bound"] is None and r["world_size"] == (4 if tp else 2), r
         assert any(f"one-rank probe of this run at {r['world_size']} ranks" in n for n in r["notes"]), r
+        assert ("collectives timed at its own 4 ranks" in r["notes"]) == tp, r
         assert 0 < r["compute_s"] <= r["step_time_s"] and r["tokens_per_s"] > 0
     assert any("one-rank probe" in a for a in data["assumptions"])
     left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
-            and "compute_probe" in " ".join(p.info["cmdline"] or [])]
+            and any(m in " ".join(p.info["cmdline"] or []) for m in ("compute_probe", "predict_collectives"))]
     assert left == []

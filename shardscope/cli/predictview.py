@@ -123,6 +123,23 @@ def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
     return predict.calibrate(dirs, collectives=points)
 
 
+def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Comparison, dirs: list[str],
+                              backend: str, timed: int, probes: dict[str, Any] | None) -> None:
+    """Runs whose ranks differ from the ``timed`` world size (tensor parallelism's dp x tp) predicted again with
+    collectives timed at their own world size, in place in ``result["runs"]``."""
+    from shardscope.analysis import predict
+
+    by_name = {run.name: run for run in comparison.runs}
+    rows = result["runs"]
+    for other in sorted({r["world_size"] for r in rows if not r["why"] and r["world_size"]} - {timed}):
+        model = _with_collectives(dirs, backend, other)
+        for i, r in enumerate(rows):
+            if not r["why"] and r["world_size"] == other:
+                rows[i] = predict.predict_run(comparison, by_name[r["name"]], model,
+                                              probed=(probes or {}).get(r["name"]))
+                rows[i]["notes"].append(f"collectives timed at its own {other} ranks")
+
+
 @click.command("predict")
 @click.option("--calibrate", "calibrate_dirs", multiple=True, required=True, type=click.Path(file_okay=False),
               metavar="DIR", help="A finished comparison run on this machine (give it twice, with two model sizes, "
@@ -164,14 +181,17 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         comparison = load_for(preset, sets, model.backend if model else None, spec is not None)
     except ConfigError as err:
         _fail(str(err))
+    timed = world_size or comparison.world_size
     if collectives and model is not None:
-        model = _with_collectives(list(calibrate_dirs), model.backend, world_size or comparison.world_size)
+        model = _with_collectives(list(calibrate_dirs), model.backend, timed)
     probes = None
     if probe and model is not None and spec is None:
         from shardscope.analysis.predict_probe import probe_runs
 
         probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True))
     result = predict.predict_comparison(comparison, model, spec, probes)
+    if collectives and model is not None and spec is None:
+        _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)
     result["calibrated_on"] = list(calibrate_dirs)
     if why:
         for row in result["runs"]:
