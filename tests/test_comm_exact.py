@@ -66,14 +66,15 @@ def test_trace_equals_in_rank_count_and_theory(parity_run, run):
     assert analysis["theory"]["ratio"] == pytest.approx(1.0, abs=0.02), analysis["theory"]
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r not in ("autotp", "fsdp2-tp")])
-def test_parity_norms_take_at_most_two_collectives_a_step(parity_run, run):
-    """Parity mode's per-layer norms (shardscope's own collectives, counted apart from the strategy's) cost a
-    data-parallel run at most one all-reduce per norm kind a step, however many parameters the model has: the
-    squared sums of disjoint pieces are added in one vector. Gathering each tensor whole (DeepSpeed's
-    ``safe_get_full_grad``, FSDP2's DTensors one by one) cost 52 a step on this two-layer model."""
+@pytest.mark.parametrize("run", RUNS)
+def test_parity_norms_take_one_all_reduce_per_norm_kind_and_group_a_step(parity_run, run):
+    """Parity mode's per-layer norms (shardscope's own collectives, counted apart from the strategy's) cost every
+    run, tensor-parallel ones included, at most one all-reduce per norm kind and group a step, however many
+    parameters the model has: the squared sums of disjoint pieces are added in one vector. Gathering each tensor whole
+    (DeepSpeed's ``safe_get_full_grad``, FSDP2's DTensors one by one) cost 52 a step on this two-layer model."""
     for name in sorted(os.listdir(os.path.join(parity_run, run, "metrics"))):
         with open(os.path.join(parity_run, run, "metrics", name), encoding="utf-8") as fh:
             comm = [json.loads(line) for line in fh if '"comm"' in line][-1]
         own = comm["instrumentation"]
-        assert sum(row["count_per_step"] for row in own.values()) <= 2, (run, name, own)
+        # one per norm kind and group: FSDP2 + TP's 2-D tensors over the world, its dp-sharded ones over dp
+        assert sum(row["count_per_step"] for row in own.values()) <= (4 if run == "fsdp2-tp" else 2), (run, name, own)

@@ -14,7 +14,7 @@ import pytest
 
 from _launch import grad_norms, launch_all, max_abs_diff, tiny_comparison
 from shardscope import config
-from shardscope.config import ConfigError, ModelSpec, RunSpec
+from shardscope.config import ConfigError, ModelSpec, ProfileSpec, RunSpec
 from shardscope.engines import tp_plan
 
 TOL = 1e-4
@@ -83,7 +83,8 @@ def test_plan_is_found_by_model_structure():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     runs = [RunSpec("ddp", "ddp"), RunSpec("fsdp2-tp", "fsdp2-tp", world_size=4, options={"tp": 2})]
-    comparison = tiny_comparison(runs, steps=6, grad_accum=2, grad_clip=0.5, parity=True)
+    comparison = tiny_comparison(runs, steps=6, grad_accum=2, grad_clip=0.5, parity=True,
+                                 profile=ProfileSpec(start_step=3, steps=1, count_collectives=True))
     return launch_all(tmp_path_factory.mktemp("fsdp2tp"), comparison)
 
 
@@ -106,6 +107,14 @@ def test_fsdp2_tp_layer_norms_match_ddp(results):
         assert a["grad_norms"].keys() == b["grad_norms"].keys()
         for layer, value in a["grad_norms"].items():
             assert abs(value - b["grad_norms"][layer]) <= 1e-5, (a["step"], layer)
+        for layer, value in a["param_norms"].items():
+            assert abs(value - b["param_norms"][layer]) <= 1e-5 * max(1.0, value), (a["step"], layer)
+    # 2-D DTensors (_StridedShard / Shard over dp, Shard / Replicate over tp) add their local squared sums over
+    # the world in one all-reduce per norm kind, the dp-sharded ones over dp: not one per tensor (68 a step on
+    # parity's model before)
+    for rank in range(4):
+        own = results["fsdp2-tp"].of_kind("comm", rank)[-1]["instrumentation"]
+        assert sum(row["count_per_step"] for row in own.values()) <= 4, (rank, own)
 
 
 @pytest.mark.slow

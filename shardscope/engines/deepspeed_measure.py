@@ -76,9 +76,9 @@ def after_reduction(engine: Any, callback: Callable[[], None]) -> Callable[[], N
 
 def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict[str, float]]:
     """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, of the
-    full tensors: from each rank's own ZeRO pieces (``_local_pieces``, one all-reduce per kind) where
-    every parameter has them, else from DeepSpeed's ``safe_get_full_grad`` / ``safe_get_full_fp32_param``,
-    which gather tensor by tensor (collectives either way: every rank calls this in the same order,
+    full tensors: from each rank's own ZeRO pieces (``_local_pieces``, one all-reduce per kind; under AutoTP
+    over the whole world, ``_over_the_world``) where every parameter has them, else from DeepSpeed's
+    ``safe_get_full_grad`` / ``safe_get_full_fp32_param``, which gather tensor by tensor (collectives either way: every rank calls this in the same order,
     after the reduction and before clipping). Parameters are the fp32 masters, as FSDP's sharded
     parameters are.
 
@@ -88,12 +88,13 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
     """
     from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
 
-    if tp_size == 1:
-        local = _local_pieces(module)
-        if local is not None:  # every rank's own piece: two all-reduces a step, not a gather per tensor
-            grads_, params_, dp_group = local
-            return {"grad": norms.layer_norms(grads_, shard_group=dp_group, sharded=True),
-                    "param": norms.layer_norms(params_, shard_group=dp_group, sharded=True)}
+    local = _local_pieces(module)
+    if local is not None and tp_size > 1:
+        local = _over_the_world(module, local, tp_size)
+    if local is not None:  # every rank's own piece: two all-reduces a step, not a gather per tensor
+        grads_, params_, group = local
+        return {"grad": norms.layer_norms(grads_, shard_group=group, sharded=True),
+                "param": norms.layer_norms(params_, shard_group=group, sharded=True)}
     grads: list[tuple[str, torch.Tensor | None]] = []
     params: list[tuple[str, torch.Tensor]] = []
     for name, p in module.named_parameters():
@@ -110,6 +111,26 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
 
 
 Pieces = tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], Any]
+
+
+def _over_the_world(module: nn.Module, local: Pieces, tp_size: int) -> Pieces | None:
+    """AutoTP's pieces made disjoint over the whole world: each rank's data-parallel fragment of its own
+    tensor-parallel shard, a replicated tensor's fragments scaled by 1/sqrt(tp_size) (its tp copies then add up
+    to it once), summed over the default group; None (the per-tensor path) where data x tensor parallel is not
+    the world."""
+    import torch.distributed as dist
+
+    grads, params, dp_group = local
+    if dist.get_world_size(dp_group) * tp_size != dist.get_world_size():
+        return None
+    split = {name for name, p in module.named_parameters()
+             if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
+    scale = tp_size ** -0.5
+
+    def scaled(pieces: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t if name in split else t * scale) for name, t in pieces]
+
+    return scaled(grads), scaled(params), None
 
 
 def _local_pieces(module: nn.Module) -> Pieces | None:
