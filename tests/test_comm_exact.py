@@ -78,3 +78,22 @@ def test_parity_norms_take_one_all_reduce_per_norm_kind_and_group_a_step(parity_
         own = comm["instrumentation"]
         # one per norm kind and group: FSDP2 + TP's 2-D tensors over the world, its dp-sharded ones over dp
         assert sum(row["count_per_step"] for row in own.values()) <= (4 if run == "fsdp2-tp" else 2), (run, name, own)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_the_predicted_schedule_makes_the_calls_a_real_step_makes(parity_run, run):
+    """``shardscope predict`` plays a step as collectives on a schedule; each call pays a latency, so the schedule
+    must issue as many calls of each type as the ranks really made (the in-rank count of a profiled step, two
+    micro-batches): DDP's buckets, FSDP's per-unit gathers, ZeRO-3's coalesced buckets, the tensor-parallel
+    activation all-reduces, the norm's all-reduces."""
+    from shardscope.analysis import fold
+    from shardscope.analysis.predict_schedule import simulate
+    from shardscope.analysis.predict_work import work_of
+
+    c = fold.load_comparison(parity_run)
+    spec = next(r for r in c.runs if r.name == run)
+    timing = simulate(work_of(c, spec), 1.0, 1.0, 1.0, lambda kind, size, group: 1e-3, False)
+    for name in sorted(os.listdir(os.path.join(parity_run, run, "metrics"))):
+        with open(os.path.join(parity_run, run, "metrics", name), encoding="utf-8") as fh:
+            real = [json.loads(line) for line in fh if '"comm"' in line][-1]["collectives"]
+        assert {k: v["count_per_step"] for k, v in real.items()} == timing.calls_by_type, (run, name)

@@ -148,6 +148,26 @@ def test_schedule_moves_exactly_the_theorys_bytes(name):
     assert moved == pytest.approx(theory)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_zero3_gathers_and_reduces_in_its_buckets(accum):
+    """DeepSpeed ZeRO-3 fetches runs of units in one coalesced all-gather up to its bucket and reduce-scatters a
+    bucket of gradients at a time; a model within its live limit is not gathered again in backward. The bytes
+    stay the theory's either way (tests/test_comm_exact.py checks the counts against a real step)."""
+    c = config.load_preset("zero-stages", [f"grad_accum={accum}"], host=CPU)  # ~1.3M elements
+    w = work_of(c, c.run("zero3"))
+    assert not w.traits.regather and w.traits.gather_bucket == w.traits.reduce_bucket == 25 * 2**20 // 4
+    calls = simulate(w, 0.01, 0.02, 0.005, _comm, overlap=False).calls_by_type
+    assert calls["all_gather"] == calls["reduce_scatter"] == accum  # the whole model in one bucket
+    c = config.load_preset("zero-stages", [f"grad_accum={accum}", "runs.zero3.options.bucket_mb=2"], host=CPU)
+    w = work_of(c, c.run("zero3"))
+    assert w.traits.regather  # over the live limit: gathered again in backward
+    timing = simulate(w, 0.01, 0.02, 0.005, _comm, overlap=False)
+    assert 1 < timing.calls_by_type["reduce_scatter"] / accum < len(w.units)  # several units to a bucket
+    assert 2 < timing.calls_by_type["all_gather"] / accum < 2 * len(w.units)  # forward and backward
+    assert timing.bytes_by_type["all_gather"] == pytest.approx(w.by_type["all_gather"])
+    assert timing.bytes_by_type["reduce_scatter"] == pytest.approx(w.by_type["reduce_scatter"])
+
+
 def test_gloo_blocks_on_every_fsdp_collective_and_gpus_overlap_them():
     c = smoke("model.n_layers=6")
     w = work_of(c, c.run("fsdp2"))
@@ -277,7 +297,8 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
     # per layer: the attention's and the MLP's outputs in forward, one per column-parallel linear (q, k, v, gate,
     # up) in backward: 7 calls, as a real step shows (RESULTS.md, stop 29), not one per direction
     assert w.tp_layer_calls == (2, 5)
-    assert activations == tp.model.hf_layers * 7 * w.accum
+    # (plus the gradient norm's second all-reduce, over dp: here dp = tp = 2)
+    assert activations == tp.model.hf_layers * 7 * w.accum + (w.dp == w.tp)
     comm = predict_fit._comm_fn(model.collectives)
     assert row["exposed_comm_s"] == pytest.approx(simulate(w, 0.010, 0.020, 0.005, comm, False).exposed_comm_s)
     # a probe that got 40% of its core is counted at its CPU time: 40% of its wall-clock phases

@@ -27,8 +27,12 @@ How each schedule is modelled (``predict_work.Traits`` says which applies to a s
   synchronously, so every collective blocks; the hand-written FSDP blocks everywhere by design.
 - **Tensor parallel**: two activation all-reduces per layer in forward and one per column-parallel
   linear in backward, each on the critical path (blocking), on top of its data-parallel schedule.
+- **DeepSpeed ZeRO-3** gathers runs of units in one coalesced call up to its bucket (``bucket_mb``),
+  keeps a model within its live limit gathered into backward, and reduce-scatters a bucket of gradients at
+  a time (blocking, ``overlap_comm`` off).
 - A sharded or tensor-parallel strategy all-reduces the global gradient norm (one scalar, blocking) in
-  the optimizer phase; a replicated one computes it locally.
+  the optimizer phase, a tensor-parallel one twice (over the world and over dp); a replicated one computes
+  it locally.
 
 Bytes per collective type add up to ``comm_theory.expected_comm`` exactly (each op's share follows the
 elements it moves); only the gradient norm's scalar is added. Pure Python, no torch.
@@ -54,6 +58,7 @@ class StepTiming:
     exposed_s: dict[str, float]
     comm_s: float
     bytes_by_type: dict[str, float] = field(default_factory=dict)
+    calls_by_type: dict[str, int] = field(default_factory=dict)  # collectives issued, per type
 
     @property
     def step_s(self) -> float:
@@ -73,6 +78,7 @@ class _Sim:
         self.comm, self.scale, self.overlap = comm, scale, overlap
         self.weights: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.t = 0.0
         self.free: dict[str, float] = defaultdict(float)
         self.pending: dict[object, float] = {}
@@ -111,6 +117,7 @@ class _Sim:
         if size <= 0:
             return
         self.bytes[kind] += size
+        self.calls[kind] += 1
         seconds = self.comm(kind, size, group)
         # On GPUs gathers and reductions run on separate streams; gloo runs a group's collectives one at a time.
         channel = ("gather" if kind == "all_gather" else "reduce") if self.overlap else "gloo"
@@ -155,6 +162,36 @@ def _buckets(w: Work, bytes_per_element: float) -> dict[int, float]:
     return out
 
 
+def _gather_groups(units: list[tuple[str, float, int]], bucket: int) -> list[int]:
+    """The index of the first unit of the all-gather each unit is fetched in: its own (``bucket`` 0), or the
+    first of a run of units whose elements fit in ``bucket`` (DeepSpeed ZeRO-3's coalesced prefetch)."""
+    starts, filled = [], 0
+    for i, (_, _, numel) in enumerate(units):
+        if not starts or not bucket or filled + numel > bucket:
+            starts.append(i)
+            filled = 0
+        else:
+            starts.append(starts[-1])
+        filled += numel
+    return starts
+
+
+def _gathers(sim: _Sim, tag: str, m: int, units: list[tuple[str, float, int]], i: int, starts: list[int],
+             group: int, ahead: bool, skip: Callable[[int], bool]) -> None:
+    """Before unit ``i``'s compute: its all-gather (the first unit of its bucket issues it, covering the bucket's
+    elements), the next bucket's too when prefetching ``ahead``, then wait for it. ``skip(j)``: unit j is kept."""
+    def issue(j: int) -> None:
+        if not skip(j):
+            numel = sum(units[k][2] for k in range(len(units)) if starts[k] == starts[j] and not skip(k))
+            sim.issue((tag, m, starts[j]), "all_gather", numel, group)  # nothing when issued already
+
+    issue(i)
+    later = next((j for j in range(i + 1, len(units)) if starts[j] != starts[i]), None)
+    if ahead and later is not None:
+        issue(later)
+    sim.wait((tag, m, starts[i]))
+
+
 def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> None:
     t, by_type = w.traits, w.by_type
     dp, group = w.dp, w.shard_group
@@ -170,19 +207,21 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
     micro_f, micro_b = fwd_s / w.accum, bwd_s / w.accum
     overlap = sim.overlap
     bpe = dp_allreduce / max(1, sum(n for _, _, n in units))
+    forward_starts = _gather_groups(units, t.gather_bucket)
+    backward_starts = _gather_groups(backward_units, t.gather_bucket)
+
+    def kept(j: int) -> bool:
+        return backward_units[j][0] == "root" and t.root_kept
     for m in range(w.accum):
         last = m == w.accum - 1
         sim.enter("forward")
         if m == 0 and by_type.get("broadcast"):
             sim.blocking("broadcast", 1.0, dp)
-        gathered = sharded and (m == 0 or t.regather)
+        gathered = sharded and (m == 0 or t.regather or t.gather_bucket > 0)
         ahead = overlap and t.prefetch
         for i, (name, share, numel) in enumerate(units):
             if gathered:
-                sim.issue(("ag", m, i), "all_gather", numel, group)  # nothing when prefetched already
-                if ahead and i + 1 < len(units):
-                    sim.issue(("ag", m, i + 1), "all_gather", units[i + 1][2], group)
-                sim.wait(("ag", m, i))
+                _gathers(sim, "ag", m, units, i, forward_starts, group, ahead, lambda j: False)
             sim.compute(micro_f * share)
             if name != "root" and tp_fwd:
                 for _ in range(calls_fwd):
@@ -191,18 +230,20 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
         regather = sharded and t.regather
         reduce_now = last or t.reduces_per_micro
         buckets = _buckets(w, bpe) if t.bucketed and last and dp_allreduce > 0 else {}
+        unreduced = 0.0  # gradient elements waiting for the next bucketed reduce-scatter
         for i, (name, share, numel) in enumerate(backward_units):
             if regather and not (name == "root" and t.root_kept):
-                sim.issue(("bg", m, i), "all_gather", numel, group)  # nothing when prefetched already
-                nxt = backward_units[i + 1] if i + 1 < len(backward_units) else None
-                if ahead and nxt is not None and not (nxt[0] == "root" and t.root_kept):
-                    sim.issue(("bg", m, i + 1), "all_gather", nxt[2], group)
-                sim.wait(("bg", m, i))
+                _gathers(sim, "bg", m, backward_units, i, backward_starts, group, ahead, kept)
             sim.compute(micro_b * share)
             if name != "root" and tp_bwd:
                 for _ in range(calls_bwd):
                     sim.blocking("all_reduce", tp_bwd / calls_bwd, w.tp, exact=True)
-            if sharded and reduce_now:
+            if sharded and reduce_now and t.reduce_bucket:
+                unreduced += numel
+                if unreduced >= t.reduce_bucket or i == len(backward_units) - 1:
+                    sim.blocking("reduce_scatter", unreduced, group)
+                    unreduced = 0.0
+            elif sharded and reduce_now:
                 key = ("rs", m, i)
                 sim.issue(key, "reduce_scatter", numel, group)
                 if replicas > 1:  # hybrid sharding: the shard is all-reduced across the replicas
@@ -227,6 +268,8 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
     sim.enter("optimizer")
     if t.norm_allreduce and w.world_size > 1:
         sim.blocking("all_reduce", NORM_ALLREDUCE_BYTES, w.world_size, exact=True)
+        if w.tp > 1:  # and again over dp: FSDP2 + TP's dp-sharded tensors (total_norm), DeepSpeed's second group
+            sim.blocking("all_reduce", NORM_ALLREDUCE_BYTES, w.dp, exact=True)
     sim.compute(opt_s)
     if partitioned:
         sim.blocking("all_gather", 1.0, dp)
@@ -248,7 +291,7 @@ def simulate(w: Work, fwd_s: float, bwd_s: float, opt_s: float, comm: CommTime, 
     _program(w, sim, fwd_s, bwd_s, opt_s)
     sim._close()
     exposed = {p: max(0.0, sim.wall[p] - sim.computed[p]) for p in PHASES}
-    return StepTiming(dict(sim.wall), exposed, sim.comm_s, dict(sim.bytes))
+    return StepTiming(dict(sim.wall), exposed, sim.comm_s, dict(sim.bytes), dict(sim.calls))
 
 
 def untimed_types(w: Work) -> list[str]:

@@ -58,6 +58,10 @@ class Traits:
     async_reduce: bool  # on GPUs: reduce-scatters on their own stream, waited for at the end of backward
     reduces_per_micro: bool
     norm_allreduce: bool  # the global gradient norm needs an all-reduce (sharded states or tensor parallel)
+    # DeepSpeed ZeRO-3 (stage3_prefetch_bucket_size, reduce_bucket_size = bucket_mb): units gathered together in
+    # one coalesced call up to this many elements, gradients reduce-scattered a bucket at a time; 0: per unit
+    gather_bucket: int = 0
+    reduce_bucket: int = 0
 
 
 @dataclass
@@ -103,16 +107,25 @@ def family_of(shards: str, tp: int) -> str:
     return {"none": REPLICATED, "optim": PARTITIONED, "grads": PARTITIONED}.get(shards, FULLY_SHARDED)
 
 
-def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str, tp: int) -> Traits:
-    """Schedule traits from a registry entry and resolved options.
+def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str, tp: int,
+              local_elements: int = 0) -> Traits:
+    """Schedule traits from a registry entry and resolved options (``local_elements``: the model's parameter
+    elements on one tensor-parallel rank).
 
     - A strategy declaring ``bucket_cap_mb`` without sharding has torch's reducer (DDP): async buckets.
     - Prefetching (GPUs only): a ``backward_prefetch`` option says so where it exists (FSDP1); per-parameter
       sharding (FSDP2) prefetches one unit in backward and runs ahead in forward; DeepSpeed ZeRO-3 prefetches
       its all-gathers; a flat-sharding strategy declaring neither (the hand-written FSDP) blocks on every
       collective. DeepSpeed runs with ``overlap_comm`` off (engines/deepspeed_config.py): its reductions block.
+    - DeepSpeed ZeRO-3 gathers and reduces in buckets of ``bucket_mb`` (its prefetch, live-parameter and reduce
+      bucket sizes, deepspeed_config.py); a model within the live limit stays gathered from forward to backward
+      (``live-params-kept``, as comm_theory counts its bytes). Counted in a real parity step (2 micro-batches,
+      tests/test_comm_exact.py): 2 all-gathers and 2 reduce-scatters, where a call per unit made 12 and 6.
     """
     quirks = set(info.comm_quirks)
+    bucket_elements = int(options.get("bucket_mb", 25)) * 2**20 // 4 if "bucket_mb" in info.options else 0
+    kept = "live-params-kept" in quirks and shards == "all" and 0 < local_elements <= bucket_elements
+    deepspeed_sharded = info.needs_deepspeed and shards == "all"
     if "backward_prefetch" in info.options:
         prefetch = str(options.get("backward_prefetch", "pre")) != "none"
     else:
@@ -121,12 +134,14 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
     return Traits(
         bucketed=bucket,
         bucket_bytes=int(options.get("bucket_cap_mb", 25)) << 20 if bucket else 0,
-        regather=memory_model.reshards_after_forward(options),
+        regather=memory_model.reshards_after_forward(options) and not kept,
         root_kept="root-kept" in quirks or info.shard_layout == "per-parameter",
         prefetch=shards == "all" and prefetch,
         async_reduce=shards == "all" and prefetch and not info.needs_deepspeed,
         reduces_per_micro="reduces-per-micro-batch" in quirks,
         norm_allreduce=shards != "none" or tp > 1,
+        gather_bucket=bucket_elements if deepspeed_sharded else 0,
+        reduce_bucket=bucket_elements if deepspeed_sharded else 0,
     )
 
 
@@ -221,5 +236,5 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         by_type={k: float(v) for k, v in theory["by_type"].items()},
         tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes),
         tp_layer_calls=(2, max(1, column_linears(c))) if layout.tp > 1 else (1, 1),
-        traits=traits_of(info, options, layout.shards, layout.tp),
+        traits=traits_of(info, options, layout.shards, layout.tp, full),
     )

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from shardscope.engines import tp_plan
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.fsdp2 import dp_mesh, fsdp2_prepared, mixed_precision, shard_model
-from shardscope.engines.global_grad import clip_coefficient, full_value
+from shardscope.engines.global_grad import clip_coefficient, total_norm
 from shardscope.engines.parallelize import blocks_of, parallelize
 
 
@@ -34,23 +34,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any, kind: str) -> None:
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """Return the L2 norm of all gradients over every shard and TP rank (a plain scalar tensor).
 
-    Gradients live on two meshes (2-D for TP weights, the dp sub-mesh for the rest), and one
-    stacked norm cannot mix DTensors of different meshes; so square sums are reduced per mesh
-    by DTensor (``full_tensor`` knows which dims are sharded and which are replicated) and added.
+    Gradients live on two meshes (2-D for TP weights, the dp sub-mesh for the rest), and one stacked
+    norm cannot mix DTensors of different meshes (torch's ``clip_grad_norm_`` fails on them); so local
+    squared sums are added per group (``total_norm``: the world for the 2-D ones, replicated dims scaled
+    out; dp for the rest), one all-reduce each.
     """
-    total = torch.zeros((), dtype=torch.float64)
-    for mesh_params in _by_mesh(p.grad for p in params if p.grad is not None).values():
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in mesh_params]).sum()
-        total += full_value(sq).double().cpu()
-    return total.sqrt()
-
-
-def _by_mesh(tensors: Any) -> dict[Any, list[torch.Tensor]]:
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        mesh = getattr(t, "device_mesh", None)
-        groups.setdefault(id(mesh) if mesh is not None else None, []).append(t)
-    return groups
+    return total_norm(p.grad for p in params if p.grad is not None)
 
 
 def clip_and_step_fn(params: list[torch.Tensor], optimizer: torch.optim.Optimizer):

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from shardscope.engines.global_grad import full_value
+from shardscope.engines.global_grad import full_value, spread_of
 
 _WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
@@ -36,34 +36,6 @@ def _square_sum(t: torch.Tensor) -> torch.Tensor:
     return full_value(t.detach().float().pow(2).sum())  # DTensor: reduce partial sums across the mesh
 
 
-def _shard_group(t: torch.Tensor) -> tuple[Any, float] | None:
-    """The process group a DTensor's local squared sum is added across, and the factor it is scaled by first:
-    a one-dimensional mesh sharded on it (FSDP2's Shard(0)): its group, 1; a mesh of several dimensions (FSDP2
-    + TP) that spans the world, each dimension sharded or replicated: the world, 1 / the replicated dimensions'
-    sizes (their identical copies then add up to the tensor once). None for a plain tensor or another layout
-    (a partial sum, a mesh short of the world), which ``full_value`` reduces tensor by tensor. Duck-typed, so
-    that a strategy without DTensors does not import them."""
-    placements = getattr(t, "placements", None)
-    if placements is None:
-        return None
-    mesh = t.device_mesh
-    if len(placements) == 1:
-        return (mesh.get_group(0), 1.0) if placements[0].is_shard() else None
-    if not all(_split(p) or p.is_replicate() for p in placements) or mesh.size() != dist.get_world_size():
-        return None
-    scale = 1.0
-    for dim, p in enumerate(placements):
-        if p.is_replicate():
-            scale /= mesh.size(dim)
-    return dist.group.WORLD, scale
-
-
-def _split(placement: Any) -> bool:
-    """A placement that splits the tensor into disjoint pieces: Shard, or FSDP2 + TP's ``_StridedShard`` (a
-    shard of a shard, still a partition; torch's ``is_shard()`` says False for it)."""
-    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
-
-
 def layer_norms(named: Iterable[tuple[str, torch.Tensor | None]], *, shard_group: Any = None,
                 sharded: bool = False) -> dict[str, float]:
     """Return {layer: L2 norm} over the tensors in ``named`` (None skipped).
@@ -84,7 +56,7 @@ def layer_norms(named: Iterable[tuple[str, torch.Tensor | None]], *, shard_group
         key = layer_key(name)
         if key not in keys:
             keys.append(key)
-        spread = _shard_group(t)
+        spread = spread_of(t)
         if spread is not None:
             sums, sq = by_group.setdefault(spread[0], {}), t.to_local().detach().float().pow(2).sum() * spread[1]
         else:
