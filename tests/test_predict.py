@@ -341,3 +341,22 @@ def test_collectives_timed_in_a_loop_of_compute_replace_the_traces_figures_of_th
             if k == kind:
                 assert fit.seconds(b, n) == pytest.approx(t, rel=1e-6)
     assert any("the traces' figures of those types left out" in n for n in model.notes)
+
+
+def test_the_collectives_table_shows_each_timed_group_sizes_latency():
+    from rich.console import Console
+
+    from shardscope.cli.predictview import print_prediction
+
+    fit = {"kind": "all_reduce", "step_latency_s": 0.0011, "busbw_Bps": 2e9, "group": 4, "points": 8, "sizes": 4,
+           "rel_rms_error": 0.1, "source": "measured", "latency_by_group": {"2": 0.0023}}
+    calibration = {"runs": ["ddp"], "backend": "gloo", "cores": 2, "collectives": {"all_reduce": fit}}
+    console = Console(record=True, width=200)
+    print_prediction({"what_if": False, "preset": "p", "device": None, "runs": [], "assumptions": [],
+                      "calibration": calibration, "fit_error": None}, console)
+    assert "2 ranks: 2,300  4 ranks: 1,100" in console.export_text()
+    calibration["collectives"]["all_reduce"] = {**fit, "latency_by_group": {}}
+    console = Console(record=True, width=200)
+    print_prediction({"what_if": False, "preset": "p", "device": None, "runs": [], "assumptions": [],
+                      "calibration": calibration, "fit_error": None}, console)
+    assert "1,100" in console.export_text() and "ranks:" not in console.export_text()

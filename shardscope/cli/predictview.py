@@ -95,7 +95,7 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
         fits.add_column(name, justify="left" if name in ("type", "source") else "right")
     for kind, f in sorted(calibration["collectives"].items()):
         err = f["rel_rms_error"]
-        fits.add_row(kind, f["source"], f"{f['step_latency_s'] * 1e6:,.0f}", f"{f['busbw_Bps'] / 1e9:.3g}",
+        fits.add_row(kind, f["source"], _latencies(f), f"{f['busbw_Bps'] / 1e9:.3g}",
                      str(f["points"]), "-" if err is None else f"{err:.0%}")
     if calibration["collectives"]:
         console.print(fits)
@@ -107,6 +107,16 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
         for name, e in runs.items():
             back.add_row(name, _ms(e["predicted_step_s"]), _ms(e["measured_step_s"]), f"{e['error']:+.1%}")
         console.print(back)
+
+
+def _latencies(f: dict[str, Any]) -> str:
+    """A collective fit's latency per ring step in µs; with subgroups timed apart (``predict --collectives`` on
+    CPU), each group size's own: "2 ranks: 900  4 ranks: 2,100"."""
+    by_group = {int(n): s for n, s in (f.get("latency_by_group") or {}).items()}
+    if not by_group:
+        return f"{f['step_latency_s'] * 1e6:,.0f}"
+    by_group.setdefault(int(f["group"]), f["step_latency_s"])
+    return "  ".join(f"{n} ranks: {s * 1e6:,.0f}" for n, s in sorted(by_group.items()))
 
 
 def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
