@@ -69,3 +69,22 @@ def test_strategy_matches_ddp(name, baselines, tmp_path):
             assert a[key].keys() == b[key].keys(), (name, key)
             for layer, value in a[key].items():
                 assert abs(value - b[key][layer]) <= TOLERANCE.get(name, 1e-5), (name, key, a["step"], layer)
+
+
+def test_hsdp_layer_norms_match_ddp(baselines, tmp_path):
+    """FSDP2 HSDP (replicate 2 x shard 2 on 4 ranks): its 2-D DTensors (Replicate, Shard(0)) add their local
+    squared sums over the world with the replicas scaled out (norms.layer_norms via global_grad.spread_of); the
+    per-layer norms and the loss agree with DDP's."""
+    ddp = baselines(None)
+    comparison = tiny_comparison([RunSpec("hsdp", "fsdp2", world_size=4, options={"replicate": 2})], steps=5,
+                                 parity=True)
+    result = launch(prepare(tmp_path, comparison), comparison, "hsdp", timeout_s=180)
+    assert_ok(result)
+    assert max_abs_diff(result.losses(), ddp.losses()) <= 1e-5
+    mine, theirs = result.of_kind("layers"), ddp.of_kind("layers")
+    assert len(mine) == len(theirs) == len(ddp.steps())
+    for a, b in zip(theirs, mine):
+        for key in ("grad_norms", "param_norms"):
+            assert a[key].keys() == b[key].keys() and a[key], key
+            for layer, value in a[key].items():
+                assert abs(value - b[key][layer]) <= 1e-5 * max(1.0, value), (key, a["step"], layer)
