@@ -139,3 +139,30 @@ async def test_device_rows_keep_every_rank_and_scroll_at_100_by_30():
         # the old two-line size): wait for the layout, which fails the test if the rows never overflow.
         await wait_for(pilot, lambda: panel.body.size.height > panel.scrollable_content_region.height)
         assert panel.allow_vertical_scroll
+
+
+@run_async
+async def test_a_panel_updated_before_its_body_is_mounted_or_after_it_is_gone_keeps_the_content():
+    """A redraw timer can reach a panel while its screen composes or tears down (CI, loaded machine: NoMatches
+    '.panel-body' killed the app). The content is kept, shown once the body exists, and never an error."""
+    from textual.app import App
+
+    from shardscope.tui.widgets.scroll_panel import ScrollPanel
+
+    panel = ScrollPanel()
+    panel.update("early")  # not mounted: no body yet
+    assert panel.content == "early"
+
+    class Host(App):
+        def compose(self):
+            yield panel
+
+    app = Host()
+    async with app.run_test(size=(40, 10)) as pilot:
+        await pilot.pause()
+        assert str(panel.body.content) == "early"
+        panel.update("later")
+        assert str(panel.body.content) == "later"
+        await panel.remove()
+        panel.update("gone")  # removed: kept, no error
+        assert panel.content == "gone"

@@ -10,11 +10,17 @@ from textual.widgets import Static
 
 
 class ScrollPanel(VerticalScroll):
-    """One static body inside a scrolling frame; ``update`` replaces the body, ``line_width`` is what a line may use."""
+    """One static body inside a scrolling frame; ``update`` replaces the body, ``line_width`` is what a line may use.
+
+    A redraw may reach the panel before its body is mounted or after it is gone (a timer ticking while the
+    screen composes or tears down, seen on a loaded CI machine): the content is kept and shown once the body
+    exists, never an error."""
+
+    _waiting: Any = ""  # content given before the body was mounted
 
     def compose(self) -> ComposeResult:
         """The body: one Static, as tall as its text."""
-        yield Static(classes="panel-body")
+        yield Static(self._waiting, classes="panel-body")
 
     @property
     def body(self) -> Static:
@@ -23,8 +29,9 @@ class ScrollPanel(VerticalScroll):
 
     @property
     def content(self) -> Any:
-        """What the body shows (as ``Static.content``)."""
-        return self.body.content
+        """What the body shows (as ``Static.content``), or what it will show once mounted."""
+        bodies = self.query(".panel-body")
+        return bodies.first(Static).content if bodies else self._waiting
 
     @property
     def line_width(self) -> int:
@@ -32,5 +39,8 @@ class ScrollPanel(VerticalScroll):
         return self.scrollable_content_region.width
 
     def update(self, content: Any) -> None:
-        """Replace what the panel shows."""
-        self.body.update(content)
+        """Replace what the panel shows (kept for the body when it is not mounted yet)."""
+        self._waiting = content
+        bodies = self.query(".panel-body")
+        if bodies:
+            bodies.first(Static).update(content)
