@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
+from shardscope.engines.deepspeed_measure import tp_shard
 from shardscope.engines.deepspeed_zero import build_config, prepare_engine
 
 
@@ -72,7 +73,7 @@ def tp_grad_norm(model: nn.Module) -> torch.Tensor:
         if p.grad is None:
             continue
         sq = p.grad.detach().double().pow(2).sum().cpu()
-        if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False):
+        if tp_shard(p):
             sharded += sq
         else:
             replicated += sq

@@ -15,6 +15,12 @@ from shardscope.engines import norms
 from shardscope.engines.comm_count import instrumentation
 
 
+def tp_shard(p: torch.Tensor) -> bool:
+    """Whether AutoTP split this parameter over the tensor-parallel group (DeepSpeed marks it
+    ``tensor_model_parallel`` or ``model_parallel``); False for a tensor every tp rank holds whole."""
+    return bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
 def layer_norms_at_reduction(engine: Any, tp_size: int) -> Callable[[], dict[str, dict[str, float]]]:
     """Return a ``Prepared.layer_norms`` for a DeepSpeed engine.
 
@@ -78,9 +84,9 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
     """Return per-layer ``{"grad": ..., "param": ...}`` norms of a DeepSpeed engine's module, of the
     full tensors: from each rank's own ZeRO pieces (``_local_pieces``, one all-reduce per kind; under AutoTP
     over the whole world, ``_over_the_world``) where every parameter has them, else from DeepSpeed's
-    ``safe_get_full_grad`` / ``safe_get_full_fp32_param``, which gather tensor by tensor (collectives either way: every rank calls this in the same order,
-    after the reduction and before clipping). Parameters are the fp32 masters, as FSDP's sharded
-    parameters are.
+    ``safe_get_full_grad`` / ``safe_get_full_fp32_param``, which gather tensor by tensor (collectives either
+    way: every rank calls this in the same order, after the reduction and before clipping). Parameters are
+    the fp32 masters, as FSDP's sharded parameters are.
 
     Under AutoTP (``tp_size`` > 1) a tensor-parallel shard's square sum is added over the TP group;
     a replicated tensor is scaled by 1/sqrt(tp_size) first so that adding its tp identical copies
@@ -101,7 +107,7 @@ def deepspeed_layer_norms(module: nn.Module, tp_size: int = 1) -> dict[str, dict
         g, w = safe_get_full_grad(p), safe_get_full_fp32_param(p)
         w = p if w is None else w  # no ZeRO wrapper (AutoTP stage 0 in fp32): the parameter is the master
         g = torch.zeros(0, device=w.device) if g is None else g  # keep the key on every rank
-        if tp_size > 1 and not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)):
+        if tp_size > 1 and not tp_shard(p):
             g, w = g / tp_size**0.5, w / tp_size**0.5
         grads.append((name, g))
         params.append((name, w))
@@ -123,8 +129,7 @@ def _over_the_world(module: nn.Module, local: Pieces, tp_size: int) -> Pieces | 
     grads, params, dp_group = local
     if dist.get_world_size(dp_group) * tp_size != dist.get_world_size():
         return None
-    split = {name for name, p in module.named_parameters()
-             if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
+    split = {name for name, p in module.named_parameters() if tp_shard(p)}
     scale = tp_size ** -0.5
 
     def scaled(pieces: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
