@@ -45,12 +45,12 @@ SLOW_RUNS = """
 [[runs]]
 name = "slow"
 strategy = "ddp"
-fault = "rank=1,step=2,kind=slow,ms=60"
+fault = "rank=1,step=2,kind=slow,ms=150"
 [[runs]]
 name = "slow4"
 strategy = "ddp"
 world_size = 4
-fault = "rank=2,step=2,kind=slow,ms=60"
+fault = "rank=2,step=2,kind=slow,ms=150"
 """
 
 
@@ -74,7 +74,8 @@ def dirs(tmp_path_factory):
     # --against end to end: identical settings for "ddp" pass; the new-only runs are reported, not errors. Speed is
     # not gated here (--speed-tol 100): the two comparisons run minutes apart, and beside a second test suite on
     # 2 cores the same DDP run measured 0.35x of its first throughput (a CI run, stop 29). Only the slowed run's
-    # test gates on speed, where the fault's 60 ms a step dwarfs any load.
+    # test gates on speed, where the fault's 150 ms of work a step dwarfs any load
+    # (a CI run measured it 0.174x of the old run with a noise band the old rule put at ±93.9%: see test_recommend).
     new, against = run_preset(tmp, "new", "--against", str(old), "--speed-tol", "100", extra=SLOW_RUNS)
     lr, _ = run_preset(tmp, "lr", lr=4e-3)
     big, _ = run_preset(tmp, "big", batch=4096)  # activations well above the CUDA build's RSS noise
@@ -187,7 +188,7 @@ def test_app_rank_timing_panel_names_the_straggler(dirs):
 
 
 def test_step_split_against_the_fault_and_the_step_clock(dirs):
-    """The per-rank split against independent counts: the `slow` fault does 60 ms of CPU work per step on rank 1 from
+    """The per-rank split against independent counts: the `slow` fault does 150 ms of CPU work per step on rank 1 from
     step 2 (its busy time holds it, and rank 0 waits that long off the CPU: idle), and the phases inside the timed
     step add up to the step's own `step_time_s` (perf_counter around the whole step)."""
     import statistics
@@ -200,8 +201,8 @@ def test_step_split_against_the_fault_and_the_step_clock(dirs):
         steps[rank] = [r for r in records if r["kind"] == "step" and r["step"] >= 3]
     busy = {rank: statistics.median(r["busy_s"] for r in rs) for rank, rs in steps.items()}
     idle = {rank: statistics.median(r["idle_s"] for r in rs) for rank, rs in steps.items()}
-    assert busy[1] >= 0.06 > busy[0], busy
-    assert idle[0] >= 0.04 and idle[0] > idle[1], idle
+    assert busy[1] >= 0.15 > busy[0], busy
+    assert idle[0] >= 0.10 and idle[0] > idle[1], idle
     for r in steps[0] + steps[1]:
         inside = r["time_forward_s"] + r["time_backward_s"] + r["time_optimizer_s"]
         assert abs(inside - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.002, r

@@ -171,6 +171,10 @@ def test_recommendation_and_diff_share_the_rule():
     assert within_noise(95.5, 100, 0.02, 0.03) is True and within_noise(100, 95.5, 0.03, 0.02) is True
     assert within_noise(94, 100, 0.02, 0.03) is False
     assert within_noise(94, 100, None, 0.03) is None
+    # A CI run's case: a run slowed 5.7x beside a noisy old run (spread 0.90) was called noise when spreads were
+    # added (0.826 <= 0.939). Spreads compose as factors: (1.90)(1.04) = 1.98, so only ratios down to 0.51 are noise.
+    assert within_noise(17.4, 100, 0.04, 0.90) is False
+    assert within_noise(52, 100, 0.04, 0.90) is True and within_noise(100, 52, 0.90, 0.04) is True
     rec = recommend.recommend(_summary(_run("ddp", 100, 800), _run("fsdp", 95.5, 500)), {"ddp": 0.03, "fsdp": 0.02}, "cuda")
     assert rec["no_clear_difference"] == ["ddp", "fsdp"]
     rec = recommend.recommend(_summary(_run("ddp", 100, 800), _run("fsdp", 94, 500)), {"ddp": 0.03, "fsdp": 0.02}, "cuda")

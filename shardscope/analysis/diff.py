@@ -2,7 +2,7 @@
 
 Runs are matched by name (or by ``old=new`` pairs). For each pair this reports the loss at common
 steps (max and mean |Δ|, the first step beyond the loss tolerance; a non-finite loss on either side
-is a difference), the ratio of median throughputs with a noise band taken from each run's own
+is a difference), the ratio of median throughputs with a noise range taken from each run's own
 step-to-step spread, the peak memory ratio, bytes per step per collective type where traces
 measured them, and what differs between the two (versions, device, initial weights, settings),
 read from the runs' ``start`` records and ``comparison.json``. A run present on one side only is
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.core.numbers import common_steps, median_rate, timed_rates, within_noise
+from shardscope.core.numbers import common_steps, median_rate, noise_factor, timed_rates, within_noise
 from shardscope.analysis import fold
 from shardscope.profiling.state import OK, RunState
 from shardscope.profiling import traces
@@ -29,7 +29,7 @@ from shardscope.core.rundir import COMPARISON, RunDir, read_summary
 from shardscope.core.numbers import dotted_get
 
 DEFAULT_LOSS_TOL = 1e-4  # |Δloss| at any common step
-DEFAULT_SPEED_TOL = 0.10  # new median throughput more than 10% below old (and outside the noise band)
+DEFAULT_SPEED_TOL = 0.10  # new median throughput more than 10% below old (and outside the noise range)
 DEFAULT_MEM_TOL = 0.10  # new peak memory more than 10% above old
 
 # Start-record fields compared between the two sides (dotted paths), beyond versions.*.
@@ -143,18 +143,25 @@ def relative_spread(rates: list[float]) -> float | None:
     return (q3 - q1) / 2 / med if med > 0 else None
 
 
+def _range(noise_range: list[float] | None) -> str:
+    """``[lo, hi]`` as '0.91-1.10x', or 'not measured'."""
+    return f"{noise_range[0]:.2f}-{noise_range[1]:.2f}x" if noise_range else "not measured"
+
+
 def speed_diff(old: RunState, new: RunState) -> dict[str, Any]:
-    """Median throughput of each side, their ratio (new/old) and a noise band: the two runs' own
-    relative spreads added (a ratio within 1 ± band is indistinguishable from noise)."""
+    """Median throughput of each side, their ratio (new/old) and the noise range of that ratio: the two
+    runs' own relative spreads composed (``numbers.noise_factor`` f; a ratio within [1/f, f] is
+    indistinguishable from noise)."""
     a, b = median_rate(old.throughput), median_rate(new.throughput)
     sa, sb = relative_spread(timed_rates(old.throughput)), relative_spread(timed_rates(new.throughput))
+    factor = noise_factor(sa, sb)
     out: dict[str, Any] = {"unit": new.unit, "old": a, "new": b, "ratio": b / a if a and b else None,
-                           "noise_band": sa + sb if sa is not None and sb is not None else None,
+                           "noise_range": [1 / factor, factor] if factor is not None else None,
                            "spreads": [sa, sb]}
     if out["ratio"] is None:
         out["reason"] = "not measured: a side has no throughput"
-    elif out["noise_band"] is None:
-        out["reason"] = "noise band not measured: fewer than 4 timed steps on a side"
+    elif out["noise_range"] is None:
+        out["reason"] = "noise range not measured: fewer than 4 timed steps on a side"
     return out
 
 
@@ -238,7 +245,7 @@ def setting_diffs(old: Side, new: Side, old_run: str, new_run: str) -> list[dict
 
 def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Tolerances) -> dict[str, Any]:
     """Return the comparison of one matched pair, with ``failures``: one line per difference that
-    passes a tolerance (a slowdown beyond both ``tol.speed`` and the noise band; more memory than
+    passes a tolerance (a slowdown beyond both ``tol.speed`` and the noise range; more memory than
     ``tol.mem``; any loss step beyond ``tol.loss``; a new run that did not end ok)."""
     a, b = old.states[old_run], new.states[new_run]
     entry: dict[str, Any] = {
@@ -258,12 +265,11 @@ def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Toleranc
         failures.append(f"{label}: no common step with a loss to compare")
     speed = entry["speed"]
     if speed["ratio"] is not None:
-        band = speed["noise_band"] or 0.0
         sa, sb = speed["spreads"]
         if speed["ratio"] < 1 - tol.speed and not within_noise(speed["new"], speed["old"], sb, sa):
             failures.append(f"{label}: throughput {speed['ratio']:.3f}x of old ({speed['new']:,.0f} vs "
-                            f"{speed['old']:,.0f} {speed['unit']}), beyond {tol.speed:.0%} and the noise band "
-                            f"±{band:.1%}")
+                            f"{speed['old']:,.0f} {speed['unit']}), beyond {tol.speed:.0%} and the noise range "
+                            f"{_range(speed['noise_range'])}")
     mem = entry["memory"]
     if mem["ratio"] is not None and mem["ratio"] > 1 + tol.mem:
         failures.append(f"{label}: {mem['kind']} {mem['ratio']:.3f}x of old ({mem['new']:,} vs {mem['old']:,} bytes), "

@@ -109,7 +109,7 @@ def tolerance_options(fn: Any) -> Any:
                       help="Fail when a run's peak memory grows by more than this fraction.")(fn)
     fn = click.option("--speed-tol", type=float, default=DEFAULT_SPEED_TOL, show_default=True,
                       help="Fail when a run's median throughput falls by more than this fraction and by more "
-                      "than the noise band of the two runs' step-to-step spread.")(fn)
+                      "than the noise range of the two runs' step-to-step spread.")(fn)
     return click.option("--loss-tol", type=float, default=DEFAULT_LOSS_TOL, show_default=True,
                         help="Fail when |Δloss| at a common step exceeds this (a non-finite loss on either "
                         "side always fails).")(fn)

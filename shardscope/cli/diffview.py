@@ -22,10 +22,10 @@ from shardscope.core.rundir import COMPARISON, RunDir, plot_file
 NOT_MEASURED = "not measured"
 
 
-def _ratio(x: float | None, band: float | None = None) -> str:
+def _ratio(x: float | None, noise: list[float] | None = None) -> str:
     if x is None:
         return NOT_MEASURED
-    return f"{x:.3f}x" + (f" ±{band:.1%}" if band is not None else "")
+    return f"{x:.3f}x" + (f" (noise {noise[0]:.2f}-{noise[1]:.2f}x)" if noise else "")
 
 
 def _mem_cell(mem: dict[str, Any], mixed: bool) -> str:
@@ -62,7 +62,7 @@ def diff_table(result: dict[str, Any]) -> Table:
     for r in result["runs"]:
         label = r["old_run"] if r["old_run"] == r["new_run"] else f"{r['old_run']}→{r['new_run']}"
         table.add_row(label, f"{r['old_status']}→{r['new_status']}", _loss_cell(r["loss"]),
-                      _ratio(r["speed"]["ratio"], r["speed"]["noise_band"]), _mem_cell(r["memory"], len(kinds) > 1),
+                      _ratio(r["speed"]["ratio"], r["speed"]["noise_range"]), _mem_cell(r["memory"], len(kinds) > 1),
                       _comm_cell(r["communication"]),
                       "[red]differs[/]" if r["failures"] else "[green]same within tolerance[/]")
     for name in result["only_old"]:

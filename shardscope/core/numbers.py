@@ -105,14 +105,26 @@ def timed_rates(points: Iterable[tuple[int, float]]) -> list[float]:
     return [rate for step, rate in pts if step > 0] or [rate for _, rate in pts]
 
 
-def within_noise(rate: float, other: float, spread: float | None, other_spread: float | None) -> bool | None:
-    """The one noise rule every throughput comparison uses (recommendation, diff): two median rates
-    are indistinguishable when they differ, relative to the larger, by no more than the two runs' own
-    relative step-to-step spreads added (symmetric; for a slowdown this is ``1 - new/old <= band``).
-    None when either spread is not measured (fewer than 4 timed steps)."""
+def noise_factor(spread: float | None, other_spread: float | None) -> float | None:
+    """The factor two median rates may differ by and still be noise: each run's relative step-to-step
+    spread is a multiplicative wobble (1 + spread), and two wobbles compose by multiplying. For small
+    spreads this is ~1 + the spreads added; unlike the sum it never admits a ratio of 0 (a band of
+    100% or more would call any slowdown noise). None when either spread is not measured."""
     if spread is None or other_spread is None:
         return None
-    return abs(rate - other) / max(rate, other) <= spread + other_spread
+    return (1 + spread) * (1 + other_spread)
+
+
+def within_noise(rate: float, other: float, spread: float | None, other_spread: float | None) -> bool | None:
+    """The one noise rule every throughput comparison uses (recommendation, diff): two median rates
+    are indistinguishable when the larger is at most ``noise_factor`` times the smaller (symmetric;
+    for a slowdown this is ``new/old >= 1 / factor``). None when either spread is not measured
+    (fewer than 4 timed steps)."""
+    factor = noise_factor(spread, other_spread)
+    if factor is None:
+        return None
+    lo, hi = sorted((rate, other))
+    return hi <= lo * factor
 
 
 def median_rate(points: Iterable[tuple[int, float]]) -> float | None:
