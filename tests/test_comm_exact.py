@@ -26,8 +26,10 @@ pytestmark = pytest.mark.slow
 SETTINGS = {"fp32-accum2": ["precision=fp32", "grad_accum=2"]}
 
 
-# Also on the floor of the torch range (.ci/run): the trace format is what changes between versions.
-@pytest.fixture(scope="module", params=[pytest.param("fp32-accum2", marks=pytest.mark.floor)])
+# The newest torch's suite only: on the floor of the range, tests/test_layout_matrix.py's 4-rank comparison already
+# checks the trace against the in-rank count for every layout (the trace format is what changes between versions);
+# this comparison repeated that at ~4 minutes of CI (stop 31).
+@pytest.fixture(scope="module", params=["fp32-accum2"])
 def parity_run(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp(f"comm-{request.param}") / "run")
     settings = [arg for item in SETTINGS[request.param] for arg in ("--set", item)]

@@ -18,8 +18,8 @@ CLI = [sys.executable, "-m", "shardscope.cli"]
 FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "peak_mem_bytes")
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args, timeout=300, env=None):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +141,16 @@ def test_probe_and_collectives_measure_every_strategy_at_its_own_world_size_and_
     """``--probe --collectives`` on parity (every strategy): each run's compute comes from its own one-rank probe
     at 2 ranks, the tensor-parallel runs' too (probed on their 2-D mesh); collectives are timed by a short
     torchrun job at 2 ranks and again at the tensor-parallel runs' own 4; no probe or job process is left."""
+    import os
+    import uuid
+
     import psutil
 
-    before = {p.pid for p in psutil.process_iter()}
+    # Processes of this command only (their environment carries the tag): another test running beside this one
+    # (pytest-xdist, a second suite) may have probes of its own.
+    tag = uuid.uuid4().hex
     proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "parity", "--world-size", "2", "--probe",
-                   "--collectives", "--json", timeout=1200)
+                   "--collectives", "--json", timeout=1200, env={**os.environ, "SHARDSCOPE_TEST_TAG": tag})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     fits = data["calibration"]["collectives"]
@@ -166,6 +171,11 @@ def test_probe_and_collectives_measure_every_strategy_at_its_own_world_size_and_
         assert ("collectives timed at its own 4 ranks" in r["notes"]) == tp, r
         assert 0 < r["compute_s"] <= r["step_time_s"] and r["tokens_per_s"] > 0
     assert any("one-rank probe" in a for a in data["assumptions"])
-    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid not in before
-            and any(m in " ".join(p.info["cmdline"] or []) for m in ("compute_probe", "predict_collectives"))]
+    def tagged(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("SHARDSCOPE_TEST_TAG") == tag and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    left = [" ".join(p.cmdline()) for p in psutil.process_iter() if tagged(p)]
     assert left == []
