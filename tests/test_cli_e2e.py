@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -105,15 +106,32 @@ def _check_explained_and_recommended(out, summary, stdout):
     assert entry["timeline"] in shown["text"]
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit", "hang", "skip"])
-def test_fault_fails_only_its_run(tmp_path, kind):
-    out = tmp_path / f"fault-{kind}"
-    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
-                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=20",
-                    "--set", f"runs.ddp.fault='rank=1,step=3,kind={kind}'"])
+FAULTS = ("raise", "exit", "hang", "skip")
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    """One comparison: smoke's model with a DDP run per fault kind (rank 1 at step 3), then FSDP2 with none. Each
+    run after a failed one starting and ending on its own is "the other run goes on" (one launch per fault, not
+    two: CI is CPU-bound, and a run's start-up is most of its cost)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    smoke = (Path(__file__).resolve().parents[1] / "shardscope" / "presets" / "smoke.toml").read_text(encoding="utf-8")
+    preset = tmp / "faults.toml"
+    preset.write_text(smoke[:smoke.index("[[runs]]")] + "".join(
+        f'[[runs]]\nname = "ddp-{k}"\nstrategy = "ddp"\nfault = "rank=1,step=3,kind={k}"\n\n' for k in FAULTS)
+        + '[[runs]]\nname = "fsdp2"\nstrategy = "fsdp2"\n', encoding="utf-8")
+    out = tmp / "out"
+    proc = run_cli(["run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=6",
+                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=20"], timeout=600)
+    return proc, out
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_fault_fails_only_its_run(fault_runs, kind):
+    proc, out = fault_runs
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}
-    failed = runs["ddp"]
+    failed = runs[f"ddp-{kind}"]
     assert failed["status"] == "failed" and failed["error"]
     if kind == "raise":
         assert "injected" in failed["error"].lower() or "RuntimeError" in failed["error"]
@@ -130,8 +148,10 @@ def test_fault_fails_only_its_run(tmp_path, kind):
         assert "rank 0 never entered all_reduce #" in failed["error"]
     if kind == "exit":  # the rank that left is the root cause, not its peer's broken connection
         assert failed["error"].startswith("rank 1 exited with code 3 at step 3"), failed["error"]
+    later = [name for name in runs if name != failed["name"]][FAULTS.index(kind):]
+    assert later and all(runs[name]["status"] in ("ok", "failed") for name in later), "the runs after it go on"
     assert runs["fsdp2"]["status"] == "ok", "the other run goes on"
-    kept = losses(out, "ddp")
+    kept = losses(out, f"ddp-{kind}")
     assert sorted(kept)[:3] == [0, 1, 2], "records written before the failure are kept"
     assert leftover_processes(str(out)) == []
 
