@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
+from _launch import smoke_preset
 from shardscope.core import events
 
 pytestmark = pytest.mark.slow
@@ -115,11 +115,9 @@ def fault_runs(tmp_path_factory):
     run after a failed one starting and ending on its own is "the other run goes on" (one launch per fault, not
     two: CI is CPU-bound, and a run's start-up is most of its cost)."""
     tmp = tmp_path_factory.mktemp("faults")
-    smoke = (Path(__file__).resolve().parents[1] / "shardscope" / "presets" / "smoke.toml").read_text(encoding="utf-8")
-    preset = tmp / "faults.toml"
-    preset.write_text(smoke[:smoke.index("[[runs]]")] + "".join(
+    preset = smoke_preset(tmp / "faults.toml", "".join(
         f'[[runs]]\nname = "ddp-{k}"\nstrategy = "ddp"\nfault = "rank=1,step=3,kind={k}"\n\n' for k in FAULTS)
-        + '[[runs]]\nname = "fsdp2"\nstrategy = "fsdp2"\n', encoding="utf-8")
+        + '[[runs]]\nname = "fsdp2"\nstrategy = "fsdp2"\n')
     out = tmp / "out"
     proc = run_cli(["run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=6",
                     "--set", "profile.enabled=false", "--set", "stall_timeout_s=20"], timeout=600)
@@ -160,7 +158,8 @@ def test_a_rank_that_exits_with_code_0_is_the_root_cause(tmp_path):
     """A rank leaving with code 0 mid-run (a library's sys.exit) is not in torchrun's failure table; its peer
     sees a broken connection. The verdict names the rank that left."""
     out = tmp_path / "exit0"
-    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
+    preset = smoke_preset(tmp_path / "exit0.toml", '[[runs]]\nname = "ddp"\nstrategy = "ddp"\n')  # fsdp2 is never read
+    proc = run_cli(["run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=6",
                     "--set", "profile.enabled=false", "--set", "stall_timeout_s=60",
                     "--set", "runs.ddp.fault='rank=1,step=3,kind=exit,code=0'"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
