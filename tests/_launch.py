@@ -44,6 +44,14 @@ def tiny_comparison(runs: list[RunSpec], **overrides: Any) -> Comparison:
     return comparison
 
 
+def smoke_preset(path: Path, runs_toml: str) -> Path:
+    """Write the built-in smoke preset (its model and settings) with ``runs_toml`` as its runs to ``path``: a test
+    reading one run launches one, not smoke's two (CI is CPU-bound; a run's start-up is most of its cost)."""
+    smoke = (REPO / "shardscope" / "presets" / "smoke.toml").read_text(encoding="utf-8")
+    path.write_text(smoke[:smoke.index("[[runs]]")] + runs_toml, encoding="utf-8")
+    return path
+
+
 def free_port() -> int:
     """Return a TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket() as s:

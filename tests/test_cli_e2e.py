@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from _launch import smoke_preset
 from shardscope.core import events
 
 pytestmark = pytest.mark.slow
@@ -105,15 +106,30 @@ def _check_explained_and_recommended(out, summary, stdout):
     assert entry["timeline"] in shown["text"]
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit", "hang", "skip"])
-def test_fault_fails_only_its_run(tmp_path, kind):
-    out = tmp_path / f"fault-{kind}"
-    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
-                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=20",
-                    "--set", f"runs.ddp.fault='rank=1,step=3,kind={kind}'"])
+FAULTS = ("raise", "exit", "hang", "skip")
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    """One comparison: smoke's model with a DDP run per fault kind (rank 1 at step 3), then FSDP2 with none. Each
+    run after a failed one starting and ending on its own is "the other run goes on" (one launch per fault, not
+    two: CI is CPU-bound, and a run's start-up is most of its cost)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    preset = smoke_preset(tmp / "faults.toml", "".join(
+        f'[[runs]]\nname = "ddp-{k}"\nstrategy = "ddp"\nfault = "rank=1,step=3,kind={k}"\n\n' for k in FAULTS)
+        + '[[runs]]\nname = "fsdp2"\nstrategy = "fsdp2"\n')
+    out = tmp / "out"
+    proc = run_cli(["run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=6",
+                    "--set", "profile.enabled=false", "--set", "stall_timeout_s=20"], timeout=600)
+    return proc, out
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_fault_fails_only_its_run(fault_runs, kind):
+    proc, out = fault_runs
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}
-    failed = runs["ddp"]
+    failed = runs[f"ddp-{kind}"]
     assert failed["status"] == "failed" and failed["error"]
     if kind == "raise":
         assert "injected" in failed["error"].lower() or "RuntimeError" in failed["error"]
@@ -130,8 +146,10 @@ def test_fault_fails_only_its_run(tmp_path, kind):
         assert "rank 0 never entered all_reduce #" in failed["error"]
     if kind == "exit":  # the rank that left is the root cause, not its peer's broken connection
         assert failed["error"].startswith("rank 1 exited with code 3 at step 3"), failed["error"]
+    later = [name for name in runs if name != failed["name"]][FAULTS.index(kind):]
+    assert later and all(runs[name]["status"] in ("ok", "failed") for name in later), "the runs after it go on"
     assert runs["fsdp2"]["status"] == "ok", "the other run goes on"
-    kept = losses(out, "ddp")
+    kept = losses(out, f"ddp-{kind}")
     assert sorted(kept)[:3] == [0, 1, 2], "records written before the failure are kept"
     assert leftover_processes(str(out)) == []
 
@@ -140,7 +158,8 @@ def test_a_rank_that_exits_with_code_0_is_the_root_cause(tmp_path):
     """A rank leaving with code 0 mid-run (a library's sys.exit) is not in torchrun's failure table; its peer
     sees a broken connection. The verdict names the rank that left."""
     out = tmp_path / "exit0"
-    proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=6",
+    preset = smoke_preset(tmp_path / "exit0.toml", '[[runs]]\nname = "ddp"\nstrategy = "ddp"\n')  # fsdp2 is never read
+    proc = run_cli(["run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=6",
                     "--set", "profile.enabled=false", "--set", "stall_timeout_s=60",
                     "--set", "runs.ddp.fault='rank=1,step=3,kind=exit,code=0'"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+from _launch import smoke_preset
 from shardscope.orchestrator.preflight import claim_out_dir
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -47,7 +48,8 @@ def test_two_commands_into_one_directory_at_the_same_instant(tmp_path):
     """Both start together (a barrier of threads launching them); exactly one runs, the other exits 2 in one
     line, and the comparison that ran is whole (one start and one end record per rank)."""
     out = tmp_path / "together"
-    args = [*CLI, "run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=3",
+    preset = smoke_preset(tmp_path / "one.toml", '[[runs]]\nname = "ddp"\nstrategy = "ddp"\n')  # only ddp is read
+    args = [*CLI, "run", "--preset", str(preset), "--headless", "--out", str(out), "--set", "steps=3",
             "--set", "profile.enabled=false"]
     barrier, results = threading.Barrier(2), []
 
