@@ -130,6 +130,14 @@ def launch(out_dir: Path, comparison: Comparison, run_name: str, *, device: str 
     return LaunchResult(proc.returncode, run_dir, console, records)
 
 
+def read_run(run_dir: Path) -> LaunchResult:
+    """The records a finished run left in ``run_dir`` (a run of a ``shardscope run`` comparison), as a LaunchResult."""
+    records = {}
+    for path in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
+        records[int(path.stem[4:])], _ = events.read_records(path)
+    return LaunchResult(0, Path(run_dir), "", records)
+
+
 def assert_ok(result: LaunchResult) -> None:
     """Raise AssertionError with the console tail when the job failed."""
     assert result.returncode == 0, f"torchrun exited {result.returncode}:\n{result.console[-4000:]}"

@@ -103,3 +103,18 @@ def test_tensor_parallel_activation_all_reduces(tmp_path):
     micro, d = 8 // 2, 36  # global batch 8 over dp 2
     # forward: o_proj and fc_out (row-parallel); backward: q, k, v and fc_in (column-parallel)
     assert t["by_type"]["all_reduce"] == (2 + 4) * 2 * micro * S * d * 4
+
+
+def test_kept_gathered_units_are_gathered_again_every_micro_batch_except_fsdp1s_through_no_sync(tmp_path):
+    """Two micro-batches, parameters kept gathered from forward to backward: FSDP2 and the hand-written FSDP
+    reshard after each backward, so each micro-batch gathers again (counted in a real step: 6 gathers of 3 units,
+    tests/test_layout_matrix.py); FSDP1's SHARD_GRAD_OP keeps its units gathered through ``no_sync`` (3)."""
+    keep = {"reshard_after_forward": False}
+    for strategy in ("fsdp2", "fsdp-handwritten"):
+        one = _theory(RunSpec("k", strategy, options=keep), tmp_path)
+        two = _theory(RunSpec("k", strategy, options=keep), tmp_path, accum=2)
+        assert two["by_type"]["all_gather"] == 2 * one["by_type"]["all_gather"], strategy
+        assert any("every micro-batch gathers" in r for r in two["reasons"]), strategy
+    sgo = {"sharding_strategy": "SHARD_GRAD_OP"}
+    one = _theory(RunSpec("s", "fsdp1", options=sgo), tmp_path)["by_type"]
+    assert _theory(RunSpec("s", "fsdp1", options=sgo), tmp_path, accum=2)["by_type"]["all_gather"] == one["all_gather"]

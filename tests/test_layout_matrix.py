@@ -1,22 +1,38 @@
 """Every sharding layout, checked exactly: each strategy with each of its sharding options, at world sizes 2
 and 4 (where the layout allows), with fp32 and bf16 parameters, through the real command line.
 
-One ``shardscope run`` per (world size, precision): a preset generated here holds every layout as a run
-of one comparison, profiled for one step with ``profile.count_collectives`` on. Each run is then checked
-three ways against independent counts:
+One ``shardscope run`` per comparison: a preset generated here holds every layout as a run of one
+comparison, profiled for one step with ``profile.count_collectives`` on. Each run is then checked against
+independent counts:
 
 - communication: the trace analysis (the profiler's trace only) equals the in-rank count (the tensors
   handed to each collective, ``comm`` records) per collective type, and observed/theory is 1 +- 0.02;
 - model states: the memory model's prediction for every rank equals that rank's exact ``memory`` record
-  (counted from the tensors it holds), where the model is exact (see ``STATE_TOLERANCE``);
+  (counted from the tensors it holds);
+- parity (in the comparisons with per-layer norms on): every run's loss, global grad norm and per-layer grad and
+  param norms stay within the strategy's tolerance of DDP's at every step (1e-5 for data-parallel sharding,
+  1e-4 for FSDP2 + DTensor TP, 5e-6 for AutoTP; measured 4.8e-7) — the parity matrix of every registered strategy;
 - the report: every section is written and the command exits 0.
 
-Cost: one comparison of 12 to 16 runs is 1 to 2.5 minutes on 2 CPU cores. Three comparisons: fp32 at 2
-and 4 ranks, bf16 parameters at 4 (every layout; the dtype changes the bytes, not which layouts exist,
-and the 4-rank comparison holds every 2-rank layout too: a fourth comparison, bf16 at 2 ranks, cost CI
-a minute and a half and checked no formula the other three do not). The comparison at 4 ranks in fp32
-(every layout, the hybrid ones and tensor parallel included) is marked ``floor``, so .ci/run runs it on
-both ends of the torch range; the other two run in the newest torch's suite only.
+Three comparisons, two with per-layer norms on (``parity``) whose runs are also checked against DDP, for
+parity mode's norms costing at most one all-reduce per norm kind and group a step, and for ``shardscope
+predict``'s schedule making the calls a real step makes:
+
+- 2 ranks, fp32, **two micro-batches** a step, the tensor-parallel layouts at 4 ranks beside them as in the
+  ``parity`` preset: the hardest schedule (ZeRO-2/3 reduce every micro-batch, ZeRO-3 and kept-gathered FSDP2
+  units gather in every micro-batch, DDP broadcasts its buffers once a step) in the precision every theory
+  starts from. Marked ``floor``: .ci/run runs it on both ends of the torch range, every strategy once end to end;
+- 4 ranks, fp32, one micro-batch: every layout, the hybrid ones included;
+- 4 ranks, bf16 parameters, one micro-batch, no norms (the dtype changes the bytes, not which layouts exist).
+
+A separate parity comparison with two micro-batches (``test_comm_exact.py``, ~4.5 minutes of CI) checked
+nothing the first comparison does not, nor did a parity matrix launching each strategy alone beside a DDP run
+(``test_parity_matrix.py``, ~3 minutes on each torch) that the first two do not (stop 32). Two micro-batches
+found what one did not: FSDP2 and the hand-written FSDP with ``reshard_after_forward = false`` gather in every
+micro-batch (the theory said once a step: observed/theory 1.5 and 1.33), and FSDP1's HYBRID_SHARD calls its
+replica all-reduce over one replica (the schedule made none).
+
+Cost: one comparison of 14 to 16 runs is 2 to 6 minutes on 2 CPU cores (6 under CI's load).
 """
 
 from __future__ import annotations
@@ -28,6 +44,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from _launch import grad_norms, max_abs_diff, read_run
+from shardscope.core import registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +73,12 @@ LAYOUTS = [
     ("autotp", "deepspeed-autotp", {"tp": 2, "stage": 1}, (4,)),
     ("fsdp2-tp", "fsdp2-tp", {"tp": 2}, (4,)),
 ]
-FLOOR_TOO = {(4, "fp32")}  # also on the floor of the torch range; the rest runs in the newest torch's suite
+FLOOR_TOO = {(2, "fp32")}  # also on the floor of the torch range; the rest runs in the newest torch's suite
+TP_ONLY_AT_4 = tuple(name for name, _, _, sizes in LAYOUTS if sizes == (4,) and name in ("autotp", "fsdp2-tp"))
+# The 2-rank comparison: two micro-batches a step, per-layer norms, tensor parallel beside it at 4 ranks.
+ACCUM2 = (2, "fp32")
+PARITY = (ACCUM2, (4, "fp32"))  # comparisons with per-layer norms, checked against DDP
+TOLERANCE = {"fsdp2-tp": 1e-4, "deepspeed-autotp": 5e-6}  # else 1e-5: data-parallel sharding reorders sums only
 
 
 def _toml(value) -> str:
@@ -65,19 +89,33 @@ def _toml(value) -> str:
     return str(value)
 
 
+def run_world_sizes(world_size: int, precision: str) -> dict[str, int]:
+    """{run name: its world size} of one comparison: every layout that runs at ``world_size``, and in the
+    2-rank comparison with two micro-batches the tensor-parallel layouts at 4 ranks too."""
+    sizes = {name: world_size for name, _, _, at in LAYOUTS if world_size in at}
+    if (world_size, precision) == ACCUM2:
+        sizes.update({name: 4 for name in TP_ONLY_AT_4})
+    return sizes
+
+
 def preset_text(world_size: int, precision: str) -> str:
-    """A preset holding every layout that runs at ``world_size``: a tiny Qwen2-layout model (AutoTP needs a
-    Hugging Face model), 4 steps, step 2 profiled with the in-rank collective count."""
+    """A preset holding every layout of one comparison (``run_world_sizes``): a tiny Qwen2-layout model (AutoTP
+    needs a Hugging Face model), 4 steps, step 2 profiled with the in-rank collective count."""
+    accum2 = (world_size, precision) == ACCUM2
+    parity = (world_size, precision) in PARITY
     lines = [f'description = "layout matrix at {world_size} ranks, {precision}"', "steps = 4", "global_batch = 8",
-             "grad_accum = 1", "lr = 3e-3", "warmup_steps = 1", "grad_clip = 1.0", f'precision = "{precision}"',
+             f"grad_accum = {2 if accum2 else 1}", f"parity = {'true' if parity else 'false'}", "lr = 3e-3", "warmup_steps = 1", "grad_clip = 1.0", f'precision = "{precision}"',
              f"world_size = {world_size}", "seed = 1234", "stall_timeout_s = 240", "",
              "[model]", 'kind = "hf"', 'hf_arch = "qwen2-tiny"', "hf_layers = 2", "vocab_size = 512", "seq_len = 16",
              "", "[profile]", "enabled = true", "start_step = 2", "steps = 1", "count_collectives = true",
              "record_shapes = true"]
-    for name, strategy, options, sizes in LAYOUTS:
-        if world_size not in sizes:
+    sizes = run_world_sizes(world_size, precision)
+    for name, strategy, options, _ in LAYOUTS:
+        if name not in sizes:
             continue
         lines += ["", "[[runs]]", f'name = "{name}"', f'strategy = "{strategy}"']
+        if sizes[name] != world_size:
+            lines.append(f"world_size = {sizes[name]}")
         if options:
             lines.append("options = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in options.items()) + " }")
     return "\n".join(lines) + "\n"
@@ -112,7 +150,12 @@ def _where(world_size: int, precision: str) -> list:
 COMPARISONS = [(2, "fp32"), (4, "fp32"), (4, "bf16-params")]
 CASES = [pytest.param(ws, p, id=f"{ws}-{p}", marks=_where(ws, p)) for ws, p in COMPARISONS]
 RUNS = [pytest.param(ws, p, name, id=f"{ws}-{p}-{name}", marks=_where(ws, p))
-        for ws, p in COMPARISONS for name, _, _, sizes in LAYOUTS if ws in sizes]
+        for ws, p in COMPARISONS for name in run_world_sizes(ws, p)]
+PARITY_ALL = [pytest.param(ws, p, name, id=f"{ws}-{p}-{name}", marks=_where(ws, p))
+              for ws, p in PARITY for name in run_world_sizes(ws, p)]
+PARITY_RUNS = [pytest.param(ws, p, name, id=f"{ws}-{p}-{name}", marks=_where(ws, p))
+               for ws, p in PARITY for name in run_world_sizes(ws, p) if name != "ddp"]
+STRATEGY = {name: strategy for name, strategy, _, _ in LAYOUTS}
 
 
 def _summary(out: str) -> dict:
@@ -164,7 +207,76 @@ def test_bytes_equal_the_in_rank_count_and_the_theory(matrix, world_size, precis
 @pytest.mark.parametrize("world_size, precision, name", RUNS)
 def test_predicted_model_states_equal_every_ranks_own_count(matrix, world_size, precision, name):
     memory = _summary(matrix(world_size, precision))["memory"]["runs"][name]
-    assert sorted(memory["per_rank"]) == [str(r) for r in range(world_size)]
+    assert sorted(memory["per_rank"]) == [str(r) for r in range(run_world_sizes(world_size, precision)[name])]
     for rank, row in memory["per_rank"].items():
         for key in ("param_bytes", "grad_bytes", "optim_bytes", "model_state_bytes"):
             assert row["predicted"][key] == row["measured"][key], (rank, key, row)
+
+
+def _last_comm(run_dir: str) -> list[dict]:
+    """Each rank's last ``comm`` record, whole."""
+    out = []
+    for name in sorted(os.listdir(os.path.join(run_dir, "metrics"))):
+        with open(os.path.join(run_dir, "metrics", name), encoding="utf-8") as fh:
+            out.append([json.loads(line) for line in fh if '"comm"' in line][-1])
+    return out
+
+
+@pytest.mark.parametrize("world_size, precision, name", PARITY_ALL)
+def test_parity_norms_take_one_all_reduce_per_norm_kind_and_group_a_step(matrix, world_size, precision, name):
+    """Parity mode's per-layer norms (shardscope's own collectives, counted apart from the strategy's) cost every
+    run, tensor-parallel ones included, at most one all-reduce per norm kind and group a step, however many
+    parameters the model has: the squared sums of disjoint pieces are added in one vector. Gathering each tensor whole
+    (DeepSpeed's ``safe_get_full_grad``, FSDP2's DTensors one by one) cost 52 a step on this two-layer model."""
+    for rank, comm in enumerate(_last_comm(os.path.join(matrix(world_size, precision), name))):
+        own = comm["instrumentation"]
+        # one per norm kind and group: FSDP2 + TP's 2-D tensors over the world, its dp-sharded ones over dp
+        assert sum(row["count_per_step"] for row in own.values()) <= (4 if name == "fsdp2-tp" else 2), (name, rank, own)
+
+
+@pytest.mark.parametrize("world_size, precision, name", PARITY_ALL)
+def test_the_predicted_schedule_makes_the_calls_a_real_step_makes(matrix, world_size, precision, name):
+    """``shardscope predict`` plays a step as collectives on a schedule; each call pays a latency, so the schedule
+    must issue as many calls of each type as the ranks really made (the in-rank count of a profiled step, one
+    micro-batch and two): DDP's buckets, FSDP's per-unit gathers, ZeRO-3's coalesced buckets, the tensor-parallel
+    activation all-reduces, the norm's all-reduces."""
+    from shardscope.analysis import fold
+    from shardscope.analysis.predict_schedule import simulate
+    from shardscope.analysis.predict_work import work_of
+
+    out = matrix(world_size, precision)
+    c = fold.load_comparison(out)
+    spec = next(r for r in c.runs if r.name == name)
+    timing = simulate(work_of(c, spec), 1.0, 1.0, 1.0, lambda kind, size, group: 1e-3, False)
+    for rank, comm in enumerate(_last_comm(os.path.join(out, name))):
+        assert {k: v["count_per_step"] for k, v in comm["collectives"].items()} == timing.calls_by_type, (name, rank)
+
+
+def test_every_registered_strategy_has_a_layout():
+    """The matrix is every strategy's end-to-end test: a strategy registered without a layout here goes untested."""
+    cpu = {n for n in registry.names() if not registry.get(n).gpu_only}
+    assert cpu <= set(STRATEGY.values()), cpu - set(STRATEGY.values())
+    for ws, p in PARITY:
+        assert cpu <= {STRATEGY[name] for name in run_world_sizes(ws, p)}, (ws, p)
+
+
+@pytest.mark.parametrize("world_size, precision, name", PARITY_RUNS)
+def test_strategy_matches_ddp(matrix, world_size, precision, name):
+    """Same initial weights, same tokens: the loss, global grad norm and per-layer norms (full tensors across
+    shards and TP ranks, reduced gradients before clipping) stay within the strategy's tolerance of DDP's."""
+    out = matrix(world_size, precision)
+    ddp, run = read_run(Path(out) / "ddp"), read_run(Path(out) / name)
+    tol = TOLERANCE.get(STRATEGY[name], 1e-5)
+    assert len(run.losses()) == len(ddp.losses()) == 4
+    assert abs(run.losses()[0] - ddp.losses()[0]) <= 1e-6, name
+    measured = max_abs_diff(run.losses(), ddp.losses())
+    print(f"{name}: max |loss - ddp| = {measured:.3g}")
+    assert measured <= tol, name
+    assert max_abs_diff(grad_norms(run), grad_norms(ddp)) <= 1e-5, name
+    mine, theirs = run.of_kind("layers"), ddp.of_kind("layers")
+    assert len(mine) == len(theirs) == 4, name
+    for a, b in zip(theirs, mine):
+        for key in ("grad_norms", "param_norms"):
+            assert a[key].keys() == b[key].keys() and a[key], (name, key)
+            for layer, value in a[key].items():
+                assert abs(value - b[key][layer]) <= tol, (name, key, a["step"], layer)

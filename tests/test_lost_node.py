@@ -10,12 +10,16 @@ import sys
 import time
 
 import psutil
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ports import port_block  # noqa: E402
 from test_cli_e2e import leftover_processes  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
+# Multi-node orchestration through torchrun's c10d rendezvous: the newest torch's suite (slow); the floor runs
+# the unit tests and every strategy once end to end (.ci/run).
+pytestmark = pytest.mark.slow
 
 
 def start_nodes(out):

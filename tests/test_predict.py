@@ -152,7 +152,7 @@ def test_schedule_moves_exactly_the_theorys_bytes(name):
 def test_zero3_gathers_and_reduces_in_its_buckets(accum):
     """DeepSpeed ZeRO-3 fetches runs of units in one coalesced all-gather up to its bucket and reduce-scatters a
     bucket of gradients at a time; a model within its live limit is not gathered again in backward. The bytes
-    stay the theory's either way (tests/test_comm_exact.py checks the counts against a real step)."""
+    stay the theory's either way (tests/test_layout_matrix.py checks the counts against a real step)."""
     c = config.load_preset("zero-stages", [f"grad_accum={accum}"], host=CPU)  # ~1.3M elements
     w = work_of(c, c.run("zero3"))
     assert not w.traits.regather and w.traits.gather_bucket == w.traits.reduce_bucket == 25 * 2**20 // 4

@@ -25,6 +25,9 @@ from test_cli_e2e import leftover_processes  # noqa: E402
 CLI = [sys.executable, "-m", "shardscope.cli"]
 TINY = ["--set", "steps=3", "--set", "profile.enabled=false"]
 JOB_TIMEOUT_S = 240
+# Real SLURM daemons and torchrun jobs: the newest torch's suite (slow); the floor runs the unit tests and every
+# strategy once end to end (.ci/run).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -104,9 +104,11 @@ class _Sim:
         self.t += seconds
         self.computed[self.phase] += seconds
 
-    def issue(self, key: object, kind: str, weight: float, group: int, exact: bool = False) -> None:
-        """Put a collective on its channel; ``weight`` is its share of the type's bytes, or its bytes if ``exact``."""
-        if group <= 1 or weight <= 0 or key in self.issued:
+    def issue(self, key: object, kind: str, weight: float, group: int, exact: bool = False,
+              alone: bool = False) -> None:
+        """Put a collective on its channel; ``weight`` is its share of the type's bytes, or its bytes if ``exact``.
+        A group of one rank makes no call unless ``alone`` (FSDP1's all-reduce across a single replica)."""
+        if (group <= 1 and not alone) or weight <= 0 or key in self.issued:
             return
         self.issued.add(key)
         if self.comm is None:
@@ -217,7 +219,7 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
         sim.enter("forward")
         if m == 0 and by_type.get("broadcast"):
             sim.blocking("broadcast", 1.0, dp)
-        gathered = sharded and (m == 0 or t.regather or t.gather_bucket > 0)
+        gathered = sharded and (m == 0 or t.regather or t.gather_bucket > 0 or not t.kept_through_no_sync)
         ahead = overlap and t.prefetch
         for i, (name, share, numel) in enumerate(units):
             if gathered:
@@ -246,9 +248,9 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
             elif sharded and reduce_now:
                 key = ("rs", m, i)
                 sim.issue(key, "reduce_scatter", numel, group)
-                if replicas > 1:  # hybrid sharding: the shard is all-reduced across the replicas
+                if replicas > 1 or t.hybrid:  # hybrid sharding: the shard is all-reduced across the replicas (FSDP1: even one)
                     sim.wait(key)
-                    sim.issue(("hr", m, i), "all_reduce", numel, replicas)
+                    sim.issue(("hr", m, i), "all_reduce", numel, replicas, alone=t.hybrid)
                 if not (overlap and t.async_reduce):
                     sim.wait(key)
                     sim.wait(("hr", m, i))

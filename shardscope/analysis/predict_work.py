@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardscope import config
@@ -62,6 +62,8 @@ class Traits:
     # one coalesced call up to this many elements, gradients reduce-scattered a bucket at a time; 0: per unit
     gather_bucket: int = 0
     reduce_bucket: int = 0
+    kept_through_no_sync: bool = False  # units not resharded after forward stay gathered across micro-batches (FSDP1)
+    hybrid: bool = False  # gradient shards all-reduced across the replicas, even one (FSDP1's HYBRID_SHARD)
 
 
 @dataclass
@@ -120,7 +122,7 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
     - DeepSpeed ZeRO-3 gathers and reduces in buckets of ``bucket_mb`` (its prefetch, live-parameter and reduce
       bucket sizes, deepspeed_config.py); a model within the live limit stays gathered from forward to backward
       (``live-params-kept``, as comm_theory counts its bytes). Counted in a real parity step (2 micro-batches,
-      tests/test_comm_exact.py): 2 all-gathers and 2 reduce-scatters, where a call per unit made 12 and 6.
+      tests/test_layout_matrix.py): 2 all-gathers and 2 reduce-scatters, where a call per unit made 12 and 6.
     """
     quirks = set(info.comm_quirks)
     bucket_elements = int(options.get("bucket_mb", 25)) * 2**20 // 4 if "bucket_mb" in info.options else 0
@@ -142,6 +144,7 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
         norm_allreduce=shards != "none" or tp > 1,
         gather_bucket=bucket_elements if deepspeed_sharded else 0,
         reduce_bucket=bucket_elements if deepspeed_sharded else 0,
+        kept_through_no_sync="kept-through-no-sync" in quirks,
     )
 
 
@@ -236,5 +239,5 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         by_type={k: float(v) for k, v in theory["by_type"].items()},
         tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes),
         tp_layer_calls=(2, max(1, column_linears(c))) if layout.tp > 1 else (1, 1),
-        traits=traits_of(info, options, layout.shards, layout.tp, full),
+        traits=replace(traits_of(info, options, layout.shards, layout.tp, full), hybrid=layout.hybrid),
     )

@@ -230,7 +230,10 @@ register(
         },
         shards="all",
         shard_layout="flat-views",  # with use_orig_params (the default; profiling/memory_model.py LAYOUT_BY_OPTION)
-        comm_quirks=("root-kept",),
+        # kept-through-no-sync: under no_sync, units it does not reshard after forward (SHARD_GRAD_OP) stay gathered
+        # until the step's last micro-batch (torch's _should_free_in_backward); FSDP2 and the hand-written FSDP
+        # reshard after every backward, so they gather again in every micro-batch
+        comm_quirks=("root-kept", "kept-through-no-sync"),
         hybrid=HybridSharding("HYBRID_SHARD", "hybrid_shard_size", "shard", ("sharding_strategy", ("HYBRID_SHARD",))),
         probe_grads="summon",  # use_orig_params (the default); without it the probe says the gradients were not read
     )

@@ -11,7 +11,8 @@ reduce-scatter's full input). The textbook figures, then what each strategy does
 - full sharding: an all-gather of every unit in forward, again in backward unless
   reshard-after-forward is off (FSDP1 and the hand-written FSDP keep the root unit gathered from
   forward to backward), and a reduce-scatter of the gradients (the hand-written FSDP after every
-  micro-batch);
+  micro-batch); with several micro-batches, every micro-batch gathers again (parameters are resharded
+  after each backward) except where FSDP1 keeps SHARD_GRAD_OP's units gathered through ``no_sync``;
 - hybrid sharding (FSDP1 HYBRID_SHARD, FSDP2 on a 2-D mesh; the registry's ``hybrid``): the
   gathers and reduce-scatters run within a shard group, and each unit's reduce-scattered gradient
   shard is then all-reduced across the replicas (1/S of the gradients, S the shard group's size;
@@ -130,7 +131,12 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             units = _units(params, layout)
             regather = reshards_after_forward(opts)
             live = int(opts.get("bucket_mb", 25)) * 2**20 // 4  # deepspeed_zero: stage3_max_live_parameters
-            gathers_per_step = accum if regather else 1
+            # every micro-batch gathers again, unless the strategy keeps unresharded units through no_sync micro-batches
+            kept_through = not regather and "kept-through-no-sync" in quirks
+            gathers_per_step = 1 if kept_through else accum
+            if not regather and not kept_through and accum > 1:
+                reasons.append("parameters kept gathered from forward to backward are resharded after each "
+                               "backward: every micro-batch gathers them again")
             if "live-params-kept" in quirks and local <= live:
                 regather, gathers_per_step = False, accum  # kept within a micro-batch, gathered again in the next
                 reasons.append("ZeRO-3 keeps up to stage3_max_live_parameters (bucket_mb) gathered: a model "
