@@ -16,7 +16,7 @@ from shardscope.tui.screens.report import ReportScreen
 from shardscope.tui.widgets.charts import StepChart
 from shardscope.tui.widgets.log_pane import LogPane
 from shardscope.tui.widgets.run_card import RunCard
-from tui_fakes import FIXTURE, FakeReplaySource, run_async
+from tui_fakes import FIXTURE, FakeReplaySource, click_until, run_async
 
 SIZE = (160, 48)
 
@@ -124,8 +124,7 @@ async def test_replay_dashboard_failed_run_traceback_and_report():
         await pilot.pause(0.3)
         assert isinstance(app.screen, DashboardScreen)
         assert app.screen.selected == "ddp"
-        await pilot.click("#card-2")  # the failed run
-        await wait_for(pilot, lambda: app.screen.selected == "fsdp2-fault")
+        await click_until(pilot, "#card-2", lambda: app.screen.selected == "fsdp2-fault")  # the failed run
         text = log_text(app)
         assert "fsdp2-fault failed: RuntimeError: injected fault at step 12 on rank 1" in text
         assert 'raise RuntimeError(f"injected fault' in text

@@ -10,7 +10,7 @@ import pytest
 
 from shardscope.config import cpu_host
 from shardscope.tui.app import build_app
-from tui_fakes import FIXTURE, FakeReplaySource, REPO_ROOT
+from tui_fakes import FIXTURE, FakeReplaySource, REPO_ROOT, click_until
 
 SIZE = (160, 48)
 
@@ -56,7 +56,7 @@ def test_running_dashboard(snap_compare, tmp_path):
 def test_failed_run_selected(snap_compare):
     async def select_failed(pilot):
         await _settle(pilot)
-        await pilot.click("#card-2")
+        await click_until(pilot, "#card-2", lambda: pilot.app.screen.selected == "fsdp2-fault")
         await pilot.pause(0.3)
 
     assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SIZE, run_before=select_failed)

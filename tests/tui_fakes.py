@@ -135,3 +135,16 @@ def run_async(test):
     def wrapper(*args, **kwargs):
         return asyncio.run(test(*args, **kwargs))
     return wrapper
+
+
+async def click_until(pilot, selector: str, predicate: Callable[[], bool], attempts: int = 60) -> None:
+    """Click ``selector`` until ``predicate()`` holds, waiting about a second after each click (a bound for a hang,
+    not a timing). On a loaded machine a click sent while the screen is still laying out can reach another widget
+    and be lost (a floor CI run waited 60 s on one lost click); the next click finds the widget where it now is."""
+    for _ in range(attempts):
+        await pilot.click(selector)
+        for _ in range(20):
+            if predicate():
+                return
+            await pilot.pause(0.05)
+    raise AssertionError(f"clicking {selector} never made the condition hold")

@@ -34,8 +34,10 @@ def write_merged_trace(runs: dict[str, list[str]], out_path: str) -> str:
             except (OSError, ValueError):
                 continue
             out.extend(_merged_rank_events(trace, pid))
-    body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in out)
-    write_atomic(out_path, lambda fh: fh.write('{"displayTimeUnit": "ms", "traceEvents": [\n' + body + "\n]}\n"))
+    # One encoder call for the whole list (json's C encoder): one call per event was a third of the merge's time
+    # on a 16-run, 4-rank comparison (450k events).
+    body = json.dumps({"displayTimeUnit": "ms", "traceEvents": out}, separators=(",", ":"))
+    write_atomic(out_path, lambda fh: fh.write(body + "\n"))
     return out_path
 
 
