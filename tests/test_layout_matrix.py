@@ -215,6 +215,8 @@ def test_bytes_equal_the_in_rank_count_and_the_theory(matrix, world_size, precis
 
 @pytest.mark.parametrize("world_size, precision, name", RUNS)
 def test_predicted_model_states_equal_every_ranks_own_count(matrix, world_size, precision, name):
+    if (world_size, precision) not in PARITY:  # no norms, nothing set aside
+        assert not any("instrumentation_s" in r for r in read_run(Path(matrix(world_size, precision)) / name).steps())
     memory = _summary(matrix(world_size, precision))["memory"]["runs"][name]
     assert sorted(memory["per_rank"]) == [str(r) for r in range(run_world_sizes(world_size, precision)[name])]
     for rank, row in memory["per_rank"].items():
@@ -282,6 +284,8 @@ def test_strategy_matches_ddp(matrix, world_size, precision, name):
     print(f"{name}: max |loss - ddp| = {measured:.3g}")
     assert measured <= tol, name
     assert max_abs_diff(grad_norms(run), grad_norms(ddp)) <= 1e-5, name
+    # the norms' time is shardscope's, reported apart from the step's (engines/loop.py)
+    assert all(r.get("instrumentation_s", 0) > 0 for r in run.steps() + ddp.steps()), name
     mine, theirs = run.of_kind("layers"), ddp.of_kind("layers")
     assert len(mine) == len(theirs) == 4, name
     for a, b in zip(theirs, mine):

@@ -15,6 +15,7 @@ count the buffer, all-gather the gathered output, reduce-scatter the full input.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +111,13 @@ def size_bytes(kind: str, in_bytes: int, out_bytes: int) -> int:
 
 INSTRUMENTATION = "shardscope::instrumentation"  # the profiler annotation around shardscope's own collectives
 _active: list[CollectiveCounter] = []
+_spent = [0.0, 0.0, 0]  # wall and CPU seconds inside instrumentation() since the process started; nesting depth
+
+
+def instrumentation_spent() -> tuple[float, float]:
+    """(wall, CPU) seconds this process has spent inside ``instrumentation()`` (outermost blocks only): the loop
+    takes a step's share out of its measured time, so parity mode's norms do not count as the strategy's work."""
+    return _spent[0], _spent[1]
 
 
 @contextlib.contextmanager
@@ -117,16 +125,23 @@ def instrumentation() -> Iterator[None]:
     """Mark collectives shardscope itself runs (parity-mode layer norms) apart from the strategy's.
 
     The trace gets a ``shardscope::instrumentation`` annotation (the trace analysis sets what runs
-    inside it apart) and an active counter books them under ``instrumentation`` instead.
+    inside it apart), an active counter books them under ``instrumentation`` instead, and the time spent
+    inside is added up (``instrumentation_spent``).
     """
     from torch.profiler import record_function
 
     for counter in _active:
         counter.instrumenting += 1
+    _spent[2] += 1
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     try:
         with record_function(INSTRUMENTATION):
             yield
     finally:
+        _spent[2] -= 1
+        if _spent[2] == 0:
+            _spent[0] += time.perf_counter() - wall0
+            _spent[1] += time.process_time() - cpu0
         for counter in _active:
             counter.instrumenting -= 1
 

@@ -38,7 +38,7 @@ from shardscope.engines.faults import Fault
 from shardscope.engines.optim import LossScaler, lr_at
 from shardscope.engines.precision import loop_autocast_dtype
 from shardscope.engines.step_clock import CudaStepClock, StepClock, step_clock
-from shardscope.engines.comm_count import CountWindow, instrumentation
+from shardscope.engines.comm_count import CountWindow, instrumentation, instrumentation_spent
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.engines.module_probe import ModuleProbe
 from shardscope.core.events import PHASE_MARKERS
@@ -150,6 +150,7 @@ class Trainer:
         if cfg.counter is not None:
             cfg.counter.begin_step(step)
         micro = self.micro_batches(step)  # generated on CPU, outside the timed step
+        spent0 = instrumentation_spent()[0]
         t0 = time.perf_counter()
         clock.lap("data")
         if cfg.fault is not None:  # inside the timed step: a "slow" rank's extra work is step time
@@ -178,7 +179,9 @@ class Trainer:
         loss = _global_loss(loss_sum, ctx, settings.grad_accum) if skipped or grad_norm is None else None
         clock.lap("optimizer")
         _sync(ctx.device)  # the norm's read-back already waited for the step; this covers the optimizer tail
-        dt = time.perf_counter() - t0
+        # Parity mode's norms are shardscope's, not the strategy's: their time is reported apart, not as step time.
+        aside_wall = instrumentation_spent()[0] - spent0
+        dt = time.perf_counter() - t0 - aside_wall  # the clock's phases leave it out too (step_clock.py)
         if cfg.profiler is not None:
             for trace in cfg.profiler.end_step(step):
                 writer.write(events.TRACE, **trace)
@@ -205,6 +208,8 @@ class Trainer:
                 record.update(tokens=self.tokens, tokens_per_s=rate)
             else:
                 record.update(samples=cfg.global_batch, samples_per_s=rate)
+            if aside_wall > 0:
+                record["instrumentation_s"] = aside_wall
             if profiled:
                 record["profiled"] = True
             if skipped:

@@ -10,6 +10,10 @@ waiting in collectives (or descheduled, on a shared machine); a straggler's busy
 its peers' while every rank's wall-clock step time is the same (peers wait for it, and their idle
 time grows). Busy time is also immune to the rank being descheduled, where wall clock is not.
 
+Time spent inside ``comm_count.instrumentation()`` (shardscope's own work: parity mode's norms, ``why``'s
+probes) is not the strategy's: each lap leaves out what was spent there since the previous lap, and busy time
+the CPU spent there.
+
 On CUDA, wall clock around asynchronous kernel launches measures launches, not work: ``CudaStepClock``
 records a CUDA event on the compute stream at each boundary instead (enqueued, no host sync) and reads
 the elapsed times once the step's own synchronisation (the one its step time already needs) has passed
@@ -23,8 +27,11 @@ recorded on CUDA: the report says "not measured" with that reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
+
+from shardscope.engines.comm_count import instrumentation_spent
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -32,32 +39,36 @@ PHASES = ("data", "forward", "backward", "optimizer")
 class StepClock:
     """Per-step phase times by wall clock and the step's process CPU time (CPU devices only)."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, aside: Callable[[], tuple[float, float]] = instrumentation_spent) -> None:
         self.enabled = enabled
+        self._aside = aside  # (wall, CPU) seconds of work that is not the strategy's, so far
         self._times = dict.fromkeys(PHASES, 0.0)
         self._last = 0.0
         self._cpu0 = 0.0
+        self._wall_aside = 0.0
+        self._cpu_aside0 = 0.0
 
     def begin(self) -> None:
         """Start a step: zero the phases and take the first readings."""
         if self.enabled:
             self._times = dict.fromkeys(PHASES, 0.0)
+            self._wall_aside, self._cpu_aside0 = self._aside()
             self._cpu0 = time.process_time()
             self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
-        """Add the wall time since the last reading to ``phase``."""
+        """Add the wall time since the last reading to ``phase``, less what was set aside in between."""
         if self.enabled:
-            now = time.perf_counter()
-            self._times[phase] += now - self._last
-            self._last = now
+            now, aside = time.perf_counter(), self._aside()[0]
+            self._times[phase] += max(0.0, now - self._last - (aside - self._wall_aside))
+            self._last, self._wall_aside = now, aside
 
     def fields(self) -> dict[str, float]:
         """Return ``time_<phase>_s`` for each phase and ``busy_s`` (empty when disabled)."""
         if not self.enabled:
             return {}
         out = {f"time_{p}_s": t for p, t in self._times.items()}
-        out["busy_s"] = time.process_time() - self._cpu0
+        out["busy_s"] = max(0.0, time.process_time() - self._cpu0 - (self._aside()[1] - self._cpu_aside0))
         out["idle_s"] = max(0.0, sum(self._times.values()) - out["busy_s"])
         return out
 
@@ -69,6 +80,8 @@ class CudaStepClock:
         self.device = device
         self._events: list[torch.cuda.Event] = []  # reused every step; grows to the laps of the longest step
         self._laps: list[str] = []  # the phase each lap closes: lap i spans events i .. i + 1
+        self._aside = dict.fromkeys(PHASES, 0.0)  # wall seconds of instrumentation within each phase
+        self._wall_aside = 0.0
 
     def _record(self) -> None:
         index = len(self._laps)
@@ -79,12 +92,18 @@ class CudaStepClock:
     def begin(self) -> None:
         """Start a step: forget the last step's laps and mark the stream."""
         self._laps = []
+        self._aside = dict.fromkeys(PHASES, 0.0)
+        self._wall_aside = instrumentation_spent()[0]
         self._record()
 
     def lap(self, phase: str) -> None:
-        """Mark the end of a part of ``phase`` on the stream."""
+        """Mark the end of a part of ``phase`` on the stream; instrumentation within it is left out (its kernels
+        end in a read-back, so their wall time covers their stream time)."""
         self._laps.append(phase)
         self._record()
+        aside = instrumentation_spent()[0]
+        self._aside[phase] += aside - self._wall_aside
+        self._wall_aside = aside
 
     def fields(self) -> dict[str, float]:
         """Return ``time_<phase>_s``: stream time in seconds between the step's events; {} while the stream
@@ -94,7 +113,7 @@ class CudaStepClock:
         times = dict.fromkeys(PHASES, 0.0)
         for i, phase in enumerate(self._laps):
             times[phase] += self._events[i].elapsed_time(self._events[i + 1]) / 1000.0
-        return {f"time_{p}_s": t for p, t in times.items()}
+        return {f"time_{p}_s": max(0.0, t - self._aside[p]) for p, t in times.items()}
 
 
 def step_clock(device: torch.device) -> StepClock | CudaStepClock:
