@@ -16,7 +16,7 @@ each as a ratio to the floor measured beside it, and where the time went: the co
 first torchrun started, each rank's process start, imports, process group, model (built and
 initial weights), strategy, batches (from the ``startup`` marks of the start record).
 
-    python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke]
+    python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke] [--device cuda]
 
 Targets on a quiet machine: first step <= 1.2x the floor, between runs <= 1.0x the floor. The last
 lines are ``startup first_step_ratio: R`` and ``startup between_runs_ratio: R`` (medians over rounds).
@@ -41,11 +41,16 @@ FLOOR_SCRIPT = """
 import os, sys, time
 import torch
 import torch.distributed as dist
-dist.init_process_group("gloo")
+cuda = sys.argv[3] == "cuda"
+if cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl" if cuda else "gloo")
 if sys.argv[2] == "ddp":  # the second reference: what constructing DDP costs in any job (torch imports dynamo)
-    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-t = torch.ones(1)
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).to("cuda" if cuda else "cpu"))
+t = torch.ones(1, device="cuda" if cuda else "cpu")
 dist.all_reduce(t)
+if cuda:
+    torch.cuda.synchronize()
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as fh:
     fh.write(repr(time.time()))
 dist.destroy_process_group()
@@ -55,9 +60,9 @@ os._exit(0)  # gloo's threads can abort interpreter teardown (see engines/worker
 STAGES = ("process", "entry", "imported", "process_group", "model", "strategy", "batches")
 
 
-def floor_once(world_size: int, work: str, kind: str = "bare") -> float:
-    """Launch the bare torchrun job once (``kind`` "ddp": it also wraps a Linear in DDP); return launch ->
-    every rank's all-reduce done (s)."""
+def floor_once(world_size: int, work: str, kind: str = "bare", device: str = "cpu") -> float:
+    """Launch the bare torchrun job once (``kind`` "ddp": it also wraps a Linear in DDP; ``device`` "cuda": NCCL
+    and a CUDA tensor, else gloo); return launch -> every rank's all-reduce done (s)."""
     script = os.path.join(work, "floor.py")
     with open(script, "w", encoding="utf-8") as fh:
         fh.write(FLOOR_SCRIPT)
@@ -65,7 +70,7 @@ def floor_once(world_size: int, work: str, kind: str = "bare") -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world_size), script, marks, kind], env=env, capture_output=True, text=True)
+                           str(world_size), script, marks, kind, device], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"floor job ({kind}) exited {proc.returncode}: {proc.stderr[-3000:]}")
     done = [float(open(p, encoding="utf-8").read()) for p in glob.glob(os.path.join(marks, "rank*"))]
@@ -89,7 +94,8 @@ def shardscope_once(args: argparse.Namespace, work: str) -> dict:
     out = tempfile.mkdtemp(dir=work)
     os.rmdir(out)
     cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", args.preset, "--headless", "--out", out,
-           "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}"]
+           "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}",
+           "--set", f"launch.device={args.device}"]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     total = time.time() - t0
@@ -113,7 +119,8 @@ def shardscope_once(args: argparse.Namespace, work: str) -> dict:
 
 def one_round(args: argparse.Namespace, work: str, index: int) -> tuple[float, float, dict]:
     """The floor, the DDP floor and shardscope, in an order that turns by round."""
-    jobs = [lambda: floor_once(args.world_size, work), lambda: floor_once(args.world_size, work, "ddp"),
+    jobs = [lambda: floor_once(args.world_size, work, device=args.device),
+            lambda: floor_once(args.world_size, work, "ddp", args.device),
             lambda: shardscope_once(args, work)]
     out: list = [None] * 3
     for k in range(3):
@@ -142,11 +149,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--preset", default="smoke")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the floor joins NCCL and reduces a CUDA tensor; the comparison runs on the GPUs")
     args = parser.parse_args()
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"load average before: {os.getloadavg()[0]:.2f}; device {args.device}, world size {args.world_size}")
     firsts, betweens, floors, ddp_floors, ddp_firsts, ddp_betweens = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as work:
-        floor_once(args.world_size, work)  # warm the page cache for both sides
+        floor_once(args.world_size, work, device=args.device)  # warm the page cache for both sides
         for i in range(args.rounds):
             floor, ddp_floor, ss = one_round(args, work, i)
             runs = ss["runs"]
