@@ -138,7 +138,8 @@ def main() -> int:
             except ConfigError as err:
                 skipped.append(f"{preset} at {ws}: {err}")
                 continue
-            probes = probe_runs(c, progress=lambda t: print(t, flush=True)) if args.probe else None
+            probes = (probe_runs(c, progress=lambda t: print(t, flush=True), device=model.device) if args.probe
+                      else None)
             anything = any(r["why"] is None for r in predict.predict_comparison(c, model, probes=probes)["runs"])
             if anything and args.fresh and not given and rows:
                 model = calibrate([out / f"calibration-before-{preset}-ws{ws}"], True, ws if args.collectives else 0)

@@ -114,9 +114,10 @@ def test_step_split_is_the_phases_median_and_their_cover_of_the_step():
                {"kind": "step", "step": 5, "step_time_s": 0.04}]  # no split: left out
     split = gpu_check.step_split(records)
     assert split["time_forward_s"] == pytest.approx(0.012) and split["time_backward_s"] == pytest.approx(0.022)
-    assert split["cover"] == pytest.approx(statistics.median([0.035 / 0.040, 0.040 / 0.042, 0.047 / 0.050]))
+    # the data phase is made before the timed step: not part of what the step time covers
+    assert split["cover"] == pytest.approx(statistics.median([0.034 / 0.040, 0.039 / 0.042, 0.044 / 0.050]))
     line = gpu_check.render_table([{"run": "ddp", "status": "ok", "predicted_peak_bytes": 1, "split": split}])
-    assert line.splitlines()[2].endswith("| 1.0 / 12.0 / 22.0 / 5.0 (0.94x) |")
+    assert line.splitlines()[2].endswith("| 1.0 / 12.0 / 22.0 / 5.0 (0.88x) |")
 
 
 def _run_without_app_packages(*args: str) -> subprocess.CompletedProcess:

@@ -360,3 +360,30 @@ def test_the_collectives_table_shows_each_timed_group_sizes_latency():
     print_prediction({"what_if": False, "preset": "p", "device": None, "runs": [], "assumptions": [],
                       "calibration": calibration, "fit_error": None}, console)
     assert "1,100" in console.export_text() and "ranks:" not in console.export_text()
+
+
+def test_a_one_size_gpu_calibration_predicts_only_models_near_its_size():
+    """An H100 ran smoke's forward at 28 GFLOP/s (kernel launches) and a model 2,091x the FLOPs in 2.5x the time:
+    on a GPU one size's speed per FLOP is not carried to another size; on a CPU it is (and with two sizes)."""
+    c = smoke()
+    gpu = [synthetic(c, "ddp", ONE_SIZE), synthetic(c, "fsdp2", ONE_SIZE, OVERHEAD)]
+    for r in gpu:
+        r.backend, r.device, r.device_name = "nccl", "cuda:0", "NVIDIA H100 80GB HBM3"
+    model = predict_fit.fit(gpu, cores=16)
+    assert model.fwd_flops == [work_of(c, c.run("ddp")).fwd_flops]
+    near = predict.predict_run(smoke("model.seq_len=96"), c.run("ddp"), model)  # 1.5x the FLOPs
+    assert near["why"] is None and near["tokens_per_s"] > 0
+    wide = smoke("model.d_model=256", "model.d_ff=1024")
+    far = predict.predict_run(wide, wide.run("ddp"), model)
+    assert "one model size calibrated on a GPU (NVIDIA H100 80GB HBM3)" in far["why"] and "--probe" in far["why"]
+    assert all(far[k] is None for k in predict.FIGURES) and far["peak_mem_bytes"] > 0
+    assert predict.predict_run(wide, wide.run("ddp"), _model())["why"] is None  # the same runs on a CPU
+    launches = {"forward": {"per_layer_token_s": 3e-7, "per_flop_s": FORWARD},
+                "backward": {"per_layer_token_s": 6e-7, "per_flop_s": BACKWARD},
+                "optimizer": {"per_tensor_s": 2e-5, "per_element_s": OPTIMIZER}}
+    sizes = [synthetic(c, "ddp", launches), synthetic(smoke("model.d_model=96", "model.d_ff=384"), "ddp", launches)]
+    for r, where in zip(sizes, ("syn", "syn-wider")):
+        r.backend, r.device, r.out_dir = "nccl", "cuda:0", where
+    two = predict_fit.fit(sizes, cores=16)
+    assert "per_layer_token_s" in two.coefficients["forward"]  # two sizes: a per-layer cost, carried to any size
+    assert predict.predict_run(wide, wide.run("ddp"), two)["why"] is None

@@ -87,6 +87,7 @@ class MachineModel:
     families: list[str]
     notes: list[str] = field(default_factory=list)
     fit_error: dict[str, Any] = field(default_factory=dict)
+    fwd_flops: list[float] = field(default_factory=list)  # per rank per step, of the runs the compute was fitted on
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -311,6 +312,6 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
         coefficients=coefficients, overhead=overhead, family_overhead=family_overhead,
         rest_s=max(0.0, statistics.median(rests)) if rests else 0.0, background=background, collectives=fits,
         runs=[f"{os.path.basename(os.path.normpath(r.out_dir))}/{r.name}" for r in usable],
-        families=sorted(families), notes=notes)
+        families=sorted(families), notes=notes, fwd_flops=sorted({r.work.fwd_flops for r in reference}))  # type: ignore[union-attr]
     model.fit_error = {"collectives": {k: f.rel_rms_error for k, f in fits.items() if f.source == "measured"}}
     return model

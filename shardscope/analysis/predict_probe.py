@@ -42,21 +42,23 @@ def core_phases(result: dict[str, Any]) -> dict[str, float]:
 
 
 def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 600.0,
-               progress: Any = None) -> dict[str, dict[str, Any]]:
+               progress: Any = None, device: str = "cpu") -> dict[str, dict[str, Any]]:
     """Probe every run of ``c`` (at ``world_size`` when given); return {run name: {"forward", "backward",
     "optimizer"} seconds on a core of its own} or {run name: {"error": text}} for a probe that failed. A
     tensor-parallel run is probed on its 2-D mesh; ``predict`` adds its per-layer activation all-reduces.
-    ``progress(text)`` is called before each probe. Nothing is left running past ``timeout_s``."""
+    ``progress(text)`` is called before each probe; ``device``: the calibration's ("cuda": the probe runs on
+    the first GPU, as the calibration's ranks ran on theirs). Nothing is left running past ``timeout_s``."""
+    device = "cuda" if device.startswith("cuda") else "cpu"  # a start record names "cuda:0"
     out: dict[str, dict[str, Any]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as the launcher's ranks
     with tempfile.TemporaryDirectory(prefix="shardscope-probe-") as tmp:
         for run in c.runs:
             at_size = dataclasses.replace(run, world_size=world_size) if world_size else run
-            payload = config.run_spec_payload(c, at_size, out_dir=tmp, device="cpu")
+            payload = config.run_spec_payload(c, at_size, out_dir=tmp, device=device)
             spec = os.path.join(tmp, f"{run.name}.json")
             config.dump_json(spec, payload)
             if progress is not None:
-                progress(f"probing {run.name} ({run.strategy}) at {payload['run']['world_size']} ranks ...")
+                progress(f"probing {run.name} ({run.strategy}) at {payload['run']['world_size']} ranks on {device} ...")
             out[run.name] = _one(spec, env, timeout_s)
     return out
 

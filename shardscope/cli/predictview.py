@@ -198,7 +198,8 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
     if probe and model is not None and spec is None:
         from shardscope.analysis.predict_probe import probe_runs
 
-        probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True))
+        probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True),
+                            device=model.device)
     result = predict.predict_comparison(comparison, model, spec, probes)
     if collectives and model is not None and spec is None:
         _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)

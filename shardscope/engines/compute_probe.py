@@ -84,7 +84,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     # DeepSpeed reads the launcher's variables even when the process group exists: rank 0 of the fake group.
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(run["world_size"]), "LOCAL_WORLD_SIZE": "1"})
     torch.manual_seed(comparison.seed)
-    ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]))
+    ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]), "cuda" if spec.get("device") == "cuda" else "cpu")
     settings = train_settings(comparison, run, ctx.dp_size)
     model = build_model(comparison.model, comparison.seed)
     prep = resolve(registry.get(run["strategy"]).entry)(

@@ -37,19 +37,23 @@ from shardscope.engines.model import build_model, resolve
 from shardscope.engines.worker import train_settings
 
 
-def fake_rank_context(world_size: int, tp: int) -> RankContext:
+def fake_rank_context(world_size: int, tp: int, device: str = "cpu") -> RankContext:
     """Initialise a fake process group of ``world_size`` as rank 0 and return its RankContext
-    (the same mesh layout as ``worker.init_distributed``: ("dp",) or ("dp", "tp"))."""
+    (the same mesh layout as ``worker.init_distributed``: ("dp",) or ("dp", "tp")) on ``device``
+    ("cpu", or "cuda": the compute probe on a GPU; the group's collectives return at once on either)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     dp = world_size // tp
     if tp > 1:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
         _ = mesh["dp"], mesh["tp"]  # slice now: slicing computes coordinates, which fake tensors cannot
     else:
-        mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
         dp_group, tp_group = mesh.get_group("dp"), None
-    return RankContext(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="fake",
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    return RankContext(rank=0, world_size=world_size, local_rank=0, device=where, backend="fake",
                        dp_size=dp, dp_rank=0, tp_size=tp, tp_rank=0, mesh=mesh, dp_group=dp_group, tp_group=tp_group)
 
 
