@@ -86,7 +86,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     torch.manual_seed(comparison.seed)
     ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]), "cuda" if spec.get("device") == "cuda" else "cpu")
     settings = train_settings(comparison, run, ctx.dp_size)
-    model = build_model(comparison.model, comparison.seed)
+    model = build_model(comparison.model, comparison.seed).to(ctx.device)  # as the worker does before apply
     prep = resolve(registry.get(run["strategy"]).entry)(
         model, ctx, settings, {k: v for k, v in run["options"].items() if k not in registry.LOOP_OPTIONS})
     _complete_ddp_buckets(prep.model)
