@@ -118,3 +118,22 @@ def test_kept_gathered_units_are_gathered_again_every_micro_batch_except_fsdp1s_
     sgo = {"sharding_strategy": "SHARD_GRAD_OP"}
     one = _theory(RunSpec("s", "fsdp1", options=sgo), tmp_path)["by_type"]
     assert _theory(RunSpec("s", "fsdp1", options=sgo), tmp_path, accum=2)["by_type"]["all_gather"] == one["all_gather"]
+
+
+def test_one_rank_counts_what_each_strategy_still_hands_to_a_group_of_one(tmp_path):
+    """At world size 1 DDP, FSDP1 (which switches to NO_SHARD there), the hand-written FSDP and DeepSpeed ZeRO (its
+    gradient reductions, no gathers) still call collectives on a group of one; FSDP2 calls none. Seen first on an H100
+    (gpu_check: 175.2 MiB handed against a theory of 0), then counted in a real step of each at one rank on CPU: trace
+    = in-rank count = this theory within 1e-5 for all 11 layouts of tests/test_layout_matrix.py (stop 33)."""
+    def one(strategy: str, **options) -> dict:
+        return _theory(RunSpec("r", strategy, world_size=1, options=options), tmp_path, ws=1)["by_type"]
+
+    assert one("ddp") == {"all_reduce": 4 * TOTAL}
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):  # the flat buffers, alignment as in NO_SHARD
+        assert one("fsdp1", sharding_strategy=sharding) == {"all_reduce": 4 * (ALIGNED_ROOT + 2 * ALIGNED_BLOCK)}
+    assert one("fsdp2") == {}
+    # nothing to pad over one rank; the root stays gathered from forward to backward
+    assert one("fsdp-handwritten") == {"all_gather": 4 * (ROOT + 4 * BLOCK), "reduce_scatter": 4 * TOTAL}
+    assert one("deepspeed-zero1") == one("deepspeed-zero2") == {"all_reduce": 4 * TOTAL}
+    assert one("deepspeed-zero3") == {"reduce_scatter": 4 * TOTAL}
+    assert any("group of one" in r for r in _theory(RunSpec("r", "ddp", world_size=1), tmp_path, ws=1)["reasons"])

@@ -101,6 +101,24 @@ def test_record_param_comms_preferred_and_gpu_kernels_time_it(tmp_path):
     assert out["per_step"]["exposed_comm_s"] == pytest.approx(50e-6)  # 50-100 before the gemm starts
 
 
+def test_a_cuda_trace_marks_each_step_twice_and_counts_it_once(tmp_path):
+    """On CUDA torch marks each profiled step on the host and again on the GPU's timeline (gpu_user_annotation,
+    another pid); counting both halved every per-step figure of an H100 run (observed/theory 0.5)."""
+    events = []
+    for i, t in enumerate((0, 1000)):
+        events += [_x(f"ProfilerStep#{i + 3}", t, 999, cat="user_annotation"),
+                   _x(f"ProfilerStep#{i + 3}", t + 20, 990, cat="gpu_user_annotation", tid=7),
+                   _x("c10d::allreduce_", t + 10, 30),
+                   _x("record_param_comms", t + 12, 20, args={"Collective name": "allreduce", "dtype": "Float",
+                                                              "In msg nelems": 500, "Group size": 1}),
+                   _x("ampere_sgemm_128x64_tn", t + 100, 300, cat="kernel", tid=8)]
+    path = write_trace(tmp_path / "rank0.trace.json", events, world=1)
+    out = traces.analyse_rank(traces.load_rank_trace(str(path)))
+    assert out["steps_profiled"] == 2
+    assert out["collectives"]["all_reduce"]["bytes_per_step"] == 2000 and out["comm_bytes_per_step"] == 2000
+    assert out["per_step"]["compute_time_s"] == pytest.approx(300e-6)
+
+
 def test_trace_without_step_markers_uses_the_window(tmp_path):
     events = [e for e in ddp_like_events() if not e["name"].startswith("ProfilerStep")]
     path = write_trace(tmp_path / "rank0.trace.json", events)

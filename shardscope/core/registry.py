@@ -73,7 +73,10 @@ class StrategyInfo:
     # (the root unit stays gathered from forward to backward), "grads-all-reduced" (ZeRO-1/2 buckets),
     # "live-params-kept" (ZeRO-3 keeps up to stage3_max_live_parameters gathered into backward),
     # "buffers-broadcast" (DDP broadcasts module buffers every forward), "reduces-per-micro-batch",
-    # "fp32-grad-comm" (DeepSpeed reduces gradients in fp32 under bf16 parameters: communication_data_type).
+    # "fp32-grad-comm" (DeepSpeed reduces gradients in fp32 under bf16 parameters: communication_data_type),
+    # "one-rank-collectives" (at world size 1 it still hands its tensors to collectives, on a group of one),
+    # "no-shard-at-one-rank" (at world size 1 it switches to NO_SHARD: FSDP1), "no-gather-at-one-rank" (at world
+    # size 1 it gathers no parameters but still reduces gradients: DeepSpeed ZeRO).
     comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
@@ -178,7 +181,7 @@ register(
             "static_graph": OptionSpec(bool, False, "tell DDP the graph does not change between steps"),
         },
         shards="none",
-        comm_quirks=("buffers-broadcast",),
+        comm_quirks=("buffers-broadcast", "one-rank-collectives"),
         probe_grads="tensors",
     )
 )
@@ -233,7 +236,7 @@ register(
         # kept-through-no-sync: under no_sync, units it does not reshard after forward (SHARD_GRAD_OP) stay gathered
         # until the step's last micro-batch (torch's _should_free_in_backward); FSDP2 and the hand-written FSDP
         # reshard after every backward, so they gather again in every micro-batch
-        comm_quirks=("root-kept", "kept-through-no-sync"),
+        comm_quirks=("root-kept", "kept-through-no-sync", "one-rank-collectives", "no-shard-at-one-rank"),
         hybrid=HybridSharding("HYBRID_SHARD", "hybrid_shard_size", "shard", ("sharding_strategy", ("HYBRID_SHARD",))),
         probe_grads="summon",  # use_orig_params (the default); without it the probe says the gradients were not read
     )
@@ -250,7 +253,7 @@ register(
         },
         models=("transformer", "hf", "vit"),
         shards="all",
-        comm_quirks=("root-kept", "reduces-per-micro-batch"),
+        comm_quirks=("root-kept", "reduces-per-micro-batch", "one-rank-collectives"),
     )
 )
 
@@ -287,7 +290,8 @@ for _stage, _shards, _what in ((1, "optim", "optimizer states (fp32 master + Ada
             probe_grads="deepspeed",
             shards=_shards,
             comm_quirks=((("live-params-kept",) if _stage == 3 else ("grads-all-reduced",)) + ("fp32-grad-comm",)
-                         + (("reduces-per-micro-batch",) if _stage >= 2 else ())),
+                         + (("reduces-per-micro-batch",) if _stage >= 2 else ())
+                         + ("one-rank-collectives", "no-gather-at-one-rank")),
         )
     )
 

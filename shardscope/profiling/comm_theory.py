@@ -103,8 +103,19 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                        "communication_data_type to fp32, so bf16 gradients are not summed in bf16)")
     accum = max(1, comp.grad_accum)
     dp = layout.dp
-    if dp > 1:
-        if layout.shards == "none":  # FSDP1's NO_SHARD all-reduces its flat buffers, alignment padding included
+    one_rank = dp == 1 and layout.tp == 1 and "one-rank-collectives" in quirks
+    if one_rank:
+        reasons.append("at one rank it still hands its tensors to collectives, on a group of one (no bytes cross "
+                       "a link; counted as handed, as at any world size)")
+    no_shard = layout.shards == "none" or (one_rank and "no-shard-at-one-rank" in quirks)
+    if one_rank and layout.shards != "none" and no_shard:
+        reasons.append("FSDP1 switches to NO_SHARD at world size 1: it all-reduces its flat buffers")
+    gatherless = one_rank and "no-gather-at-one-rank" in quirks
+    if gatherless:
+        reasons.append("DeepSpeed gathers no parameters at one rank (each holds them whole); it still reduces "
+                       "gradients on a group of one")
+    if dp > 1 or one_rank:
+        if no_shard:  # FSDP1's NO_SHARD all-reduces its flat buffers, alignment padding included
             flat = (sum(flat_offsets(sizes, FLAT_VIEW_ALIGN)[-1][1] for sizes in unit_sizes(params, layout.tp).values())
                     if layout.shard_layout == "flat-views" else local)
             parts["all_reduce"] = flat * reduce_bytes
@@ -115,18 +126,19 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                                "every step (broadcast_buffers; not in forwards after a no_sync micro-batch)")
         elif layout.shards in ("optim", "grads"):
             flat = _pad(local, 2 * dp)  # DeepSpeed aligns its flat partitions (nccl_start_alignment_factor 2)
-            parts["all_gather"] = flat * gather_bytes
+            if not gatherless:
+                parts["all_gather"] = flat * gather_bytes
             if "grads-all-reduced" in quirks:
                 per_micro = accum if "reduces-per-micro-batch" in quirks else 1
                 parts["all_reduce"] = local * reduce_bytes * per_micro
-                basis.append("all-reduce of gradient buckets + all-gather of updated parameters")
+                basis.append("all-reduce of gradient buckets" + ("" if gatherless else " + all-gather of updated parameters"))
                 reasons.append("DeepSpeed ZeRO-1/2 all-reduce each gradient bucket (each rank keeps its part), "
                                "not a reduce-scatter")
                 if per_micro > 1:
                     reasons.append(_PER_MICRO)
             else:
                 parts["reduce_scatter"] = local * reduce_bytes
-                basis.append("reduce-scatter of gradients + all-gather of updated parameters")
+                basis.append("reduce-scatter of gradients" + ("" if gatherless else " + all-gather of updated parameters"))
         else:
             units = _units(params, layout)
             regather = reshards_after_forward(opts)
@@ -143,13 +155,14 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                                "under that limit is gathered once per step")
             backward = {k: v for k, v in units.items() if not ("root-kept" in quirks and k == "root")}
             fwd, bwd = sum(units.values()), sum(backward.values()) if regather else 0
-            parts["all_gather"] = (fwd + bwd) * gather_bytes * gathers_per_step
+            if not gatherless:
+                parts["all_gather"] = (fwd + bwd) * gather_bytes * gathers_per_step
             per_micro = accum if "reduces-per-micro-batch" in quirks else 1
             parts["reduce_scatter"] = fwd * reduce_bytes * per_micro
             if per_micro > 1:
                 reasons.append(_PER_MICRO)
-            basis.append("all-gather in forward" + (" and backward" if regather else "")
-                         + " + reduce-scatter of gradients")
+            basis.append("reduce-scatter of gradients" if gatherless else "all-gather in forward"
+                         + (" and backward" if regather else "") + " + reduce-scatter of gradients")
             if layout.hybrid:
                 parts["all_reduce"] = parts["reduce_scatter"] // layout.shard_size
                 replicas = dp // layout.shard_size
