@@ -27,7 +27,7 @@ import gzip
 import json
 import os
 import re
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,35 +212,13 @@ def _pair(launches: list[Collective], execs: list[tuple[str, float, float, str, 
                 c.dtype = dtype
 
 
-# A report reads each rank's trace for several sections (merged trace, analysis, phases): 148 reads of 64 files,
-# 12 s of a 16-run report's 22 s of CPU, before this cache. Keyed by the file's identity and size, so a rewritten
-# file is read again; bounded by the bytes of the files held. Callers treat a RankTrace as read-only.
-_CACHE: "OrderedDict[tuple, RankTrace]" = OrderedDict()
-_CACHE_BYTES = 256 * 2**20
-
-
 def load_rank_trace(path: str, window_steps: int | None = None) -> RankTrace:
-    """Read one rank's Chrome trace; return a RankTrace (shared between callers: read-only). Raises OSError or
-    ValueError on an unreadable file.
+    """Read one rank's Chrome trace; return a RankTrace. Raises OSError or ValueError on an unreadable file.
 
     Steps are bounded by ``ProfilerStep#N`` markers. A trace without them (a profiler used without
     ``prof.step()``) is one window of ``window_steps`` steps (default 1), and per-step figures are
     the window's divided by that number.
     """
-    st = os.stat(path)
-    key = (os.path.realpath(path), window_steps, st.st_ino, st.st_mtime_ns, st.st_size)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        _CACHE.move_to_end(key)
-        return hit
-    trace = _load_rank_trace(path, window_steps)
-    _CACHE[key] = trace
-    while len(_CACHE) > 1 and sum(k[-1] for k in _CACHE) > _CACHE_BYTES:
-        _CACHE.popitem(last=False)
-    return trace
-
-
-def _load_rank_trace(path: str, window_steps: int | None) -> RankTrace:
     data = _read_bytes(path)
     events, comm_events, threads, header = _scan(data)
     info = header.get("distributedInfo") or {}
