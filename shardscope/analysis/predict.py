@@ -117,21 +117,25 @@ def _probed_compute(w: Work, model: MachineModel, probed: dict[str, float]) -> t
 
 def _gpu_size_check(w: Work, model: MachineModel) -> None:
     """Raise NotPredicted for a run whose FLOPs per step are more than twice (or under half) those of a GPU
-    calibration that fitted no per-layer-and-token cost: on a GPU the speed per FLOP depends on size (an H100 ran
-    smoke's forward at 28 GFLOP/s, waiting on kernel launches; ddp-vs-fsdp's model, 2,091x the FLOPs per step,
-    took 2.5x smoke's step time), so one size's speed does not carry over. CPUs are left to the FLOP scaling (benchmarks/RESULTS.md)."""
+    calibration that fitted no per-layer-and-token cost: on a GPU the speed per FLOP depends on size (an H100
+    ran smoke's forward at 28 GFLOP/s, waiting on kernel launches; ddp-vs-fsdp's model, 2,091x the FLOPs per
+    step, took 2.5x smoke's step time), so one size's speed does not carry over. CPUs are left to the FLOP
+    scaling (benchmarks/RESULTS.md)."""
     if not model.device.startswith("cuda") or "per_layer_token_s" in model.coefficients.get("forward", {}):
         return
-    if not model.fwd_flops or model.fwd_flops[0] / 2 <= w.fwd_flops <= model.fwd_flops[-1] * 2:
+    if not model.fwd_flops:
         return
+    lo, hi = model.fwd_flops[0], model.fwd_flops[-1]
+    if lo / 2 <= w.fwd_flops <= hi * 2:
+        return
+    more = w.fwd_flops > hi
+    ratio = w.fwd_flops / hi if more else lo / w.fwd_flops
     per_flop = model.coefficients.get("forward", {}).get("per_flop_s")
     speed = f"its forward ran at {1 / per_flop / 1e9:.3g} GFLOP/s; " if per_flop else ""
-    ratio = w.fwd_flops / model.fwd_flops[-1] if w.fwd_flops > model.fwd_flops[-1] else model.fwd_flops[0] / w.fwd_flops
-    more = "more" if w.fwd_flops > model.fwd_flops[-1] else "fewer"
     raise NotPredicted(f"one model size calibrated on a GPU ({model.device_name or model.device}): {speed}a GPU's "
                        "speed per FLOP changes with size (small models wait on kernel launches), so it does not carry "
-                       f"over to this run's {ratio:.0f}x {more} FLOPs per step; calibrate on two model sizes "
-                       "(--calibrate twice) or measure each run with --probe")
+                       f"over to this run's {ratio:.0f}x {'more' if more else 'fewer'} FLOPs per step; calibrate on "
+                       "two model sizes (--calibrate twice) or measure each run with --probe")
 
 
 def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None,
