@@ -102,7 +102,7 @@ class LaunchResult:
 
 
 def launch(out_dir: Path, comparison: Comparison, run_name: str, *, device: str = "cpu",
-           timeout_s: float = 110.0) -> LaunchResult:
+           timeout_s: float = 300.0) -> LaunchResult:
     """Run ``run_name`` of ``comparison`` under torchrun; return its LaunchResult.
 
     Raises subprocess.TimeoutExpired (after killing the job) when it outlives ``timeout_s``.
@@ -113,7 +113,7 @@ def launch(out_dir: Path, comparison: Comparison, run_name: str, *, device: str 
     run_dir.mkdir(parents=True, exist_ok=True)
     config.dump_json(run_dir / "spec.json", payload)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(payload["run"]["world_size"]),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
            "-m", "shardscope.engines.worker", str(run_dir / "spec.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -151,7 +151,7 @@ def read_json(path: Path) -> Any:
 
 
 def launch_all(out_dir: Path, comparison: Comparison, names: list[str] | None = None, *,
-               timeout_s: float = 110.0) -> dict[str, LaunchResult]:
+               timeout_s: float = 300.0) -> dict[str, LaunchResult]:
     """Prepare ``out_dir`` and launch the named runs (default: all) one after another, each within
     ``timeout_s``; assert each ended ok; return {run name: LaunchResult}."""
     prepare(out_dir, comparison)

@@ -7,8 +7,10 @@ run fail with no record on either node that way); ports below that range are onl
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import Iterator
 
 
 def _ephemeral_low() -> int:
@@ -36,3 +38,12 @@ def port_block(n: int) -> int:
         if all(_bindable(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no block of {n} free ports below {high + n}")
+
+
+@contextlib.contextmanager
+def unlistened_port() -> Iterator[int]:
+    """A port on 127.0.0.1 bound, while the block lasts, by a socket that never listens: a connection to it is
+    refused, and no other process can take it meanwhile (a port merely free a moment ago could be)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])

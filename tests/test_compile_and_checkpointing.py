@@ -18,7 +18,7 @@ import pytest
 from _launch import grad_norms, launch_all, max_abs_diff, tiny_comparison
 from shardscope.config import RunSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 
 COMPILED = {"fsdp1": "fsdp1", "fsdp2": "fsdp2", "hw": "fsdp-handwritten", "zero1": "deepspeed-zero1", "zero2": "deepspeed-zero2",
             "zero3": "deepspeed-zero3"}

@@ -16,7 +16,7 @@ import pytest
 from _launch import grad_norms, launch_all, max_abs_diff, tiny_comparison
 from shardscope.config import ModelSpec, ProfileSpec, RunSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 TOL = 5e-6
 
 

@@ -68,6 +68,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first one pays the module fixture's six runs
 @pytest.mark.parametrize("name", STAGES)
 def test_zero_matches_ddp(results, name):
     ddp, zero = results["ddp"], results[name]

@@ -15,7 +15,7 @@ import pytest
 
 from _pilot import wait_for  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
 MODEL = """[model]
@@ -34,9 +34,9 @@ warmup_steps = 2
 world_size = 2
 stall_timeout_s = 90
 straggler_window = 4
-# 3x, not the default 1.5x: a CI run under load flagged the unslowed DDP run's rank 0 at 1.76x (stop 32); the
-# slowed ranks' 150 ms of extra work a step is several times a step of this model
-straggler_threshold = 3.0
+# 5x, not the default 1.5x: a CI run under load flagged the unslowed DDP run's rank 0 at 1.76x (stop 32); the
+# slowed ranks' 150 ms of extra CPU time a step is over 10x a step of this model (busy_s, test_step_split_...)
+straggler_threshold = 5.0
 {model}
 [profile]
 enabled = false
@@ -205,7 +205,13 @@ def test_step_split_against_the_fault_and_the_step_clock(dirs):
     busy = {rank: statistics.median(r["busy_s"] for r in rs) for rank, rs in steps.items()}
     idle = {rank: statistics.median(r["idle_s"] for r in rs) for rank, rs in steps.items()}
     assert busy[1] >= 0.15 > busy[0], busy
-    assert idle[0] >= 0.10 and idle[0] > idle[1], idle
+    # Rank 0 waits off the CPU for rank 1's fault. No comparison with rank 1's idle time: a loaded machine
+    # descheduling rank 1 inside its fault adds to it without limit.
+    assert idle[0] >= 0.10, idle
+    gaps = []
     for r in steps[0] + steps[1]:
         inside = r["time_forward_s"] + r["time_backward_s"] + r["time_optimizer_s"]
-        assert abs(inside - r["step_time_s"]) <= 0.05 * r["step_time_s"] + 0.002, r
+        assert inside <= r["step_time_s"] + 1e-6, r  # the phases lie inside the step's own clock
+        gaps.append(r["step_time_s"] - inside)
+    # and fill it but for the clock's own gaps (one preemption there widens a step's, not the median's)
+    assert statistics.median(gaps) <= 0.05 * statistics.median(r["step_time_s"] for r in steps[1]) + 0.002, gaps

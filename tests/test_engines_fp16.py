@@ -21,7 +21,7 @@ from _launch import grad_norms, launch_all, max_abs_diff, tiny_comparison
 from shardscope.config import RunSpec
 from shardscope.engines.optim import LossScaler
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 
 FP16_RUNS = ["ddp16", "fsdp2", "fsdp1", "hw", "fsdp2-tp"]
 

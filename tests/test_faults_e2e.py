@@ -57,7 +57,7 @@ def assert_clean(proc, out):
     assert not glob.glob(os.path.join(out, "**", "*.tmp"), recursive=True)
 
 
-def wait_for_steps(path, n, timeout=120):
+def wait_for_steps(path, n, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(path) and sum(r["kind"] == "step" for r in events.read_records(path)[0]) >= n:

@@ -177,7 +177,7 @@ def _cli(args, cwd=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(config.__file__)),
                                                       env.get("PYTHONPATH", "")]))
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
 
 def test_unreadable_presets_fail_in_one_line(tmp_path):

@@ -9,17 +9,17 @@ from shardscope.orchestrator.nodes import NodeWatch, silent_verdict
 
 
 def test_judge_tells_a_beating_node_from_a_silent_one(tmp_path):
-    beating = NodeWatch(str(tmp_path / "a"), node_rank=1, nnodes=2, timeout_s=3)
+    beating = NodeWatch(str(tmp_path / "a"), node_rank=1, nnodes=2, timeout_s=10)
     beating.start()
-    judge = NodeWatch(str(tmp_path / "a"), node_rank=0, nnodes=2, timeout_s=3)
+    judge = NodeWatch(str(tmp_path / "a"), node_rank=0, nnodes=2, timeout_s=10)
     assert judge.judge() == []  # it beat again since the failure
     beating.stop()  # done: never lost
     assert judge.judge() == []
 
     silent = NodeWatch(str(tmp_path / "b"), node_rank=1, nnodes=2, timeout_s=3)
+    t0 = time.monotonic()  # before the beat: a stall after it cannot shorten the wait measured below
     silent._write(done=False)  # one beat, then silence (its orchestrator was killed)
     judge = NodeWatch(str(tmp_path / "b"), node_rank=0, nnodes=2, timeout_s=3)
-    t0 = time.monotonic()
     assert judge.judge() == [1]
     assert time.monotonic() - t0 > 2.0  # decided by the heartbeat timeout, not at once
 

@@ -13,7 +13,7 @@ import pytest
 
 from shardscope.core.rundir import RunDir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 CLI = [sys.executable, "-m", "shardscope.cli"]
 FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "peak_mem_bytes")
 

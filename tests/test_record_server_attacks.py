@@ -205,7 +205,7 @@ def test_a_second_sender_for_a_live_rank_is_refused_until_the_first_is_gone(tmp_
         second.wait_connected(timeout_s=3)  # retried while busy, never admitted
     second.send('{"forged": 1}')
     assert second.close(timeout_s=1) is False
-    assert srv.refused["busy"] >= 2
+    _wait_for(lambda: srv.refused["busy"] >= 2)
     for i in range(40):
         first.send(json.dumps({"kind": "step", "step": i}))
     assert first.close(timeout_s=WAIT_S)
@@ -249,7 +249,7 @@ def test_many_idle_connections_are_capped_and_need_no_threads(tmp_path, out, mak
 
 
 def test_idle_and_half_sent_connections_are_closed_after_the_timeout(tmp_path, out, make):
-    srv = make(idle_timeout_s=2.0, handshake_timeout_s=2.0)
+    srv = make(idle_timeout_s=5.0, handshake_timeout_s=5.0)  # a handshake on a loaded machine fits in it
     silent, _ = _connect(srv)  # never says hello
     half = _admitted(srv, "ddp", 2)
     half.send(b'{"seq":0,"line":"{\\"half')  # a record cut in the middle, never finished

@@ -8,13 +8,13 @@ import json
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 
 import pytest
 
 from shardscope.core import record_wire
-from shardscope.orchestrator.launcher import free_port
 from shardscope.orchestrator.record_server import RecordServer
 from shardscope.core.record_wire import (
     Lines,
@@ -28,6 +28,9 @@ from shardscope.core.record_wire import (
     send_beat,
 )
 from shardscope.core.rundir import RunDir
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ports import unlistened_port  # noqa: E402
 
 SECRET = bytes(range(32))
 RUNS = {"ddp": 4, "r": 4, "t": 4}  # with 2 nodes, node 1 holds ranks 2 and 3 of each run
@@ -102,14 +105,14 @@ def test_a_resend_after_a_lost_ack_is_not_written_twice(server, tmp_path):
 
 
 def test_unreachable_node0_is_one_clear_error():
-    port = free_port()  # nobody listens
-    sender = RecordSender(f"127.0.0.1:{port}", "ddp", 1, connect_timeout_s=1.0, secret=SECRET)
-    with pytest.raises(Unreachable, match=rf"node 0's orchestrator at 127.0.0.1:{port} unreachable for 1 s"):
-        sender.wait_connected()
-    with pytest.raises(Unreachable):
-        sender.send("{}")
-    assert "unreachable" in sender.error
-    sender.close(timeout_s=1)
+    with unlistened_port() as port:  # nobody listens
+        sender = RecordSender(f"127.0.0.1:{port}", "ddp", 1, connect_timeout_s=1.0, secret=SECRET)
+        with pytest.raises(Unreachable, match=rf"node 0's orchestrator at 127.0.0.1:{port} unreachable for 1 s"):
+            sender.wait_connected()
+        with pytest.raises(Unreachable):
+            sender.send("{}")
+        assert "unreachable" in sender.error
+        sender.close(timeout_s=1)
 
 
 def test_heartbeats_become_node_files(server, tmp_path):
@@ -160,12 +163,12 @@ def test_close_gives_up_cleanly_when_node0_is_gone(tmp_path):
 
 def test_an_idle_sender_keeps_its_connection(tmp_path):
     """The server closes connections idle for idle_timeout_s; a live sender pings, so it is not cut."""
-    srv = _server(tmp_path, idle_timeout_s=1.0)
+    srv = _server(tmp_path, idle_timeout_s=3.0)  # pings every third of it: a thread stalled 2 s is still in time
     try:
         sender = RecordSender(_endpoint(srv), "ddp", 2, secret=SECRET)
         sender.send(json.dumps({"i": 0}))
         _wait_for(lambda: srv.last_seq("ddp", 2) == 0)
-        time.sleep(3)  # three idle timeouts with nothing to send
+        time.sleep(7)  # over two idle timeouts with nothing to send
         sender.send(json.dumps({"i": 1}))
         assert sender.close(timeout_s=30)
         assert sender.reconnects == 0 and srv.refused["timed out"] == 0

@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
-from shardscope.orchestrator.launcher import free_port
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from _ports import port_block  # noqa: E402
+from _ports import port_block, unlistened_port  # noqa: E402
 from test_cli_e2e import leftover_processes  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -67,12 +66,12 @@ def test_two_nodes_without_shared_files(tmp_path):
 def test_node0_unreachable_is_one_clear_line(tmp_path):
     """Node 1 alone: nobody listens on the records endpoint; every run fails with one line saying so, and no
     rank is started."""
-    port = free_port()
-    proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(tmp_path / "n1"),
-                           "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                           "--records-endpoint", f"127.0.0.1:{port}", "--set", "world_size=2",
-                           "--set", "launch.node_timeout_s=2"], capture_output=True, text=True, timeout=120,
-                          env=secret_env(tmp_path))
+    with unlistened_port() as port:
+        proc = subprocess.run([*CLI, "run", "--preset", "smoke", "--headless", "--out", str(tmp_path / "n1"),
+                               "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port_block(2)}",
+                               "--records-endpoint", f"127.0.0.1:{port}", "--set", "world_size=2",
+                               "--set", "launch.node_timeout_s=2"], capture_output=True, text=True, timeout=300,
+                              env=secret_env(tmp_path))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"node 0's orchestrator at 127.0.0.1:{port} unreachable for 2 s" in proc.stdout + proc.stderr
     assert not (tmp_path / "n1" / "ddp" / "metrics").exists()  # nothing was launched
@@ -96,14 +95,14 @@ def test_without_the_secret_nothing_starts_and_a_wrong_one_is_refused(tmp_path):
               "--set", "profile.enabled=false", "--set", "launch.node_timeout_s=30"]
     bare = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSCOPE_RECORDS_SECRET")}
     none = subprocess.run([*CLI, *common, "--out", str(tmp_path / "none"), "--node-rank", "0"], capture_output=True,
-                          text=True, timeout=120, env=bare)
+                          text=True, timeout=300, env=bare)
     assert none.returncode == 2 and "records-secret FILE" in none.stderr and not (tmp_path / "none").exists()
     node0 = subprocess.Popen([*CLI, *common, "--out", str(tmp_path / "n0"), "--node-rank", "0",
-                              "--set", "launch.node_timeout_s=6"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              "--set", "launch.node_timeout_s=15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env=secret_env(tmp_path, "mine"))
     try:
         wrong = subprocess.run([*CLI, *common, "--out", str(tmp_path / "n1"), "--node-rank", "1"],
-                               capture_output=True, text=True, timeout=120, env=secret_env(tmp_path, "theirs"))
+                               capture_output=True, text=True, timeout=300, env=secret_env(tmp_path, "theirs"))
     finally:
         out0 = node0.communicate(timeout=300)[0]
     assert wrong.returncode == 1, wrong.stdout[-2000:] + wrong.stderr[-2000:]

@@ -17,7 +17,7 @@ from test_diff_stragglers_e2e import MODEL  # noqa: E402
 
 from _pilot import wait_for  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
 PRESET = """

@@ -227,13 +227,13 @@ def test_merged_trace_one_process_per_run_one_thread_per_rank(tmp_path):
 
 def _torchrun_job(out: Path, strategy: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(REPO / "tests" / "profiling_trace_job.py"), str(out),
+           "--rdzv-endpoint", "127.0.0.1:0", str(REPO / "tests" / "profiling_trace_job.py"), str(out),
            strategy, "4", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        console, _ = proc.communicate(timeout=100)
+        console, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank share its session
         proc.communicate()

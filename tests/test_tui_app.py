@@ -88,7 +88,10 @@ async def test_presets_knobs_validation_and_launch(tmp_path):
         assert "--set 'steps=12'" in str(screen.query_one("#cli-line").render())
         await pilot.click("#launch")
         await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen) and app.board.finished is not None)
-        await pilot.pause(0.3)
+        loss = app.screen.query_one("#loss-chart", StepChart)
+        # redraws are rate-limited by their own render time: wait for the last records to be drawn
+        await wait_for(pilot, lambda: [len(s.xs) for s in loss._series] == [30, 30, 12]
+                       and len(app.screen.query(RunCard)) == 3)
         assert [c.run for c in app.screen.query(RunCard)] == ["ddp", "fsdp2", "fsdp2-fault"]
         assert {n: s.status for n, s in app.board.states.items()} == {"ddp": "ok", "fsdp2": "ok", "fsdp2-fault": "failed"}
         loss = app.screen.query_one("#loss-chart", StepChart)
@@ -333,7 +336,7 @@ async def test_device_panel_labels_gpus_with_run_and_ranks():
             st.DeviceReading("GPU1 NVIDIA H100", "gpu", 1 * 2**30, 80 * 2**30, 0.0, 70.0),
         ), "nvml")
         app.post_message(UpdatesArrived([sample]))
-        await pilot.pause(0.3)
+        await wait_for(pilot, lambda: "ddp ranks 0,1" in rich_text(app.screen.devices.content))
         text = rich_text(app.screen.devices.content)
         assert "GPU0 NVIDIA H100" in text and "ddp ranks 0,1" in text and "idle" in text
         assert "40.0 GiB/80.0 GiB" in text and "97%" in text

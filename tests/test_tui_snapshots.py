@@ -27,9 +27,11 @@ def _app(**kwargs):
 
 
 async def _settle(pilot, finished: bool = True) -> None:
+    """Until the replay finished and (when it should have) every run's trace analysis arrived: iterations, not a
+    fixed time, so a loaded machine only waits longer."""
     app = pilot.app
-    for _ in range(200):
-        if not finished or app.board.finished is not None:
+    for _ in range(600):
+        if not finished or (app.board.finished is not None and set(app.board.states) <= set(app.board.analyses)):
             break
         await pilot.pause(0.05)
     await pilot.pause(0.5)

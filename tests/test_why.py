@@ -21,7 +21,7 @@ from shardscope.core import events
 from shardscope.config import cpu_host
 from tui_fakes import run_async
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 CLI = [sys.executable, "-m", "shardscope.cli"]
 
 TOP = """description = "why test"

@@ -66,13 +66,15 @@ def torchrun_argv(
 ) -> tuple[str, ...]:
     """Return the exact torchrun command for one run.
 
-    One node: c10d rendezvous on the given endpoint, or a free local port. Several nodes: torchrun's
+    One node: c10d rendezvous on the given endpoint, or on port 0 of 127.0.0.1 (torchrun's store binds a
+    port the kernel picks, as ``--standalone`` does: no window in which a port chosen beforehand could be
+    taken by another process). Several nodes: torchrun's
     static rendezvous hosted by node 0 at ``rdzv_endpoint``, with ``--node-rank``: global ranks are then
     ``node_rank * nproc_per_node + local_rank``, so node N's ranks are known before launch (a fault, a
     label, a lost node can be tied to a node). c10d would order nodes by host name and process id, and
     ignores ``--node-rank`` with a warning. The rendezvous id keeps jobs' store keys apart.
     """
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    endpoint = rdzv_endpoint or "127.0.0.1:0"
     argv = [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
@@ -193,8 +195,10 @@ class RunProcess:
             time.sleep(0.05)
         self.kill()
 
-    def kill(self) -> None:
-        """SIGKILL torchrun's group and every remembered descendant still alive; reap torchrun."""
+    def kill(self, settle_s: float = 10.0) -> None:
+        """SIGKILL torchrun's group and every remembered descendant still alive; reap torchrun; wait up to
+        ``settle_s`` for the killed descendants to be gone (a killed process needs CPU time to finish exiting,
+        so on a loaded machine they outlive the signal for a while: whoever returns after this finds none)."""
         _signal_group(self.pid, signal.SIGKILL)
         for pid in self.alive_pids():
             _signal_pid(pid, signal.SIGKILL)
@@ -202,6 +206,9 @@ class RunProcess:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + settle_s
+        while self.alive_pids() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.close_log()
 
     def close_log(self) -> None:
