@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +22,6 @@ import psutil
 
 from shardscope.core.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class LaunchSpec:
     device: str = "auto"
     nnodes: int = 1
     node_rank: int = 0
-    rdzv_endpoint: str = ""  # host:port for multi-node; empty = a free local port
+    rdzv_endpoint: str = ""  # host:port for multi-node; empty = 127.0.0.1:0 (kernel-picked)
     rdzv_id: str = ""  # prefix of each run's rendezvous id; unique per job (sbatch: from SLURM_JOB_ID)
     node_timeout_s: float = 30.0  # several nodes: a node silent this long is lost (its runs fail)
     # host:port where node 0 receives other nodes' records over TCP; empty = a shared filesystem (the default)
