@@ -248,6 +248,23 @@ def test_background_load_read_from_cpu_time_scales_compute_with_the_ranks():
     assert any("with 3.0 other busy processes" in n for n in four["notes"])
 
 
+def test_background_load_read_from_the_run_queue_wait_leaves_waits_in_collectives_out():
+    """With ``cpu_wait_s`` (ready to run, no core free) the share is CPU time over CPU time plus that wait: a
+    rank that is off the CPU waiting in a collective (here half of every step) does not read as load."""
+    runs = _runs(smoke())
+    for r in runs:  # half of every step waiting in collectives; a third of the time it wanted a core, it waited
+        r.busy_s, r.cpu_wait_s = 0.5 * r.step_s * 2 / 3, 0.5 * r.step_s / 3
+    model = predict_fit.fit(runs, cores=2)
+    # share 2/3 = 2 cores / (2 ranks + 1 other): 1.0, where busy / step (1/3) would have read 4.0
+    assert model.background == pytest.approx(1.0)
+    assert any("run-queue wait" in n and "1.0 other busy processes" in n for n in model.notes)
+    for r in runs:
+        r.cpu_wait_s = 0.0  # ran whenever it wanted to: no background, whatever its waits in collectives
+    assert predict_fit.fit(runs, cores=2).background == 0.0
+    runs[0].cpu_wait_s = None  # one run without the figure: the whole calibration falls back to busy / step
+    assert predict_fit.fit(runs, cores=2).background == pytest.approx(4.0)
+
+
 def test_world_size_one_needs_no_collective_and_more_ranks_than_cores_share_them():
     model = _model()
     one = predict.predict_run(smoke("world_size=1"), smoke("world_size=1").run("fsdp2"), model)

@@ -66,6 +66,7 @@ class CalibrationRun:
     device_name: str
     collectives: list[tuple[str, float, float, int]]  # (type, bytes, seconds, group size): per call, its fastest rank
     why_not: str = ""  # why it cannot calibrate anything ("" when it can)
+    cpu_wait_s: float | None = None  # main thread's run-queue wait per step (same statistic as busy_s; Linux CPU)
 
 
 @dataclass
@@ -144,11 +145,12 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
         for s, figures in rank_steps.items():
             if s in timed:
                 per_step.setdefault(s, []).append(figures)
-    for phase, key in {**PHASE_KEYS, "busy": "busy_s"}.items():
+    for phase, key in {**PHASE_KEYS, "busy": "busy_s", "cpu_wait": "cpu_wait_s"}.items():
         values = [statistics.fmean(f[key] for f in fs) for fs in per_step.values() if all(key in f for f in fs)]
         if values:
             cal.phases[phase] = statistics.median(values)
     cal.busy_s = cal.phases.pop("busy", None)
+    cal.cpu_wait_s = cal.phases.pop("cpu_wait", None)
     steps = [t for s, t in st.step_times if s in timed]
     cal.step_s = statistics.median(steps) if steps else None
     cal.measured_rate = statistics.median(r for s, r in st.throughput if s in timed) if timed else None
@@ -215,13 +217,20 @@ def _measured_compute(r: CalibrationRun, fits: dict[str, CollectiveFit], overlap
 
 
 def background_load(runs: list[CalibrationRun], cores: int) -> float:
-    """Other busy processes the calibration's CPU ranks shared the cores with, from the CPU time its ranks got
-    (``busy_s``, the process's CPU time in a step) over their step time: share = cores / (ranks + background).
-    Waits in collectives count as not getting the CPU, so this leans high. 0 without busy times."""
+    """Other busy processes the calibration's CPU ranks shared the cores with, from the share of a core its
+    ranks got: share = cores / (ranks + background). Where the step records carry ``cpu_wait_s`` (the main
+    thread's run-queue wait: ready to run, no core free), share = busy / (busy + cpu_wait), the time they ran
+    over the time they wanted to; a rank waiting in a collective is not runnable and does not count. Without
+    it, busy over step time, where waits in collectives count as not getting the CPU and the figure leans
+    high. 0 without busy times."""
     timed = [r for r in runs if r.busy_s and r.step_s and r.work is not None]
     if not timed:
         return 0.0
-    share = min(1.0, sum(r.busy_s for r in timed) / sum(r.step_s for r in timed))  # type: ignore[misc]
+    if all(r.cpu_wait_s is not None for r in timed):
+        busy = sum(r.busy_s for r in timed)  # type: ignore[misc]
+        share = min(1.0, busy / (busy + sum(r.cpu_wait_s for r in timed)))  # type: ignore[misc]
+    else:
+        share = min(1.0, sum(r.busy_s for r in timed) / sum(r.step_s for r in timed))  # type: ignore[misc]
     ranks = statistics.median(r.work.world_size for r in timed)  # type: ignore[union-attr]
     return max(0.0, cores / share - ranks) if share < min(1.0, cores / ranks) else 0.0
 
@@ -278,9 +287,10 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
         notes.append("no collective measured in the calibration's traces: runs that communicate are not predicted")
     background = background_load(usable, cores) if backend == "gloo" else 0.0
     if background > 0.05:
+        waits = all(r.cpu_wait_s is not None for r in usable if r.busy_s and r.step_s and r.work is not None)
+        how = "CPU time / (CPU time + run-queue wait)" if waits else "process CPU time / step time"
         notes.append(f"the calibration's ranks got {cpu_share(usable[0].work.world_size, cores, background):.0%} of a "  # type: ignore[union-attr]
-                     f"core each (process CPU time / step time): {background:.1f} other busy processes assumed to "
-                     "share the cores, as then")
+                     f"core each ({how}): {background:.1f} other busy processes assumed to share the cores, as then")
     comp: dict[str, dict[str, float]] = {}
     for r in usable:
         try:

@@ -28,7 +28,8 @@ SCHEMA_VERSION = 1
 START = "start"  # spec (resolved RunSpec dict), world_size, device, backend, versions, precision{...}
 STEP = "step"  # step, local_loss (this rank's mean; the run's loss is the mean over ranks, profiling/loss_fold.py),
 #               loss? (the global loss, only on steps whose verdict reduced it), grad_norm (global), lr,
-#               step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes; CPU: busy_s, idle_s, time_<phase>_s
+#               step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes; CPU: busy_s, idle_s, time_<phase>_s,
+#               cpu_wait_s? (run-queue wait of the main thread, Linux)
 MEMORY = "memory"  # param_bytes, grad_bytes, optim_bytes, model_state_bytes, mem_*_bytes, rss_bytes
 TRACE = "trace"  # path (relative to the run directory), format ("chrome" | "tensorboard"), steps
 LAYERS = "layers"  # step, grad_norms {layer: norm}, param_norms {layer: norm} (parity mode)

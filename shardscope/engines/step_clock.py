@@ -10,6 +10,12 @@ waiting in collectives (or descheduled, on a shared machine); a straggler's busy
 its peers' while every rank's wall-clock step time is the same (peers wait for it, and their idle
 time grows). Busy time is also immune to the rank being descheduled, where wall clock is not.
 
+``cpu_wait_s`` (Linux): the time the rank's main thread was ready to run but waited for a core, the
+run-queue delay of ``/proc/thread-self/schedstat`` over the step: other processes (or the rank's own threads)
+holding the cores. It tells a rank descheduled by a busy machine from one waiting in a collective (both are
+off the CPU, in ``idle_s``); ``predict`` reads the machine's background load from it. Absent where the kernel
+does not keep it.
+
 Time spent inside ``comm_count.instrumentation()`` (shardscope's own work: parity mode's norms, ``why``'s
 probes) is not the strategy's: each lap leaves out what was spent there since the previous lap, and busy time
 the CPU spent there.
@@ -26,7 +32,9 @@ recorded on CUDA: the report says "not measured" with that reason.
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,6 +42,28 @@ import torch
 from shardscope.engines.comm_count import instrumentation_spent
 
 PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def _open_schedstat() -> int | None:
+    """A descriptor of the calling thread's ``schedstat`` (re-read with ``pread``: ~1 us), or None."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return None
+    if run_queue_wait_s(fd) is None:
+        os.close(fd)
+        return None
+    return fd
+
+
+def run_queue_wait_s(fd: int | None) -> float | None:
+    """Seconds the thread behind ``fd`` has waited on a run queue so far (schedstat's second field)."""
+    if fd is None:
+        return None
+    try:
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class StepClock:
@@ -47,6 +77,10 @@ class StepClock:
         self._cpu0 = 0.0
         self._wall_aside = 0.0
         self._cpu_aside0 = 0.0
+        self._schedstat = _open_schedstat() if enabled else None  # the thread that runs the steps builds the clock
+        self._wait0: float | None = None
+        if self._schedstat is not None:
+            weakref.finalize(self, os.close, self._schedstat)
 
     def begin(self) -> None:
         """Start a step: zero the phases and take the first readings."""
@@ -54,6 +88,7 @@ class StepClock:
             self._times = dict.fromkeys(PHASES, 0.0)
             self._wall_aside, self._cpu_aside0 = self._aside()
             self._cpu0 = time.process_time()
+            self._wait0 = run_queue_wait_s(self._schedstat)
             self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
@@ -64,12 +99,16 @@ class StepClock:
             self._last, self._wall_aside = now, aside
 
     def fields(self) -> dict[str, float]:
-        """Return ``time_<phase>_s`` for each phase and ``busy_s`` (empty when disabled)."""
+        """Return ``time_<phase>_s`` for each phase, ``busy_s``, ``idle_s`` and (where the kernel keeps it)
+        ``cpu_wait_s``; empty when disabled."""
         if not self.enabled:
             return {}
         out = {f"time_{p}_s": t for p, t in self._times.items()}
         out["busy_s"] = max(0.0, time.process_time() - self._cpu0 - (self._aside()[1] - self._cpu_aside0))
         out["idle_s"] = max(0.0, sum(self._times.values()) - out["busy_s"])
+        wait = run_queue_wait_s(self._schedstat)
+        if wait is not None and self._wait0 is not None:
+            out["cpu_wait_s"] = max(0.0, wait - self._wait0)
         return out
 
 

@@ -24,7 +24,8 @@ DEFAULT_WINDOW = 5
 BUSY = "busy_s"
 # idle_s (wall minus busy: waiting in collectives or descheduled) is not a phase but is shown beside them.
 PHASE_KEYS = ("time_data_s", "time_forward_s", "time_backward_s", "time_optimizer_s", "idle_s")
-TIMING_KEYS = (BUSY, *PHASE_KEYS)
+CPU_WAIT = "cpu_wait_s"  # waiting for a core (run queue): the machine's other load, not the rank's work
+TIMING_KEYS = (BUSY, *PHASE_KEYS, CPU_WAIT)
 FORWARD = "time_forward_s"
 
 
