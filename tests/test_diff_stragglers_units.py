@@ -164,3 +164,34 @@ def test_memory_diff_names_its_kind_and_never_sets_a_gpu_peak_against_rss():
     assert same["kind"] == "process RSS" and same["ratio"] == 1.5 and "reason" not in same
     mixed = diff.mem_diff(cpu_old, gpu)
     assert mixed["ratio"] is None and mixed["reason"] == "not comparable: old is the process RSS, new the allocator peak"
+
+
+def test_core_wait_is_a_column_and_a_contended_run_is_said_to_be():
+    """Step records with ``cpu_wait_s``: its median per rank is the table's last column; a run whose ranks
+    waited for a core 20% of the time they were ready to run gets a sentence in the report and the headless
+    caption, one at 5% does not, and records without the figure show "-" and say nothing."""
+    from shardscope.analysis import straggler_report
+    from shardscope.cli.headless import rank_timing_table
+    from shardscope.profiling.state import RecordsArrived, RunState
+
+    def state(name, wait):
+        st = RunState(name, "ddp", 2, 6)
+        extra = {} if wait is None else {"cpu_wait_s": wait}
+        recs = [{"kind": "step", "run": name, "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05,
+                 "tokens": 8, "tokens_per_s": 160.0, "time_data_s": 0.001, "time_forward_s": 0.01,
+                 "time_backward_s": 0.02, "time_optimizer_s": 0.003, "busy_s": 0.02, "idle_s": 0.014, **extra}
+                for s in range(6) for r in (0, 1)]
+        st.apply(RecordsArrived(name, tuple(recs), 0))
+        return st
+
+    sec = straggler_report.section({"busy": state("busy", 0.005), "calm": state("calm", 0.02 / 19),
+                                    "old": state("old", None)})
+    assert straggler_report.rows(sec["busy"])[0][-1] == "5.0" and straggler_report.rows(sec["old"])[0][-1] == "-"
+    assert straggler_report.core_wait_share(sec["busy"]) == pytest.approx(0.2)
+    assert straggler_report.core_wait_share(sec["calm"]) == pytest.approx(0.05)
+    assert straggler_report.core_wait_share(sec["old"]) is None
+    md = straggler_report.markdown(sec, lambda header, rows: f"|{header[-1]}|\n")
+    assert "|core wait ms|" in md and "The ranks of busy waited for a core 20%" in md
+    assert "ranks of calm" not in md and "ranks of old" not in md
+    caption = str(rank_timing_table({"stragglers": sec}).caption)
+    assert "the ranks of busy waited for a core 20%" in caption and "calm" not in caption

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardscope.profiling.state import RunState
 from shardscope.profiling import stragglers
-from shardscope.profiling.stragglers import BUSY, PHASE_KEYS
+from shardscope.profiling.stragglers import BUSY, CPU_WAIT, PHASE_KEYS
 
 NOT_MEASURED = "not measured: the ranks' step records carry no step timing (records from before it)"
 # engines/step_clock.py: CUDA events time the stream, whose phases include the waits for collectives.
@@ -105,10 +105,33 @@ def rows(entry: dict[str, Any]) -> list[list[str]]:
     """Table rows (rank, host, device, busy ms, phase ms...) of one run's section entry."""
     flagged = {f["rank"] for f in entry.get("flagged", [])}
     return [[rank + (" ⚠" if int(rank) in flagged else ""), str(r.get("host") or "-"), str(r.get("device") or "-"),
-             *(_ms(r.get(k)) for k in (BUSY, *PHASE_KEYS))] for rank, r in (entry.get("per_rank") or {}).items()]
+             *(_ms(r.get(k)) for k in (BUSY, *PHASE_KEYS, CPU_WAIT))]
+            for rank, r in (entry.get("per_rank") or {}).items()]
 
 
-HEADER = ["rank", "host", "device", "busy ms", "data ms", "forward ms", "backward ms", "optimizer ms", "idle ms"]
+HEADER = ["rank", "host", "device", "busy ms", "data ms", "forward ms", "backward ms", "optimizer ms", "idle ms",
+          "core wait ms"]
+CONTENDED = 0.10  # a run whose ranks waited for a core this share of the time they wanted one is said to have
+
+
+def core_wait_share(entry: dict[str, Any]) -> float | None:
+    """The share of the time a run's ranks wanted a core that they waited for one (medians, over ranks):
+    wait / (busy + wait); None where the records carry no run-queue wait."""
+    ranks = [r for r in (entry.get("per_rank") or {}).values() if r.get(CPU_WAIT) is not None and r.get(BUSY)]
+    if not ranks:
+        return None
+    wait = sum(r[CPU_WAIT] for r in ranks)
+    return wait / (wait + sum(r[BUSY] for r in ranks))
+
+
+def contention_line(name: str, entry: dict[str, Any]) -> str | None:
+    """A sentence when a run's ranks waited for a core ``CONTENDED`` or more of the time they wanted one."""
+    share = core_wait_share(entry)
+    if share is None or share < CONTENDED:
+        return None
+    return (f"the ranks of {name} waited for a core {share:.0%} of the time they were ready to run (other processes or "
+            "its own ranks shared the cores): its wall-clock figures (step time, tokens/s) are slowed by that, its "
+            "busy times are not")
 
 
 def markdown(sec: dict[str, Any], table: Any) -> str:
@@ -119,8 +142,9 @@ def markdown(sec: dict[str, Any], table: Any) -> str:
            "Medians over steps after step 0. *busy* is the CPU time the rank used in the step (a rank waiting in a "
            "collective uses none); the phases are wall clock, so a rank waiting for a straggler shows it in the "
            "phase where it waits, and *idle* (wall minus busy) is the time it spent waiting in collectives (or "
-           "descheduled). A rank is flagged when its busy time stays above its peers' median by the "
-           "threshold for the window of steps.\n"]
+           "descheduled), and *core wait* the part of it the rank was ready to run but found no free core "
+           "(Linux's run-queue wait: the machine's other load). A rank is flagged when its busy time stays above "
+           "its peers' median by the threshold for the window of steps.\n"]
     for name, entry in sec.items():
         out.append(f"**{name}** (threshold {entry['threshold']:g}x, window {entry['window']} steps)\n")
         if entry.get("per_rank") is None:
@@ -130,6 +154,8 @@ def markdown(sec: dict[str, Any], table: Any) -> str:
         out.append(table(HEADER, rows(entry)))
         verdict = _sentence(entry.get("reason") or "No straggler.")
         out += [f"- **{f['line']}**\n" for f in entry["flagged"]] or [f"{verdict}\n"]
+        contended = contention_line(name, entry)
+        out += [f"- {_sentence(contended)}\n"] if contended else []
         out += trace_lines(entry)
     return "\n".join(out)
 

@@ -195,6 +195,7 @@ def rank_timing_table(summary: dict[str, Any]) -> Table | None:
             table.add_row(name, *row)
     notes = [f"{name}: {e['reason']}" for name, e in section.items() if e.get("per_rank") and e.get("reason")]
     notes += [f"⚠ {f['line']}" for e in section.values() for f in (e.get("trace") or {}).get("flagged", [])]
+    notes += [line for name, e in section.items() if (line := straggler_report.contention_line(name, e))]
     if notes:  # CUDA runs: the stream-time split, not judged live; stragglers judged from the traces
         table.caption = "\n".join(notes)
     return table

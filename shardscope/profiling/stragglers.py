@@ -95,7 +95,7 @@ class StragglerWatch:
         for rank in sorted(self.timing):
             steps = [v for s, v in self.timing[rank].items() if s >= skip_first] or list(self.timing[rank].values())
             out[rank] = {k: statistics.median(vals) if (vals := [v[k] for v in steps if k in v]) else None
-                         for k in (BUSY, *PHASE_KEYS)}
+                         for k in (BUSY, *PHASE_KEYS, CPU_WAIT)}
         return out
 
 

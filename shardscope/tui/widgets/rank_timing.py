@@ -56,7 +56,7 @@ def render(state: RunState, analysis: dict | None = None) -> Group | Text:
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("rank", "host") else "right", no_wrap=True)
     for row in straggler_report.rows(entry):  # rank, host, device, busy, data, fwd, bwd, opt, idle
-        table.add_row(row[0], row[1], *row[3:], style="bold red" if "⚠" in row[0] else None)
+        table.add_row(row[0], row[1], *row[3:3 + len(COLUMNS) - 2], style="bold red" if "⚠" in row[0] else None)
     lines = [Text(f"⚠ {f['line']}", style="bold red") for f in entry["flagged"]]
     if entry.get("reason"):  # CUDA: the stream-time split, not judged
         lines.append(Text(entry["reason"], style="dim"))
