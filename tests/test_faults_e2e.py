@@ -154,12 +154,16 @@ def test_tmpfs_filling_mid_run(tmpfs):
                              "--set", "profile.start_step=4", "--set", "profile.steps=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(os.path.join(out, "ddp", "metrics", "rank0.jsonl"), 1)
-    with open(os.path.join(point, "filler"), "wb") as fh:
-        try:
-            while True:
-                fh.write(b"\0" * (1 << 16))
-        except OSError:
-            pass
+    # unbuffered: nothing is left to flush at close, which would raise ENOSPC there (a run beside it had taken
+    # the last bytes the buffered writer still held: seen under load)
+    fd = os.open(os.path.join(point, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * (1 << 16))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     stdout, stderr = proc.communicate(timeout=300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.returncode == 1, stdout[-3000:]
