@@ -195,3 +195,34 @@ def test_core_wait_is_a_column_and_a_contended_run_is_said_to_be():
     assert "ranks of calm" not in md and "ranks of old" not in md
     caption = str(rank_timing_table({"stragglers": sec}).caption)
     assert "the ranks of busy waited for a core 20%" in caption and "calm" not in caption
+
+
+def test_app_panel_fits_its_width_keeping_busy_idle_and_core_wait():
+    """At the smallest promised terminal (100 columns) the panel is ~30 cells wide: it leaves out host and the
+    phases (and says so) instead of truncating every cell to "…"; wide, it shows all nine columns. A contended
+    run's sentence is shown there too."""
+    from rich.console import Console
+
+    from shardscope.profiling.state import RecordsArrived, RunState
+    from shardscope.tui.widgets.rank_timing import COLUMNS, render
+
+    st = RunState("ddp", "ddp", 2, 6)
+    st.apply(RecordsArrived("ddp", tuple(
+        {"kind": "step", "run": "ddp", "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05, "tokens": 8,
+         "tokens_per_s": 160.0, "time_data_s": 0.001, "time_forward_s": 0.01, "time_backward_s": 0.02,
+         "time_optimizer_s": 0.003, "busy_s": 0.02, "idle_s": 0.014, "cpu_wait_s": 0.005}
+        for s in range(4) for r in (0, 1)), 0))
+
+    def shown(width):
+        console = Console(width=width, record=True)
+        console.print(render(st, None, width))
+        return console.export_text()
+
+    narrow = shown(30)
+    header = narrow.splitlines()[0].split()
+    assert header == ["rank", "busy", "idle", "wait"], narrow
+    words = " ".join(narrow.split())
+    assert "…" not in narrow and "5.0" in narrow and "left out at this width" in words
+    assert "waited for a core 20% of its ready time" in words
+    wide = shown(120)
+    assert wide.splitlines()[0].split() == list(COLUMNS) and "left out" not in wide

@@ -42,6 +42,14 @@ PART_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", 
 MIB = 1024 ** 2
 
 
+def step_axis(ax: Any) -> None:
+    """Label ``ax``'s x axis "step", with whole-number ticks only (there is no step 2.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _pyplot() -> Any:
     import matplotlib
 
@@ -93,7 +101,7 @@ def loss_plot(losses: dict[str, list[tuple[int, float]]], baseline: str, path: s
     top.grid(alpha=0.3)
     legend_outside(top)
     bottom.set_ylabel(f"loss − {baseline}")
-    bottom.set_xlabel("step")
+    step_axis(bottom)
     if bottom.get_legend_handles_labels()[0]:
         bottom.axhline(0.0, color="black", linewidth=0.8)
         bottom.grid(alpha=0.3)

@@ -180,7 +180,7 @@ def plot(states: dict[str, RunState], path: str) -> str | None:
     runs = [(n, st) for n, st in states.items() if st.stragglers.timing]
     if not runs:
         return None
-    from shardscope.analysis.plots import _pyplot, _save, legend_outside, run_style
+    from shardscope.analysis.plots import _pyplot, _save, legend_outside, run_style, step_axis
 
     plt = _pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
@@ -201,6 +201,9 @@ def plot(states: dict[str, RunState], path: str) -> str | None:
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         legend_outside(ax)
-    axes[-1, 0].set_xlabel("step")
+    for ax in axes[:, 0]:
+        step_axis(ax)
+    for ax in axes[:-1, 0]:  # one "step" label, under the last panel
+        ax.set_xlabel("")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return _save(fig, path)

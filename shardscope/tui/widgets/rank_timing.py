@@ -20,7 +20,10 @@ from shardscope.profiling.state import RunState
 
 REFRESH_S = 1.0
 # straggler_report.HEADER, shortened for a panel a third of the screen wide (device is on the flag line).
-COLUMNS = ("rank", "host", "busy", "data", "fwd", "bwd", "opt", "idle")
+COLUMNS = ("rank", "host", "busy", "data", "fwd", "bwd", "opt", "idle", "wait")
+# Left out in this order while the table is wider than the panel (at 100 columns the panel is ~30 wide):
+# rank, busy, idle and wait stay, the straggler and contention signals.
+NARROW_DROPS = ("host", "data", "opt", "bwd", "fwd")
 
 
 class RankTiming(Static):
@@ -31,6 +34,7 @@ class RankTiming(Static):
         self.run = ""
         self._t = 0.0
         self._drawn: tuple = ()
+        self._last: tuple[RunState, dict | None] | None = None
 
     def show(self, state: RunState | None, analysis: dict | None = None, *, force: bool = False) -> None:
         """Redraw for ``state`` when it moved on since the last drawing, at most once a second (``force``:
@@ -39,25 +43,60 @@ class RankTiming(Static):
         now = time.monotonic()
         if state is None:
             return
-        key = (state.name, state.steps_completed, state.status, len(state.stragglers.flagged), id(analysis))
+        width = self.content_size.width
+        key = (state.name, state.steps_completed, state.status, len(state.stragglers.flagged), id(analysis), width)
         if not force and (key == self._drawn or now - self._t < REFRESH_S):
             return
-        self.run, self._t, self._drawn = state.name, now, key
+        self.run, self._t, self._drawn, self._last = state.name, now, key, (state, analysis)
         self.border_title = f"rank timing · {state.name} (median ms)"
-        self.update(render(state, analysis))
+        self.update(render(state, analysis, width or None))
+
+    def on_resize(self) -> None:
+        """Lay the table out again for the new width (columns are left out or come back)."""
+        if self._last is not None and self.display:
+            self.show(*self._last, force=True)
 
 
-def render(state: RunState, analysis: dict | None = None) -> Group | Text:
-    """The table (or why there is none) for one run, and what its traces say."""
+def fit_columns(rows: list[list[str]], width: int | None) -> list[int]:
+    """Indices into COLUMNS that fit ``width`` cells (three between columns), leaving out NARROW_DROPS in
+    order while they do not; all of them when ``width`` is None."""
+    keep = list(range(len(COLUMNS)))
+    if width is None:
+        return keep
+
+    def need(cols: list[int]) -> int:
+        # between two columns: a cell of padding on each side and the box's divider
+        return sum(max(len(COLUMNS[c]), *(len(r[c]) for r in rows)) for c in cols) + 3 * (len(cols) - 1)
+
+    for name in NARROW_DROPS:
+        if need(keep) <= width:
+            break
+        keep.remove(COLUMNS.index(name))
+    return keep
+
+
+def render(state: RunState, analysis: dict | None = None, width: int | None = None) -> Group | Text:
+    """The table (or why there is none) for one run, and what its traces say; ``width``: the panel's cells
+    (columns are left out to fit, and a line says which)."""
     entry = straggler_report.section({state.name: state}, {state.name: analysis or {}})[state.name]
     if entry.get("per_rank") is None:
         return Text("waiting for steps" if state.steps_completed == 0 else entry.get("reason", ""), style="dim")
+    # rank, host, then busy, data, fwd, bwd, opt, idle, core wait (the device is on the flag line)
+    rows = [[row[0], row[1], *row[3:]] for row in straggler_report.rows(entry)]
+    keep = fit_columns(rows, width)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), expand=False)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("rank", "host") else "right", no_wrap=True)
-    for row in straggler_report.rows(entry):  # rank, host, device, busy, data, fwd, bwd, opt, idle
-        table.add_row(row[0], row[1], *row[3:3 + len(COLUMNS) - 2], style="bold red" if "⚠" in row[0] else None)
+    for c in keep:
+        table.add_column(COLUMNS[c], justify="left" if COLUMNS[c] in ("rank", "host") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[c] for c in keep), style="bold red" if "⚠" in row[0] else None)
     lines = [Text(f"⚠ {f['line']}", style="bold red") for f in entry["flagged"]]
+    hidden = [COLUMNS[c] for c in range(len(COLUMNS)) if c not in keep]
+    if hidden:
+        lines.append(Text(f"{', '.join(hidden)} left out at this width (report, headless table: all)", style="dim"))
+    if straggler_report.contention_line(state.name, entry):  # the machine's other load slowed its wall clock
+        share = straggler_report.core_wait_share(entry) or 0.0
+        lines.append(Text(f"waited for a core {share:.0%} of its ready time: wall-clock figures slowed by other "
+                          "load, busy times not", style="yellow"))
     if entry.get("reason"):  # CUDA: the stream-time split, not judged
         lines.append(Text(entry["reason"], style="dim"))
     traced = entry.get("trace")
@@ -66,6 +105,7 @@ def render(state: RunState, analysis: dict | None = None) -> Group | Text:
         unjudged = " (CPU traces: not judged)" if traced.get("note") else ""
         lines.append(Text(f"trace compute ms/step by rank: {ranks}{unjudged}", style="dim"))
         lines += [Text(f"⚠ {f['line']}", style="bold red") for f in traced["flagged"]]
-    caption = Text(f"busy: own CPU time · ⚠ above {entry['threshold']:g}x peers' median for {entry['window']} steps",
+    caption = Text(f"busy: own CPU time · wait: ready, no free core · ⚠ above {entry['threshold']:g}x peers' median "
+                   f"for {entry['window']} steps",
                    style="dim")
     return Group(table, *lines, caption)
