@@ -226,3 +226,20 @@ def test_app_panel_fits_its_width_keeping_busy_idle_and_core_wait():
     assert "waited for a core 20% of its ready time" in words
     wide = shown(120)
     assert wide.splitlines()[0].split() == list(COLUMNS) and "left out" not in wide
+
+
+def test_timing_figures_that_are_not_finite_numbers_are_left_out():
+    """Step records are read from a run directory: a string, a bool or a NaN in a timing field is not timing
+    (the fold neither crashes nor shows it); the numbers beside it are kept."""
+    from shardscope.analysis import straggler_report
+    from shardscope.profiling.state import RecordsArrived, RunState
+
+    st = RunState("ddp", "ddp", 2, 6)
+    recs = [{"kind": "step", "run": "ddp", "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05, "tokens": 8,
+             "tokens_per_s": 160.0, "busy_s": 0.02 if r == 0 else "evil", "time_forward_s": 0.01,
+             "cpu_wait_s": float("nan") if r == 0 else True} for s in range(4) for r in (0, 1)]
+    st.apply(RecordsArrived("ddp", tuple(recs), 0))
+    per_rank = straggler_report.section({"ddp": st})["ddp"]["per_rank"]
+    assert per_rank["0"]["busy_s"] == 0.02 and per_rank["1"]["busy_s"] is None
+    assert per_rank["0"]["cpu_wait_s"] is None and per_rank["1"]["cpu_wait_s"] is None
+    assert per_rank["1"]["time_forward_s"] == 0.01

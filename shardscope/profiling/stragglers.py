@@ -15,6 +15,7 @@ can ask it on every redraw. Pure Python, no torch.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,9 @@ class StragglerWatch:
         """Fold one rank's step record; judge the step once all ``world_size`` ranks have reported it."""
         if BUSY not in record and FORWARD not in record:  # no timing (old records): the common fast path
             return
-        figures = {k: v for k in TIMING_KEYS if (v := record.get(k)) is not None}
+        # a run directory's records are input: only finite numbers are timing (a string or a bool is left out)
+        figures = {k: float(v) for k in TIMING_KEYS if isinstance(v := record.get(k), (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
         self.timing.setdefault(rank, {})[step] = figures
         if BUSY not in figures:  # CUDA: a phase split by stream events, no own-work signal to judge by
             return
