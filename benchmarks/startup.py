@@ -17,6 +17,12 @@ first torchrun started, each rank's process start, imports, process group, model
 initial weights), strategy, batches (from the ``startup`` marks of the start record).
 
     python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke] [--device cuda]
+                                 [--no-bytecode-cache]
+
+Both sides run with Python's bytecode cache on, as on a user's machine, even where the environment sets
+``PYTHONDONTWRITEBYTECODE`` (this VM's does: then every process compiles shardscope's modules from source,
+~80 in the command line before it launches torchrun and ~40 in each rank; torch's were compiled by pip).
+``--no-bytecode-cache`` keeps the environment's setting, to see what it costs.
 
 Targets on a quiet machine: first step <= 1.2x the floor, between runs <= 1.0x the floor. The last
 lines are ``startup first_step_ratio: R`` and ``startup between_runs_ratio: R`` (medians over rounds).
@@ -57,6 +63,7 @@ dist.destroy_process_group()
 os._exit(0)  # gloo's threads can abort interpreter teardown (see engines/worker.exit_now)
 """
 
+ENV = dict(os.environ)  # what both sides run with (main() may allow the bytecode cache)
 STAGES = ("process", "entry", "imported", "process_group", "model", "strategy", "batches")
 
 
@@ -67,7 +74,7 @@ def floor_once(world_size: int, work: str, kind: str = "bare", device: str = "cp
     with open(script, "w", encoding="utf-8") as fh:
         fh.write(FLOOR_SCRIPT)
     marks = tempfile.mkdtemp(dir=work)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world_size), script, marks, kind, device], env=env, capture_output=True, text=True)
@@ -97,7 +104,7 @@ def shardscope_once(args: argparse.Namespace, work: str) -> dict:
            "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}",
            "--set", f"launch.device={args.device}"]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     total = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"shardscope exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -151,11 +158,19 @@ def main() -> int:
     parser.add_argument("--preset", default="smoke")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the floor joins NCCL and reduces a CUDA tensor; the comparison runs on the GPUs")
+    parser.add_argument("--no-bytecode-cache", action="store_true",
+                        help="keep the environment's PYTHONDONTWRITEBYTECODE (default: cache bytecode, as users do)")
     args = parser.parse_args()
+    if not args.no_bytecode_cache:
+        ENV.pop("PYTHONDONTWRITEBYTECODE", None)
+    print(f"bytecode cache: {'off (PYTHONDONTWRITEBYTECODE)' if ENV.get('PYTHONDONTWRITEBYTECODE') else 'on'}")
     print(f"load average before: {os.getloadavg()[0]:.2f}; device {args.device}, world size {args.world_size}")
     firsts, betweens, floors, ddp_floors, ddp_firsts, ddp_betweens = [], [], [], [], [], []
     with tempfile.TemporaryDirectory() as work:
         floor_once(args.world_size, work, device=args.device)  # warm the page cache for both sides
+        if not ENV.get("PYTHONDONTWRITEBYTECODE"):  # and the bytecode a user's first run would have left
+            subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "shardscope")], env=ENV,
+                           check=True)
         for i in range(args.rounds):
             floor, ddp_floor, ss = one_round(args, work, i)
             runs = ss["runs"]

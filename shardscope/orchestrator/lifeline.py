@@ -39,11 +39,13 @@ _PR_SET_PDEATHSIG = 1
 def _load_prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):
-        return None
+    # glibc's soname first: find_library("c") runs `ldconfig -p` in a subprocess, at every command's start
+    for name in ("libc.so.6", None):
+        try:
+            return ctypes.CDLL(name or ctypes.util.find_library("c"), use_errno=True).prctl
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
 
 
 _PRCTL = _load_prctl()  # resolved here, in the parent: the child between fork and exec only calls it
