@@ -216,6 +216,12 @@ def _measured_compute(r: CalibrationRun, fits: dict[str, CollectiveFit], overlap
     return comp
 
 
+def _timed(runs: list[CalibrationRun]) -> tuple[list[CalibrationRun], bool]:
+    """The runs with busy and step times, and whether each of them has its run-queue wait too."""
+    timed = [r for r in runs if r.busy_s and r.step_s and r.work is not None]
+    return timed, bool(timed) and all(r.cpu_wait_s is not None for r in timed)
+
+
 def background_load(runs: list[CalibrationRun], cores: int) -> float:
     """Other busy processes the calibration's CPU ranks shared the cores with, from the share of a core its
     ranks got: share = cores / (ranks + background). Where the step records carry ``cpu_wait_s`` (the main
@@ -223,10 +229,10 @@ def background_load(runs: list[CalibrationRun], cores: int) -> float:
     over the time they wanted to; a rank waiting in a collective is not runnable and does not count. Without
     it, busy over step time, where waits in collectives count as not getting the CPU and the figure leans
     high. 0 without busy times."""
-    timed = [r for r in runs if r.busy_s and r.step_s and r.work is not None]
+    timed, waits = _timed(runs)
     if not timed:
         return 0.0
-    if all(r.cpu_wait_s is not None for r in timed):
+    if waits:
         busy = sum(r.busy_s for r in timed)  # type: ignore[misc]
         share = min(1.0, busy / (busy + sum(r.cpu_wait_s for r in timed)))  # type: ignore[misc]
     else:
@@ -287,8 +293,7 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
         notes.append("no collective measured in the calibration's traces: runs that communicate are not predicted")
     background = background_load(usable, cores) if backend == "gloo" else 0.0
     if background > 0.05:
-        waits = all(r.cpu_wait_s is not None for r in usable if r.busy_s and r.step_s and r.work is not None)
-        how = "CPU time / (CPU time + run-queue wait)" if waits else "process CPU time / step time"
+        how = "CPU time / (CPU time + run-queue wait)" if _timed(usable)[1] else "process CPU time / step time"
         notes.append(f"the calibration's ranks got {cpu_share(usable[0].work.world_size, cores, background):.0%} of a "  # type: ignore[union-attr]
                      f"core each ({how}): {background:.1f} other busy processes assumed to share the cores, as then")
     comp: dict[str, dict[str, float]] = {}
