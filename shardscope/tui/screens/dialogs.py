@@ -48,8 +48,10 @@ class TooSmall(ModalScreen[None]):
         self.show_size()
 
     def show_size(self) -> None:
-        """Update the text with the current and the needed size."""
+        """Update the text with the current and the needed size (nothing before the text is composed: the redraw
+        timer can call this between the push and the compose, and ``on_mount`` shows it then)."""
         w, h = self.app.size
-        self.query_one("#too-small-text", Static).update(
-            f"Terminal too small: {w}×{h}. shardscope needs at least {self.need[0]}×{self.need[1]} — "
-            "enlarge the window (runs keep going meanwhile).")
+        for text in self.query("#too-small-text").results(Static):
+            text.update(
+                f"Terminal too small: {w}×{h}. shardscope needs at least {self.need[0]}×{self.need[1]} — "
+                "enlarge the window (runs keep going meanwhile).")
