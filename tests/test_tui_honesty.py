@@ -12,7 +12,7 @@ from shardscope.profiling import state as st
 from shardscope.tui.app import build_app
 from shardscope.tui.messages import UpdatesArrived
 from shardscope.tui.screens.presets import PresetsScreen
-from shardscope.tui.widgets.charts import y_ticks
+from shardscope.tui.widgets.charts import step_ticks, y_ticks
 from shardscope.core.numbers import fmt_sig
 from tui_fakes import FIXTURE, run_async
 from _pilot import wait_for
@@ -75,6 +75,9 @@ def test_chart_axis_labels_tiny_differences_in_scientific_notation():
     assert labels[0] == "0" and labels[-1] == "1.19e-07" and len(labels) == 5
     assert all("0.0000" not in label for label in labels)
     assert y_ticks([]) == [] and y_ticks([2.0, 2.0]) == [2.0]
+    # steps are whole numbers: a 3-step run's axis reads 0 1 2, not 0.00 0.50 ... 2.00
+    assert step_ticks([0, 1, 2]) == [0, 1, 2] and step_ticks([]) == [] and step_ticks([5]) == [5]
+    assert step_ticks(list(range(0, 100))) == [0, 25, 50, 75] and step_ticks([3, 10]) == [3, 5, 7, 9]
 
 
 def test_difference_chart_never_calls_nan_identical():

@@ -65,6 +65,16 @@ def y_ticks(ys: list[float], count: int = 5) -> list[float]:
     return [lo + (hi - lo) * i / (count - 1) for i in range(count)]
 
 
+def step_ticks(xs: list[float], count: int = 5) -> list[int]:
+    """At most about ``count`` whole-number steps over the range of ``xs``, evenly spaced (there is no step 0.5,
+    which plotext's own ticks would show for a short run); [] when empty."""
+    if not xs:
+        return []
+    lo, hi = int(min(xs)), int(max(xs))
+    stride = max(1, -(-(hi - lo) // max(1, count - 1)))
+    return list(range(lo, hi + 1, stride))
+
+
 def diff_note(diffs: dict[str, list[tuple[int, float]]]) -> str:
     """Return the difference chart's title note: " (non-finite from step N)" when a difference is
     nan or inf (never "identical"), " (identical)" when every difference is exactly 0, else ""."""
@@ -126,4 +136,6 @@ class StepChart(PlotextPlot):
         ticks = y_ticks([y for s in drawn for y in s.ys])
         if ticks:  # plotext would write 0.000000119; tiny differences read better as 1.19e-07
             plt.yticks(ticks, [fmt_sig(t) for t in ticks])
+        steps = step_ticks([x for s in drawn for x in s.xs])
+        plt.xticks(steps, [str(t) for t in steps])
         return super().render()
