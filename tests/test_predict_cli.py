@@ -6,6 +6,8 @@ No accuracy assertion: accuracy is benchmarks/predict_accuracy.py's."""
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import sys
 
@@ -110,6 +112,15 @@ def test_the_report_sets_predictions_beside_measurements(calibration):
         assert row["error"] == pytest.approx(row["tokens_per_s"] / row["measured_tokens_per_s"] - 1)
     report = open(RunDir(str(calibration)).report).read()
     assert "## Predicted beside measured" in report and "(calibration run: fit error)" in report
+    # each run's own spread, recounted from rank 0's step records: half the IQR of the timed steps' tokens/s over
+    # their median (step 0 and profiled steps left out, as the median throughput leaves them out)
+    for name, row in (("ddp", ddp), ("fsdp2", fsdp2)):
+        with open(os.path.join(str(calibration), name, "metrics", "rank0.jsonl"), encoding="utf-8") as fh:
+            recs = [json.loads(line) for line in fh if line.strip()]
+        rates = [r["tokens_per_s"] for r in recs if r.get("kind") == "step" and r["step"] > 0 and not r.get("profiled")]
+        q1, _, q3 = statistics.quantiles(rates, n=4)
+        assert row["measured_spread"] == pytest.approx((q3 - q1) / 2 / statistics.median(rates))
+        assert f"(own spread ±{row['measured_spread']:.1%})" in report
 
 
 def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_error(calibration):
@@ -141,7 +152,6 @@ def test_probe_and_collectives_measure_every_strategy_at_its_own_world_size_and_
     """``--probe --collectives`` on parity (every strategy): each run's compute comes from its own one-rank probe
     at 2 ranks, the tensor-parallel runs' too (probed on their 2-D mesh); collectives are timed by a short
     torchrun job at 2 ranks and again at the tensor-parallel runs' own 4; no probe or job process is left."""
-    import os
     import uuid
 
     import psutil

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.core.numbers import common_steps, median_rate, noise_factor, timed_rates, within_noise
+from shardscope.core.numbers import (  # noqa: F401  (relative_spread: importable from diff as before)
+    common_steps, median_rate, noise_factor, relative_spread, timed_rates, within_noise,
+)
 from shardscope.analysis import fold
 from shardscope.profiling.state import OK, RunState
 from shardscope.profiling import traces
@@ -132,15 +134,6 @@ def loss_diff(old: list[tuple[int, float]], new: list[tuple[int, float]], tol: f
     return {"steps_compared": len(pairs), "max_abs_diff": max(diffs) if diffs else None,
             "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None, "nonfinite_steps": nonfinite,
             "first_beyond": first, "tolerance": tol}
-
-
-def relative_spread(rates: list[float]) -> float | None:
-    """Half the interquartile range of a run's per-step rates over their median (None below 4 steps)."""
-    if len(rates) < 4:
-        return None
-    q1, _, q3 = statistics.quantiles(rates, n=4)
-    med = statistics.median(rates)
-    return (q3 - q1) / 2 / med if med > 0 else None
 
 
 def _range(noise_range: list[float] | None) -> str:

@@ -10,14 +10,16 @@ import statistics
 from typing import Any
 
 from shardscope.config import Comparison
-from shardscope.core.numbers import fmt_bytes, median_rate
+from shardscope.core.numbers import fmt_bytes, median_rate, relative_spread, timed_rates
 from shardscope.analysis import predict
 from shardscope.analysis.predict_work import NotPredicted
 
 
 def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None) -> dict[str, Any]:
     """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "runs": {name: row + measured_tokens_per_s,
-    measured_step_time_s, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``."""
+    measured_step_time_s, measured_spread, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``.
+    ``measured_spread``: the run's own step-to-step spread (half-IQR / median of its timed rates, as ``diff``'s
+    noise; None below 4 timed steps): an error inside it is the machine's noise as much as the model's."""
     baseline = c.baseline or (c.runs[0].name if c.runs else "")
     try:
         if calibrate_dirs:
@@ -40,6 +42,7 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
         rate = median_rate(st.throughput) if st is not None and st.unit == "tokens/s" else None
         steps = [t for s, t in (st.step_times if st else []) if s > 0]
         row["measured_tokens_per_s"] = rate
+        row["measured_spread"] = relative_spread(timed_rates(st.throughput)) if rate is not None else None
         row["measured_step_time_s"] = statistics.median(steps) if steps else None
         got = row.get("tokens_per_s")
         row["error"] = got / rate - 1 if got and rate else None
@@ -53,6 +56,10 @@ def _rate(v: Any) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
+def _spread(v: Any) -> str:
+    return "not measured: under 4 timed steps" if v is None else f"±{v:.1%}"
+
+
 def markdown(sec: dict[str, Any]) -> str:
     """report.md's "Predicted beside measured" section (empty without a section)."""
     if not sec:
@@ -61,7 +68,9 @@ def markdown(sec: dict[str, Any]) -> str:
     if sec.get("why"):
         return "\n".join(out + [f"Not predicted: {sec['why']}.\n"])
     out.append(f"Calibrated on {sec['calibrated_on']} (`shardscope predict` explains the model). "
-               "The error is predicted / measured median tokens/s - 1.\n")
+               "The error is predicted / measured median tokens/s - 1; beside it, the run's own spread (half the "
+               "interquartile range of its steps' tokens/s over their median): an error inside it is this machine's "
+               "noise as much as the model's.\n")
     rows, notes = [], []
     for name, r in sec["runs"].items():
         if r.get("why"):
@@ -71,6 +80,8 @@ def markdown(sec: dict[str, Any]) -> str:
             continue
         err = "-" if r["error"] is None else f"{r['error']:+.1%}" + (" (calibration run: fit error)"
                                                                      if r.get("calibration_run") else "")
+        if r["error"] is not None and "measured_spread" in r:  # a summary written before it was kept has none
+            err += f" (own spread {_spread(r.get('measured_spread'))})"
         split = " / ".join(f"{r[k] * 1e3:,.1f}" for k in ("compute_s", "exposed_comm_s", "rest_s"))
         rows.append(f"| {name} | {r['strategy']} | {'≤ ' if r.get('bound') else ''}{_rate(r['tokens_per_s'])} | "
                     f"{_rate(r['measured_tokens_per_s'])} | "
@@ -97,6 +108,8 @@ def plain_lines(sec: dict[str, Any]) -> list[str]:
             lines.append(f"{name}: not predicted: {r['why']}")
             continue
         err = "error not measured" if r.get("error") is None else f"{r['error']:+.1%}"
+        if r.get("error") is not None and "measured_spread" in r:
+            err += f"; its own spread {_spread(r.get('measured_spread'))}"
         lines.append(f"{name}: predicted {'≤ ' if r.get('bound') else ''}{_rate(r.get('tokens_per_s'))} tokens/s, "
                      f"measured {_rate(r.get('measured_tokens_per_s'))} ({err}"
                      + (", the calibration run: its fit error)" if r.get("calibration_run") else ")"))

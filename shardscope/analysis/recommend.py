@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardscope.core.numbers import fmt_bytes, timed_rates, within_noise
+from shardscope.core.numbers import fmt_bytes, relative_spread, timed_rates, within_noise
 
 GPU_CAVEAT = ("these runs used gloo on CPU: their timings do not predict GPU (NCCL) behaviour — the memory "
               "figures of model states carry over, the throughput ranking may not")
@@ -163,7 +163,7 @@ def section(c: Any, states: dict[str, Any], summary: dict[str, Any],
     """The recommendation for a comparison ``c`` whose runs are folded into ``states`` (``RunState``s)."""
     from shardscope.analysis import diff
 
-    spreads = {name: diff.relative_spread(timed_rates(st.throughput)) for name, st in states.items()}
+    spreads = {name: relative_spread(timed_rates(st.throughput)) for name, st in states.items()}
     devices = {str((st.start.get(0) or {}).get("device", "")) for st in states.values()}
     device = "cpu" if devices == {"cpu"} else ("cuda" if any(d.startswith("cuda") for d in devices) else "unknown")
     fits_at = ({r.name: smallest_fitting_world_size(c, r, device_memory_bytes) for r in c.runs}

@@ -105,6 +105,15 @@ def timed_rates(points: Iterable[tuple[int, float]]) -> list[float]:
     return [rate for step, rate in pts if step > 0] or [rate for _, rate in pts]
 
 
+def relative_spread(rates: list[float]) -> float | None:
+    """Half the interquartile range of a run's per-step rates over their median (None below 4 steps)."""
+    if len(rates) < 4:
+        return None
+    q1, _, q3 = statistics.quantiles(rates, n=4)
+    med = statistics.median(rates)
+    return (q3 - q1) / 2 / med if med > 0 else None
+
+
 def noise_factor(spread: float | None, other_spread: float | None) -> float | None:
     """The factor two median rates may differ by and still be noise: each run's relative step-to-step
     spread is a multiplicative wobble (1 + spread), and two wobbles compose by multiplying. For small
