@@ -161,8 +161,6 @@ def smallest_fitting_world_size(c: Any, run: Any, device_memory_bytes: int) -> i
 def section(c: Any, states: dict[str, Any], summary: dict[str, Any],
             device_memory_bytes: int | None = None) -> dict[str, Any]:
     """The recommendation for a comparison ``c`` whose runs are folded into ``states`` (``RunState``s)."""
-    from shardscope.analysis import diff
-
     spreads = {name: relative_spread(timed_rates(st.throughput)) for name, st in states.items()}
     devices = {str((st.start.get(0) or {}).get("device", "")) for st in states.values()}
     device = "cpu" if devices == {"cpu"} else ("cuda" if any(d.startswith("cuda") for d in devices) else "unknown")
