@@ -56,6 +56,17 @@ def _rate(v: Any) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
+UNREADABLE = "not shown: its figures in the comparison's summary are not numbers"
+FIGURES = ("tokens_per_s", "measured_tokens_per_s", "error", "measured_spread", "step_time_s", "compute_s",
+           "exposed_comm_s", "rest_s")
+
+
+def _readable(r: Any) -> bool:
+    """A row read back from a run directory's summary.json is input: every figure present is a number or null."""
+    return isinstance(r, dict) and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                                       for k, v in r.items() if k in FIGURES)
+
+
 def _spread(v: Any) -> str:
     return "not measured: under 4 timed steps" if v is None else f"±{v:.1%}"
 
@@ -73,6 +84,9 @@ def markdown(sec: dict[str, Any]) -> str:
                "noise as much as the model's.\n")
     rows, notes = [], []
     for name, r in sec["runs"].items():
+        if not _readable(r):
+            rows.append(f"| {name} | - | {UNREADABLE} | - | - | - | - |")
+            continue
         if r.get("why"):
             rows.append(f"| {name} | {r.get('strategy', '')} | not predicted | {_rate(r.get('measured_tokens_per_s'))} "
                         "| - | - | - |")
@@ -104,6 +118,9 @@ def plain_lines(sec: dict[str, Any]) -> list[str]:
         return [f"not predicted: {sec['why']}"]
     lines = [f"calibrated on {sec['calibrated_on']}; error = predicted / measured median tokens/s - 1"]
     for name, r in sec["runs"].items():
+        if not _readable(r):
+            lines.append(f"{name}: {UNREADABLE}")
+            continue
         if r.get("why"):
             lines.append(f"{name}: not predicted: {r['why']}")
             continue
