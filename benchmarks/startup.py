@@ -14,10 +14,15 @@ the rank files it reads
 
 each as a ratio to the floor measured beside it, and where the time went: the command line, the
 first torchrun started, each rank's process start, imports, process group, model (built and
-initial weights), strategy, batches (from the ``startup`` marks of the start record).
+initial weights), strategy, batches (from the ``startup`` marks of the start record). ``agent`` is the
+start of the run's torchrun agent: with ``launch.prestart`` (the default) the next run's agent starts ahead,
+beside the first run's launch, so between runs its stage is negative (it was there before the last run ended).
 
     python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke] [--device cuda]
-                                 [--no-bytecode-cache]
+                                 [--no-bytecode-cache] [--prestart on|off|both]
+
+``--prestart both`` (the default) runs the comparison twice a round, with the agent started ahead and without
+(``--set launch.prestart=false``), in an order that turns; the last two lines are the shipped default's (on).
 
 Both sides run with Python's bytecode cache on, as on a user's machine, even where the environment sets
 ``PYTHONDONTWRITEBYTECODE`` (this VM's does: then every process compiles shardscope's modules from source,
@@ -64,7 +69,7 @@ os._exit(0)  # gloo's threads can abort interpreter teardown (see engines/worker
 """
 
 ENV = dict(os.environ)  # what both sides run with (main() may allow the bytecode cache)
-STAGES = ("process", "entry", "imported", "process_group", "model", "strategy", "batches")
+STAGES = ("agent", "process", "entry", "imported", "process_group", "model", "strategy", "batches")
 
 
 def floor_once(world_size: int, work: str, kind: str = "bare", device: str = "cpu") -> float:
@@ -96,13 +101,13 @@ def records(out: str, run: str) -> dict[int, list[dict]]:
     return got
 
 
-def shardscope_once(args: argparse.Namespace, work: str) -> dict:
+def shardscope_once(args: argparse.Namespace, work: str, prestart: bool = True) -> dict:
     """Run the comparison once; return its timeline (s from launch) and the per-stage breakdown."""
     out = tempfile.mkdtemp(dir=work)
     os.rmdir(out)
     cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", args.preset, "--headless", "--out", out,
            "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}",
-           "--set", f"launch.device={args.device}"]
+           "--set", f"launch.device={args.device}", "--set", f"launch.prestart={str(prestart).lower()}"]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     total = time.time() - t0
@@ -124,16 +129,16 @@ def shardscope_once(args: argparse.Namespace, work: str) -> dict:
     return {"total": total, "runs": timeline}
 
 
-def one_round(args: argparse.Namespace, work: str, index: int) -> tuple[float, float, dict]:
-    """The floor, the DDP floor and shardscope, in an order that turns by round."""
+def one_round(args: argparse.Namespace, work: str, index: int, variants: list[bool]) -> list:
+    """The floor, the DDP floor and shardscope (once per prestart variant), in an order that turns by round."""
     jobs = [lambda: floor_once(args.world_size, work, device=args.device),
-            lambda: floor_once(args.world_size, work, "ddp", args.device),
-            lambda: shardscope_once(args, work)]
-    out: list = [None] * 3
-    for k in range(3):
-        j = (k + index) % 3
+            lambda: floor_once(args.world_size, work, "ddp", args.device)]
+    jobs += [lambda p=p: shardscope_once(args, work, p) for p in variants]
+    out: list = [None] * len(jobs)
+    for k in range(len(jobs)):
+        j = (k + index) % len(jobs)
         out[j] = jobs[j]()
-    return out[0], out[1], out[2]
+    return out
 
 
 def fmt_stages(run: dict, since: float) -> str:
@@ -160,42 +165,54 @@ def main() -> int:
                         help="cuda: the floor joins NCCL and reduces a CUDA tensor; the comparison runs on the GPUs")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="keep the environment's PYTHONDONTWRITEBYTECODE (default: cache bytecode, as users do)")
+    parser.add_argument("--prestart", default="both", choices=("on", "off", "both"),
+                        help="the comparison with the next run's agent started ahead (on, the default setting), "
+                             "without, or both each round (default)")
     args = parser.parse_args()
     if not args.no_bytecode_cache:
         ENV.pop("PYTHONDONTWRITEBYTECODE", None)
     print(f"bytecode cache: {'off (PYTHONDONTWRITEBYTECODE)' if ENV.get('PYTHONDONTWRITEBYTECODE') else 'on'}")
     print(f"load average before: {os.getloadavg()[0]:.2f}; device {args.device}, world size {args.world_size}")
-    firsts, betweens, floors, ddp_floors, ddp_firsts, ddp_betweens = [], [], [], [], [], []
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.prestart]
+    floors, ddp_floors = [], []
+    got: dict[bool, dict[str, list[float]]] = {p: {"first": [], "between": [], "ddp_first": [], "ddp_between": []}
+                                               for p in variants}
     with tempfile.TemporaryDirectory() as work:
         floor_once(args.world_size, work, device=args.device)  # warm the page cache for both sides
         if not ENV.get("PYTHONDONTWRITEBYTECODE"):  # and the bytecode a user's first run would have left
             subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "shardscope")], env=ENV,
                            check=True)
         for i in range(args.rounds):
-            floor, ddp_floor, ss = one_round(args, work, i)
-            runs = ss["runs"]
-            first = runs[0]["begin"]
-            gaps = [b["begin"] - a["end"] for a, b in zip(runs, runs[1:])]
+            floor, ddp_floor, *comparisons = one_round(args, work, i, variants)
             floors.append(floor)
             ddp_floors.append(ddp_floor)
-            firsts.append(first / floor)
-            ddp_firsts.append(first / ddp_floor)
-            betweens.extend(g / floor for g in gaps)
-            ddp_betweens.extend(g / ddp_floor for g in gaps)
-            print(f"round {i + 1}: floor {floor:.2f} s, DDP floor {ddp_floor:.2f} s | first step {first:.2f} s "
-                  f"({first / floor:.2f}x, {first / ddp_floor:.2f}x DDP) | between runs "
-                  f"{', '.join(f'{g:.2f} s ({g / floor:.2f}x, {g / ddp_floor:.2f}x DDP)' for g in gaps)} | "
-                  f"whole comparison {ss['total']:.2f} s")
-            print(f"  {runs[0]['run']}: launch -> {fmt_stages(runs[0], 0.0)}")
-            for a, b in zip(runs, runs[1:]):
-                print(f"  {b['run']}: end of {a['run']} -> {fmt_stages(b, a['end'])}")
+            print(f"round {i + 1}: floor {floor:.2f} s, DDP floor {ddp_floor:.2f} s")
+            for prestart, ss in zip(variants, comparisons):
+                runs, figures = ss["runs"], got[prestart]
+                first = runs[0]["begin"]
+                gaps = [b["begin"] - a["end"] for a, b in zip(runs, runs[1:])]
+                figures["first"].append(first / floor)
+                figures["ddp_first"].append(first / ddp_floor)
+                figures["between"].extend(g / floor for g in gaps)
+                figures["ddp_between"].extend(g / ddp_floor for g in gaps)
+                print(f"  prestart {'on' if prestart else 'off'}: first step {first:.2f} s ({first / floor:.2f}x, "
+                      f"{first / ddp_floor:.2f}x DDP) | between runs "
+                      f"{', '.join(f'{g:.2f} s ({g / floor:.2f}x, {g / ddp_floor:.2f}x DDP)' for g in gaps)} | "
+                      f"whole comparison {ss['total']:.2f} s")
+                print(f"    {runs[0]['run']}: launch -> {fmt_stages(runs[0], 0.0)}")
+                for a, b in zip(runs, runs[1:]):
+                    print(f"    {b['run']}: end of {a['run']} -> {fmt_stages(b, a['end'])}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print(f"floor median {statistics.median(floors):.2f} s, DDP floor median {statistics.median(ddp_floors):.2f} s "
           f"over {len(floors)} rounds")
-    print(f"against the DDP floor: first step {statistics.median(ddp_firsts):.2f}x, between runs "
-          f"{statistics.median(ddp_betweens):.2f}x")
-    print(f"startup first_step_ratio: {statistics.median(firsts):.2f} (target <= 1.2)")
-    print(f"startup between_runs_ratio: {statistics.median(betweens):.2f} (target <= 1.0)")
+    for prestart in sorted(variants, reverse=False):
+        figures = got[prestart]
+        print(f"prestart {'on' if prestart else 'off'}: first step {statistics.median(figures['first']):.2f}x floor "
+              f"({statistics.median(figures['ddp_first']):.2f}x DDP floor), between runs "
+              f"{statistics.median(figures['between']):.2f}x ({statistics.median(figures['ddp_between']):.2f}x)")
+    shipped = got[variants[0]]
+    print(f"startup first_step_ratio: {statistics.median(shipped['first']):.2f} (target <= 1.2)")
+    print(f"startup between_runs_ratio: {statistics.median(shipped['between']):.2f} (target <= 1.0)")
     return 0
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from _launch import smoke_preset
 from shardscope.core import events
+from shardscope.orchestrator import prestart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -32,6 +33,11 @@ def losses(out, run, rank=0):
     """{step: rank's local loss} (the same rank of two runs sees the same samples)."""
     records, _ = events.read_records(out / run / "metrics" / f"rank{rank}.jsonl")
     return {r["step"]: r["local_loss"] for r in records if r["kind"] == "step"}
+
+
+def start_records(out, run):
+    """Every rank's ``start`` record of ``run``."""
+    return [events.read_records(path)[0][0] for path in sorted((out / run / "metrics").glob("rank*.jsonl"))]
 
 
 def leftover_processes(marker: str) -> list[str]:
@@ -81,6 +87,12 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
         assert "gpuGetDeviceCount" not in console and "profiler_start" not in console, console[-2000:]
     assert leftover_processes(str(out)) == []
     _check_explained_and_recommended(out, summary, proc.stdout)
+    if prestart.usable_cpus() >= 2:  # fsdp2's torchrun agent started beside ddp's launch, and imported before
+        ddp_starts, fsdp_starts = start_records(out, "ddp"), start_records(out, "fsdp2")  # ddp's first step
+        first_step = min(r["t"] for r in ddp_starts)
+        assert all(r["startup"]["agent"] < first_step for r in fsdp_starts), fsdp_starts[0]["startup"]
+        assert all(r["startup"]["next_agent_ready"] <= r["t"] for r in ddp_starts), ddp_starts[0]["startup"]
+        assert not list(out.glob(".shardscope-agent*")), "the agent's ready file is gone with it"
 
 
 def _check_explained_and_recommended(out, summary, stdout):
@@ -219,7 +231,8 @@ def test_bf16_run_tracks_fp32_baseline_and_is_flagged(tmp_path):
     not like-for-like, and --check-parity leaves it out instead of failing on rounding."""
     out = tmp_path / "bf16"
     proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=10",
-                    "--set", "profile.enabled=false", "--set", "runs.fsdp2.precision='bf16-autocast'", "--check-parity"])
+                    "--set", "profile.enabled=false", "--set", "runs.fsdp2.precision='bf16-autocast'", "--check-parity",
+                    "--set", "launch.prestart=false"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}
     bf16 = runs["fsdp2"]
@@ -230,3 +243,7 @@ def test_bf16_run_tracks_fp32_baseline_and_is_flagged(tmp_path):
     starts = [events.read_records(out / run / "metrics" / "rank0.jsonl")[0][0] for run in ("ddp", "fsdp2")]
     assert starts[0]["init_sha256"] == starts[1]["init_sha256"], "both runs loaded the same initial weights"
     assert starts[1]["precision"]["compute"] == "bfloat16" and starts[0]["precision"]["compute"] == "float32"
+    # launch.prestart=false: fsdp2's agent started only once ddp's ranks had ended, and no rank waited for one
+    ddp_end = max(r["t"] for rank in (0, 1) for r in events.read_records(out / "ddp" / "metrics" / f"rank{rank}.jsonl")[0])
+    assert all(r["startup"]["agent"] >= ddp_end - 0.05 for r in start_records(out, "fsdp2"))  # to a clock tick
+    assert all("next_agent_ready" not in r["startup"] for r in start_records(out, "ddp"))

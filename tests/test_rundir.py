@@ -24,7 +24,7 @@ ALLOWED = {"core/rundir.py"}
 FILE_NAME = re.compile(
     r"\b(comparison|summary|spec|status|orchestrator|merged_trace)\.json\b|\breport\.md\b"
     r"|\binit\.(safetensors|log)\b|\bconsole\.(log|node)|\bdevices\.(jsonl|node)|\.jsonl\b|\.png\b"
-    r"|\.trace\.json|\.tmp\b|\.attempt\b|shardscope-dashboard\.svg|\.shardscope-spare|\.shardscope-lock|\bstall-request\b|\.spare\b"
+    r"|\.trace\.json|\.tmp\b|\.attempt\b|shardscope-dashboard\.svg|\.shardscope-spare|\.shardscope-lock|\.shardscope-agent|\bstall-request\b|\.spare\b"
     r"|\b(metrics|traces|plots|nodes)/|\btraces/tb\b|\bwhy\.json\b")
 # A folder under <out>: flagged when it is a piece of a path (an argument of a join or a glob).
 FOLDERS = {"metrics", "traces", "plots", "tb", "diff", "nodes", "why"}

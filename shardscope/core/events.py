@@ -50,6 +50,9 @@ ORCHESTRATOR_ENV = "SHARDSCOPE_ORCHESTRATOR"
 # "<pid>:<create_time>[,...]": the previous run's torchrun, still tearing down when this run was launched;
 # the ranks train only once it is gone (start-up overlaps the previous run's teardown, never its steps)
 PREVIOUS_RUN_ENV = "SHARDSCOPE_AFTER"
+# "<pid>:<create_time>:<ready path>": the next run's torchrun agent, started beside this run's start-up
+# (orchestrator/prestart.py); the ranks train only once it finished its imports (the path exists) or is gone
+WARM_AGENT_ENV = "SHARDSCOPE_WARM_AGENT"
 # torch's flight recorder (every collective's sequence number, kind, sizes, state), read by a stalled rank
 FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES = "TORCH_FR_BUFFER_SIZE", "2000"
 # Profiler ranges the training loop opens around each phase; the trace analysis reads them back.

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from shardscope.core.events import ORCHESTRATOR_ENV, PREVIOUS_RUN_ENV
+from shardscope.core.events import ORCHESTRATOR_ENV, PREVIOUS_RUN_ENV, WARM_AGENT_ENV
 from shardscope.core.liveness import process_alive
 
 
@@ -94,3 +94,25 @@ def wait_for_previous_run(env: str | None = None, poll_s: float = 0.01) -> float
         time.sleep(poll_s)
         waited = time.monotonic() - start
     return waited
+
+
+def wait_for_warm_agent(env: str | None = None, poll_s: float = 0.01) -> float | None:
+    """Block until the next run's torchrun agent named in ``WARM_AGENT_ENV`` (started beside this run's
+    start-up, ``engines/agent.py``) has finished its imports (created its ready file) or is gone; return when
+    it was ready (epoch seconds, the file's content), None when no agent is named, it is gone, or the file
+    does not hold a time. A rank calls it before its first step: the measured steps never share the machine
+    with that agent's imports, only with its sleep."""
+    text = os.environ.get(WARM_AGENT_ENV, "") if env is None else env
+    pid, _, rest = text.partition(":")
+    created, _, ready = rest.partition(":")
+    try:
+        named = (int(pid), float(created))
+    except ValueError:
+        return None
+    while ready and not os.path.exists(ready) and process_alive(*named):
+        time.sleep(poll_s)
+    try:
+        with open(ready, encoding="utf-8") as fh:
+            return float(fh.read(64))
+    except (OSError, ValueError):
+        return None

@@ -43,7 +43,7 @@ from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.module_probe import ModuleProbe
 from shardscope.engines.model import build_model, count_parameters, resolve
 from shardscope.engines.precision import policy_for
-from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run
+from shardscope.engines.watchdog import OrchestratorWatch, wait_for_previous_run, wait_for_warm_agent
 from shardscope.engines.comm_count import CountWindow
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.engines.stall_dump import StallDump
@@ -134,15 +134,16 @@ def train_settings(comparison: Comparison, run: dict[str, Any], dp: int) -> Trai
     )
 
 
-def process_start_time() -> float | None:
-    """This process's start (epoch seconds), from the kernel; None where it cannot be read.
+def process_start_time(pid: int | str = "self") -> float | None:
+    """Process ``pid``'s start (epoch seconds; this process by default), from the kernel; None where it
+    cannot be read.
 
-    ``/proc/self/stat``'s start time counts clock ticks since boot; its distance from now on the boot clock
+    ``/proc/<pid>/stat``'s start time counts clock ticks since boot; its distance from now on the boot clock
     places it in epoch seconds to a tick. (psutil adds the ticks to ``/proc/stat``'s boot time, which is in
     whole seconds: its start time is up to 1 s early, and the start record's ``process`` stage read 0.45 s
     that Python's own start-up never took.)"""
     try:
-        with open("/proc/self/stat", "rb") as fh:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
             ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])
         since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - since_start
@@ -179,6 +180,9 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     marks["batches"] = time.time()
     if wait_for_previous_run():  # launched while the previous run tore down: train once it is gone
         marks["previous_run_gone"] = time.time()
+    ready = wait_for_warm_agent()  # the next run's agent, started beside this start-up: train once it sleeps
+    if ready is not None:
+        marks["next_agent_ready"] = ready
     prof = comparison.profile
     window = ProfilerWindow(spec["run_dir"], ctx.rank, enabled=prof.enabled, start_step=prof.start_step,
                             steps=prof.steps, total_steps=comparison.steps, record_shapes=prof.record_shapes,
@@ -263,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
             writer.forward_to(os.environ[record_wire.ENV], secret=record_wire.secret_from_env())
-        marks = {"process": process_start_time(), "entry": _T_ENTRY, "imported": _T_IMPORTED}
+        # "agent": torchrun's agent (this rank's parent), which started ahead of its run when prestarted
+        marks = {"agent": process_start_time(os.getppid()), "process": process_start_time(),
+                 "entry": _T_ENTRY, "imported": _T_IMPORTED}
         ctx = init_distributed(spec)
         marks["process_group"] = time.time()
         run_rank(spec, ctx, writer, cfg, marks)

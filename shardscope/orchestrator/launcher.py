@@ -224,6 +224,13 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+def launch_env(plan: LaunchPlan) -> dict[str, str]:
+    """The whole environment ``plan``'s torchrun gets: this process's, the plan's additions, the lifeline's.
+
+    Call it from the thread that launches runs (the lifeline names it)."""
+    return {**os.environ, **plan.env, **lifeline.rank_env()}
+
+
 def start(plan: LaunchPlan) -> RunProcess:
     """Start the plan's command in a new process group, stdout and stderr appended to its console log.
 
@@ -238,16 +245,13 @@ def start(plan: LaunchPlan) -> RunProcess:
     except OSError:
         log.close()
         raise
-    env = dict(os.environ)
-    env.update(plan.env)
-    env.update(lifeline.rank_env())
     popen = subprocess.Popen(
         plan.argv,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         cwd=plan.cwd,
-        env=env,
+        env=launch_env(plan),
         start_new_session=True,  # its own process group, so the whole job can be signalled
         preexec_fn=lifeline.die_with_parent(),  # torchrun ends when this thread or process does
     )

@@ -26,7 +26,7 @@ from shardscope.core import outspace
 from shardscope.config import Comparison, dump_json
 from shardscope.core import record_wire
 from shardscope.orchestrator.record_server import RecordServer
-from shardscope.orchestrator import launcher, lifeline, nodes, verdict
+from shardscope.orchestrator import launcher, lifeline, nodes, prestart, verdict
 from shardscope.profiling import state
 from shardscope.orchestrator.completion import Completion
 from shardscope.orchestrator.device_log import DeviceLog
@@ -51,6 +51,7 @@ def terminate_all(grace_s: float = 3.0) -> None:
         for active in list(session._active.values()):
             active.stop_reason = active.stop_reason or "stopped"
             active.proc.stop(grace_s)
+        session._discard_warm()
 
 
 def default_out_dir(preset_name: str, root: str = "shardscope-runs") -> str:
@@ -100,6 +101,8 @@ class Session(RunSupervision, SessionEnds, Completion):
                                       launch.records_endpoint)
         # Several nodes without a shared filesystem: node 0 receives the others' records over TCP.
         self._records: RecordServer | None = None
+        self._warm: prestart.Warm | None = None  # the next run's torchrun agent, started ahead
+        self._warm_count = 0
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             for active in list(self._active.values()):
                 active.proc.kill()
         finally:
+            self._discard_warm()
             try:
                 self._stop_sampler()
                 self._watch.stop()
@@ -247,11 +251,15 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._flush()
 
     def _poll_delay(self) -> float:
-        """The poll interval, or 20 ms while a run is at its last step (its end starts the next run)."""
+        """The poll interval, or 20 ms while a run is within one interval of its last step at its pace so far
+        (or at its last step): its end starts the next run, so the next launch waits for no sleep."""
         last = self.comparison.steps - 1
-        near_end = any(active.last_steps and min(active.last_steps.values()) >= last - 1
-                       for active in self._active.values())
-        return min(self.poll_interval_s, 0.02) if near_end and self._queue else self.poll_interval_s
+        for active in self._active.values():
+            left = active.seconds_left(last)
+            near = active.last_steps and min(active.last_steps.values()) >= last - 1
+            if self._queue and (near or (left is not None and left <= self.poll_interval_s)):
+                return min(self.poll_interval_s, 0.02)
+        return self.poll_interval_s
 
     def _check_nodes(self) -> None:
         """A lost node (node 0: any other; other nodes: node 0) fails the active runs (their ranks here are
@@ -326,7 +334,9 @@ class Session(RunSupervision, SessionEnds, Completion):
             os.makedirs(files.metrics, exist_ok=True)
             dump_json(files.spec,
                       config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
-            proc = launcher.start(plan)
+            warm, self._warm = self._warm, None
+            plan = self._start_next_agent(plan, cold=warm is None)
+            proc = (warm.launch(plan) if warm is not None else None) or launcher.start(plan)
         except OSError as err:
             disk = outspace.disk_error(err)
             if disk is None:
@@ -336,3 +346,22 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._active[name] = _Active(name, proc, MetricsTailer(files.metrics),
                                      ConsoleTailer(plan.console_path), time.monotonic())
 
+
+    def _start_next_agent(self, plan: launcher.LaunchPlan, *, cold: bool) -> launcher.LaunchPlan:
+        """Start the next queued run's torchrun agent beside this launch when ``prestart.worth_starting``;
+        return ``plan`` with the gate that keeps its ranks' first step after that agent's imports."""
+        launch = self.comparison.launch
+        ranks = config.resolved_world_size(self.comparison, self.comparison.run(plan.run)) // launch.nnodes
+        if (not self._queue or launch.concurrent or not launch.prestart or self._stopping
+                or not prestart.worth_starting(cold=cold, local_ranks=ranks, cpus=prestart.usable_cpus())):
+            return plan
+        self._warm_count += 1
+        ready = self.rundir.agent_ready(self._warm_count)
+        self._warm = prestart.start(self.python, ready, launcher.worker_env(self.device), os.getcwd())
+        return plan.with_env(self._warm.gate_env())
+
+    def _discard_warm(self) -> None:
+        """End the agent started ahead for a run that will not start now."""
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.discard()

@@ -39,6 +39,14 @@ class _Active:
     ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
     finished: set[int] = field(default_factory=set)  # ranks whose `end` record says ok or diverged
     stalls: dict[int, dict] = field(default_factory=dict)  # rank -> its `stall` record (where it was)
+    step_clock: list[tuple[int, float]] = field(default_factory=list)  # rank 0's first and latest (step, t)
+
+    def seconds_left(self, last_step: int) -> float | None:
+        """Rank 0's time to its last step at its pace so far (None before two of its steps arrived)."""
+        if len(self.step_clock) < 2 or self.step_clock[-1][0] <= self.step_clock[0][0]:
+            return None
+        (s0, t0), (s1, t1) = self.step_clock[0], self.step_clock[-1]
+        return (last_step - s1) * (t1 - t0) / (s1 - s0)
 
 
 STALL_ANSWER_S = 10.0  # how long a stalled run's ranks get to say where they are before it is stopped
@@ -75,6 +83,9 @@ class RunSupervision:
             for r in records:
                 if r.get("kind") == "step":
                     active.last_steps[int(r.get("rank", 0))] = int(r.get("step", 0))
+                    if r.get("rank") == 0 and isinstance(r.get("t"), (int, float)):
+                        point = (int(r.get("step", 0)), float(r["t"]))
+                        active.step_clock = [active.step_clock[0] if active.step_clock else point, point]
                 elif r.get("kind") == "error":
                     active.errors.append(r)
                     active.error, active.traceback = root_cause(active.errors)

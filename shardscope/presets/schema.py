@@ -80,6 +80,8 @@ class LaunchSpec:
     records_endpoint: str = ""
     records_bind: str = ""  # node 0: the address its record server binds when not the endpoint's host (0.0.0.0)
     concurrent: bool = False
+    # start the next run's torchrun agent (its import of torch) before its run is due; orchestrator/prestart.py
+    prestart: bool = True
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
 

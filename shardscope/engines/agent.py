@@ -1,0 +1,89 @@
+"""A torchrun agent started ahead of its run: ``python -m shardscope.engines.agent READY_PATH``.
+
+Between two runs of a comparison, most of the gap is start-up that does not depend on the run: torchrun's
+agent importing torch (``torch.distributed.run``: 1.5-2.5 s on a 2-core VM) before it spawns any rank. The
+orchestrator therefore starts the *next* run's agent early (``orchestrator/prestart.py``), while the cores
+are idle (beside the first run's own agent, or where the machine has a core to spare), never beside
+measured steps: once its imports are done this process writes the time into ``READY_PATH`` and sleeps on its standard
+input, and the ranks of the run going on wait before their first step until it has (``watchdog``).
+
+When the run is due, the orchestrator writes one JSON line on the agent's standard input: ``{"args": [...],
+"env": {...}, "cwd": ..., "console": ...}`` with exactly what ``python -m torch.distributed.run ARGS``
+would have been started with. The agent sends its output to ``console``, takes that environment and
+directory, points its standard input at ``/dev/null`` (what a cold launch gives) and calls
+``torch.distributed.run.main(args)``: the very function the ``torchrun`` command runs, so the job is a real
+torchrun job, signals and exit codes included. End of input before a line (the comparison ended without
+it): exit 0 without starting anything.
+
+Written by hand: torchrun has no "import now, launch later" mode, and a fork server would make ranks
+children of something other than torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from shardscope.core.rundir import PARTIAL_SUFFIX
+
+ORDER_KEYS = {"args": list, "env": dict, "cwd": str, "console": str}
+
+
+def parse_order(line: str) -> dict:
+    """Return the launch order in ``line``; ValueError when it is not one (its own parent wrote it: a
+    malformed line is a bug, said on the console instead of a torchrun started with the wrong arguments)."""
+    order = json.loads(line)
+    if not isinstance(order, dict) or set(order) != set(ORDER_KEYS):
+        raise ValueError(f"launch order: expected the keys {sorted(ORDER_KEYS)}")
+    for key, kind in ORDER_KEYS.items():
+        if not isinstance(order[key], kind):
+            raise ValueError(f"launch order: {key} must be a {kind.__name__}")
+    if not all(isinstance(a, str) for a in order["args"]):
+        raise ValueError("launch order: args must be strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in order["env"].items()):
+        raise ValueError("launch order: env must map strings to strings")
+    return order
+
+
+def _redirect(console: str) -> None:
+    """Standard output and error appended to ``console``; standard input from /dev/null."""
+    out = os.open(console, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.dup2(null, 0)
+    os.close(out)
+    os.close(null)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Import torchrun, say so in READY_PATH, wait for the launch order, run torchrun; return its exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m shardscope.engines.agent READY_PATH", file=sys.stderr)
+        return 2
+    import torch.distributed.run as torchrun  # the start-up this process exists to take early
+
+    ready = f"{argv[0]}.{os.getpid()}{PARTIAL_SUFFIX}"
+    with open(ready, "w", encoding="utf-8") as fh:  # whole or absent: a rank reads the time in it
+        fh.write(f"{time.time()!r}\n")
+    os.replace(ready, argv[0])
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    order = parse_order(line)
+    _redirect(order["console"])
+    os.chdir(order["cwd"])
+    os.environ.clear()
+    os.environ.update(order["env"])
+    sys.argv = ["torchrun", *order["args"]]
+    torchrun.main(order["args"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

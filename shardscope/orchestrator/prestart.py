@@ -1,0 +1,130 @@
+"""The next run's torchrun agent, started ahead of its run (``launch.prestart``, on by default).
+
+A run's launch pays torchrun's own start-up first: its agent imports torch before it spawns a rank (1.5-2.5 s on
+a 2-core VM, the same on every run). ``Warm`` starts ``python -m shardscope.engines.agent`` early, with the
+environment a launch would give it; the agent imports torchrun, creates its ready file and sleeps. When the run
+is due, ``Warm.launch`` writes the launch plan's torchrun arguments, environment, directory and console file to
+the agent's standard input and the agent calls ``torch.distributed.run.main`` with them: the same torchrun job a
+cold launch starts, only without the wait for the import.
+
+When: ``worth_starting`` says whether the next run's agent may start beside this launch. Beside a cold launch,
+its import takes a core that this run's own agent leaves idle (the ranks do not exist yet); beside a launch that
+used an agent started ahead, the ranks spawn at once, so only where the machine has a core more than this node's
+ranks. Never beside measured steps: this run's ranks wait for the agent's ready file before their first step
+(``engines.watchdog.wait_for_warm_agent``), and afterwards the agent only sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+
+import psutil
+
+from shardscope.core.events import WARM_AGENT_ENV
+from shardscope.orchestrator import launcher, lifeline
+
+AGENT_MODULE = "shardscope.engines.agent"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a cgroup or taskset narrows), else the count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worth_starting(*, cold: bool, local_ranks: int, cpus: int) -> bool:
+    """Whether the next run's agent may start beside this run's launch (see the module docstring)."""
+    return cpus >= 2 if cold else cpus > local_ranks
+
+
+@dataclass
+class Warm:
+    """A torchrun agent waiting for its launch order."""
+
+    popen: subprocess.Popen
+    ready_path: str
+    create_time: float
+
+    def gate_env(self) -> dict[str, str]:
+        """Environment that makes the run going on wait, before its first step, until this agent is ready."""
+        return {WARM_AGENT_ENV: f"{self.popen.pid}:{self.create_time:.3f}:{self.ready_path}"}
+
+    def launch(self, plan: launcher.LaunchPlan) -> launcher.RunProcess | None:
+        """Start ``plan``'s torchrun job in this agent; None when the agent is gone (start it cold instead).
+
+        The plan's command must be ``python -m torch.distributed.run ARGS``: the agent runs exactly ARGS."""
+        args = torchrun_args(plan.argv)
+        order = {"args": list(args), "env": launcher.launch_env(plan), "cwd": plan.cwd,
+                 "console": plan.console_path}
+        if self.popen.poll() is not None:  # it died (its import failed, a kill): the caller starts it cold
+            self.discard()
+            return None
+        os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
+        with open(plan.console_path, "ab") as log:  # the line a cold launch writes: the command to run by hand
+            log.write(f"$ {plan.shell_line()}\n".encode())
+        try:
+            assert self.popen.stdin is not None
+            self.popen.stdin.write((json.dumps(order) + "\n").encode())
+            self.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            self.discard()
+            return None
+        self._forget_ready()
+        return launcher.RunProcess(plan=plan, popen=self.popen)
+
+    def discard(self) -> None:
+        """End an agent that will not be used (it never started a rank: nothing to stop gracefully)."""
+        try:
+            if self.popen.stdin is not None and not self.popen.stdin.closed:
+                self.popen.stdin.close()
+        except OSError:
+            pass
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        self._forget_ready()
+
+    def _forget_ready(self) -> None:
+        try:
+            os.remove(self.ready_path)
+        except OSError:
+            pass
+
+
+def torchrun_args(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The arguments after ``python -m torch.distributed.run`` in a launch plan's command."""
+    head = ("-m", "torch.distributed.run")
+    if tuple(argv[1:3]) != head:
+        raise ValueError(f"not a torchrun command: {argv[:3]}")
+    return tuple(argv[3:])
+
+
+def start(python: str, ready_path: str, env: dict[str, str], cwd: str) -> Warm:
+    """Start an agent ahead of its run, with ``env`` added to this process's environment.
+
+    Call it from the thread that launches runs: like torchrun, the agent gets its parent-death signal when
+    that thread ends (``lifeline.die_with_parent``); it also ends at the end of its input."""
+    try:
+        os.remove(ready_path)  # one left by an orchestrator that was killed: not this agent's
+    except OSError:
+        pass
+    popen = subprocess.Popen(
+        [python, "-m", AGENT_MODULE, ready_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=cwd,
+        env={**os.environ, **env, **lifeline.rank_env()},
+        start_new_session=True,  # its own process group, as a cold launch's torchrun
+        preexec_fn=lifeline.die_with_parent(),
+    )
+    try:
+        created = psutil.Process(popen.pid).create_time()
+    except psutil.Error:  # gone already: the gate lets the run train (no such process)
+        created = 0.0
+    return Warm(popen=popen, ready_path=ready_path, create_time=created)

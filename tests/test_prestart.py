@@ -1,0 +1,136 @@
+"""The next run's torchrun agent started ahead (orchestrator/prestart.py, engines/agent.py, the ranks' gate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from shardscope.engines.agent import parse_order
+from shardscope.engines.watchdog import wait_for_warm_agent
+from shardscope.orchestrator import launcher, prestart
+from shardscope.orchestrator.supervision import _Active
+
+
+def test_a_launch_order_is_checked():
+    """The agent takes exactly the four keys with their types; anything else is an error, not a torchrun."""
+    good = {"args": ["--nnodes", "1", "x.py"], "env": {"A": "1"}, "cwd": "/", "console": "/tmp/c.log"}
+    assert parse_order(json.dumps(good)) == good
+    for bad in ({**good, "extra": 1}, {k: v for k, v in good.items() if k != "cwd"}, {**good, "args": "x.py"},
+                {**good, "args": [1]}, {**good, "env": {"A": 1}}, {**good, "console": None}, [good]):
+        with pytest.raises(ValueError):
+            parse_order(json.dumps(bad))
+
+
+def test_the_agent_runs_the_plans_own_torchrun_arguments():
+    argv = launcher.torchrun_argv("/x/spec.json", nproc_per_node=2, python="/usr/bin/python3")
+    assert (argv[0], *prestart.torchrun_args(argv)) == (argv[0], *argv[3:])
+    assert prestart.torchrun_args(argv)[-3:] == ("-m", "shardscope.engines.worker", "/x/spec.json")
+    with pytest.raises(ValueError):
+        prestart.torchrun_args(("/usr/bin/python3", "-m", "shardscope.cli"))
+
+
+def test_when_the_next_agent_may_start():
+    """Beside a cold launch, a second core is enough (the launch's own agent uses one, no rank exists yet);
+    beside a launch that used an agent started ahead, only a core beyond this node's ranks."""
+    assert prestart.worth_starting(cold=True, local_ranks=2, cpus=2)
+    assert not prestart.worth_starting(cold=True, local_ranks=1, cpus=1)
+    assert not prestart.worth_starting(cold=False, local_ranks=2, cpus=2)
+    assert prestart.worth_starting(cold=False, local_ranks=2, cpus=3)
+    assert prestart.usable_cpus() >= 1
+
+
+def test_ranks_wait_for_the_next_agent_to_finish_its_imports(tmp_path):
+    """The gate: nothing named, or a process gone, is no wait; while the agent lives without its ready file the
+    rank does not start; the ready file ends the wait, and the time in it goes into the start record."""
+    assert wait_for_warm_agent("") is None
+    assert wait_for_warm_agent("garbage") is None
+    ready = tmp_path / "agent.ready"
+    assert wait_for_warm_agent(f"999999999:1.0:{ready}") is None  # no such process
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        named = f"{sleeper.pid}:{psutil.Process(sleeper.pid).create_time():.3f}:{ready}"
+        result: list[float] = []
+        waiter = threading.Thread(target=lambda: result.append(wait_for_warm_agent(named)), daemon=True)
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not result  # importing still: no first step yet
+        ready.write_text("1795000000.25\n")
+        waiter.join(timeout=60)
+        assert not waiter.is_alive() and result == [1795000000.25]  # when the agent said it was ready
+        assert sleeper.poll() is None  # the ready agent goes on sleeping; only its imports were waited for
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_time_left_to_the_last_step_follows_rank_0s_pace():
+    active = _Active("r", None, None, None, 0.0)  # type: ignore[arg-type]
+    assert active.seconds_left(9) is None
+    active.step_clock = [(0, 100.0), (0, 100.0)]
+    assert active.seconds_left(9) is None  # one step: no pace yet
+    active.step_clock = [(0, 100.0), (4, 102.0)]
+    assert active.seconds_left(9) == pytest.approx(2.5)  # 0.5 s a step, 5 steps to go
+
+
+WORKER = """
+import json, os, sys, time
+with open(sys.argv[1], "w") as fh:
+    json.dump({"ppid": os.getppid(), "cwd": os.getcwd(), "mark": os.environ.get("PRESTART_TEST"),
+               "rank": os.environ.get("RANK"), "stdin": os.readlink("/proc/self/fd/0")}, fh)
+print("rank says hello", flush=True)
+"""
+
+
+def _plan(tmp_path, result):
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    argv = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "prestart-test",
+            "--max-restarts", "0", str(script), str(result))
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    return launcher.LaunchPlan("r", argv, {"PRESTART_TEST": "yes"}, str(tmp_path / "r" / "console.log"),
+                               str(workdir))
+
+
+def test_an_agent_started_ahead_runs_the_plans_torchrun_job(tmp_path):
+    """A real agent: it imports torchrun, says it is ready, and on its launch order runs the plan's torchrun
+    job as a cold launch would: the plan's environment and directory, its console (the command line first,
+    then torchrun's and the rank's output), standard input from /dev/null, the rank a child of the agent."""
+    result = tmp_path / "rank.json"
+    plan = _plan(tmp_path, result)
+    warm = prestart.start(sys.executable, str(tmp_path / "a.ready"), {}, str(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(warm.ready_path) and warm.popen.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(warm.ready_path), "the agent never said it was ready"
+        assert warm.popen.poll() is None and float(open(warm.ready_path).read()) <= time.time()
+        proc = warm.launch(plan)
+        assert proc is not None and proc.pid == warm.popen.pid
+        assert proc.popen.wait(timeout=300) == 0
+    finally:
+        if warm.popen.poll() is None:
+            warm.popen.kill()
+    seen = json.loads(result.read_text())
+    assert seen == {"ppid": warm.popen.pid, "cwd": plan.cwd, "mark": "yes", "rank": "0", "stdin": os.devnull}
+    console = open(plan.console_path, encoding="utf-8").read()
+    assert console.startswith(f"$ {plan.shell_line()}\n") and "rank says hello" in console
+    assert not os.path.exists(warm.ready_path)
+
+
+def test_an_unused_agent_is_ended_and_a_dead_one_means_a_cold_start(tmp_path):
+    warm = prestart.start(sys.executable, str(tmp_path / "a.ready"), {}, str(tmp_path))
+    warm.discard()
+    assert warm.popen.poll() is not None and not os.path.exists(warm.ready_path)
+    dead = prestart.start(sys.executable, str(tmp_path / "b.ready"), {}, str(tmp_path))
+    dead.popen.kill()
+    dead.popen.wait()
+    assert dead.launch(_plan(tmp_path, tmp_path / "never.json")) is None  # the session starts it cold instead
