@@ -134,3 +134,21 @@ def test_an_unused_agent_is_ended_and_a_dead_one_means_a_cold_start(tmp_path):
     dead.popen.kill()
     dead.popen.wait()
     assert dead.launch(_plan(tmp_path, tmp_path / "never.json")) is None  # the session starts it cold instead
+
+
+def test_an_agent_whose_orchestrator_is_gone_leaves_no_ready_file(tmp_path):
+    """The parent-death SIGTERM reaches a sleeping agent: it ends and takes its ready file with it."""
+    import signal
+
+    warm = prestart.start(sys.executable, str(tmp_path / "c.ready"), {}, str(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(warm.ready_path) and warm.popen.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(warm.ready_path)
+        warm.popen.send_signal(signal.SIGTERM)
+        assert warm.popen.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if warm.popen.poll() is None:
+            warm.popen.kill()
+    assert not os.path.exists(warm.ready_path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -47,6 +48,13 @@ def parse_order(line: str) -> dict:
     return order
 
 
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 def _redirect(console: str) -> None:
     """Standard output and error appended to ``console``; standard input from /dev/null."""
     out = os.open(console, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -66,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m shardscope.engines.agent READY_PATH", file=sys.stderr)
         return 2
+    # Ended before its run (the orchestrator gone: parent-death SIGTERM): leave no ready file behind.
+    signal.signal(signal.SIGTERM, lambda *_: (_remove(argv[0]), os._exit(128 + signal.SIGTERM)))
     import torch.distributed.run as torchrun  # the start-up this process exists to take early
 
     ready = f"{argv[0]}.{os.getpid()}{PARTIAL_SUFFIX}"
@@ -73,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(f"{time.time()!r}\n")
     os.replace(ready, argv[0])
     line = sys.stdin.readline()
+    _remove(argv[0])  # used or not, it is not waited for any more
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here torchrun's own handling, as a cold launch's
     if not line.strip():
         return 0
     order = parse_order(line)
