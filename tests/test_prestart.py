@@ -152,3 +152,33 @@ def test_an_agent_whose_orchestrator_is_gone_leaves_no_ready_file(tmp_path):
         if warm.popen.poll() is None:
             warm.popen.kill()
     assert not os.path.exists(warm.ready_path)
+
+
+def test_an_agent_whose_import_fails_says_so_on_the_runs_console(tmp_path):
+    """A torch that cannot be imported: the agent still says it is done (the run going on must not wait for
+    it), and once its run is due the traceback is on that run's console with exit code 1, as a cold launch's."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('a torch broken for this test')\n")
+    env = {"PYTHONPATH": str(tmp_path / "fake") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    warm = prestart.start(sys.executable, str(tmp_path / "d.ready"), env, str(tmp_path))
+    try:
+        assert wait_for_warm_agent(warm.gate_env()["SHARDSCOPE_WARM_AGENT"]) is not None
+        plan = _plan(tmp_path, tmp_path / "never.json")
+        proc = warm.launch(plan)
+        assert proc is not None and proc.popen.wait(timeout=120) == 1
+    finally:
+        if warm.popen.poll() is None:
+            warm.popen.kill()
+    console = open(plan.console_path, encoding="utf-8").read()
+    assert console.startswith("$ ") and "ImportError: a torch broken for this test" in console
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_each_node_has_its_own_ready_file(tmp_path):
+    """Nodes sharing one output directory count their agents apart: the names must not meet."""
+    from shardscope.core.rundir import RunDir
+
+    out = RunDir(str(tmp_path))
+    assert out.agent_ready(2, 0) != out.agent_ready(2, 1)
+    assert os.path.dirname(out.agent_ready(1)) == str(tmp_path)

@@ -54,7 +54,8 @@ IDENTITY = "orchestrator.json"
 NODES = "nodes"
 SCREENSHOT = "shardscope-dashboard.svg"
 SPARE = ".shardscope-spare"
-AGENT_READY = ".shardscope-agent{seq}.ready"  # a torchrun agent started ahead of its run finished its imports
+# a torchrun agent started ahead of its run finished its imports (one name per node: nodes may share <out>)
+AGENT_READY = ".shardscope-agent{seq}.node{node}.ready"
 LOCK = ".shardscope-lock"  # held (flock) by the command that owns the directory; .shardscope-lock.node<N> per node
 RANK_SPARE_SUFFIX = ".spare"  # metrics/rank<R>.jsonl.spare: room a rank keeps for its last records
 PARTIAL_SUFFIX = ".tmp"  # a file being written (torch's trace handler, the initial weights' atomic write)
@@ -237,9 +238,10 @@ class RunDir:
         """``.shardscope-spare``: the space kept free for the verdicts and the summary (outspace.Spare)."""
         return os.path.join(self.path, SPARE)
 
-    def agent_ready(self, seq: int) -> str:
-        """``.shardscope-agent<seq>.ready``: created by the ``seq``-th agent started ahead once its imports are done."""
-        return os.path.join(self.path, AGENT_READY.format(seq=seq))
+    def agent_ready(self, seq: int, node_rank: int = 0) -> str:
+        """``.shardscope-agent<seq>.node<N>.ready``: created by node N's ``seq``-th agent started ahead once its
+        imports are done."""
+        return os.path.join(self.path, AGENT_READY.format(seq=seq, node=node_rank))
 
     @property
     def diff(self) -> str:

@@ -13,7 +13,9 @@ would have been started with. The agent sends its output to ``console``, takes t
 directory, points its standard input at ``/dev/null`` (what a cold launch gives) and calls
 ``torch.distributed.run.main(args)``: the very function the ``torchrun`` command runs, so the job is a real
 torchrun job, signals and exit codes included. End of input before a line (the comparison ended without
-it): exit 0 without starting anything.
+it): exit 0 without starting anything. An import that fails is said on the run's console once the run is due,
+with exit code 1, as ``python -m torch.distributed.run`` would; the ready file is written all the same, so the run
+going on does not wait for an agent that will never be ready.
 
 Written by hand: torchrun has no "import now, launch later" mode, and a fork server would make ranks
 children of something other than torchrun.
@@ -26,6 +28,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 from shardscope.core.rundir import PARTIAL_SUFFIX
 
@@ -76,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Ended before its run (the orchestrator gone: parent-death SIGTERM): leave no ready file behind.
     signal.signal(signal.SIGTERM, lambda *_: (_remove(argv[0]), os._exit(128 + signal.SIGTERM)))
-    import torch.distributed.run as torchrun  # the start-up this process exists to take early
-
+    failure = ""
+    try:
+        import torch.distributed.run as torchrun  # the start-up this process exists to take early
+    except Exception:  # noqa: BLE001 - said on the run's console once it is due, as a cold launch would
+        failure = traceback.format_exc()
     ready = f"{argv[0]}.{os.getpid()}{PARTIAL_SUFFIX}"
     with open(ready, "w", encoding="utf-8") as fh:  # whole or absent: a rank reads the time in it
         fh.write(f"{time.time()!r}\n")
@@ -89,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     order = parse_order(line)
     _redirect(order["console"])
+    if failure:
+        print(failure, file=sys.stderr, end="", flush=True)
+        return 1
     os.chdir(order["cwd"])
     os.environ.clear()
     os.environ.update(order["env"])

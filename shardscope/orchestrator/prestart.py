@@ -64,9 +64,13 @@ class Warm:
         if self.popen.poll() is not None:  # it died (its import failed, a kill): the caller starts it cold
             self.discard()
             return None
-        os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
-        with open(plan.console_path, "ab") as log:  # the line a cold launch writes: the command to run by hand
-            log.write(f"$ {plan.shell_line()}\n".encode())
+        try:
+            os.makedirs(os.path.dirname(plan.console_path), exist_ok=True)
+            with open(plan.console_path, "ab") as log:  # the line a cold launch writes: the command to run by hand
+                log.write(f"$ {plan.shell_line()}\n".encode())
+        except OSError:  # a full disk, say: the caller's verdict; this agent goes now, not with the session
+            self.discard()
+            raise
         try:
             assert self.popen.stdin is not None
             self.popen.stdin.write((json.dumps(order) + "\n").encode())

@@ -102,6 +102,7 @@ class Session(RunSupervision, SessionEnds, Completion):
         # Several nodes without a shared filesystem: node 0 receives the others' records over TCP.
         self._records: RecordServer | None = None
         self._warm: prestart.Warm | None = None  # the next run's torchrun agent, started ahead
+        self._warm_lock = threading.Lock()  # terminate_all (a signal handler) may take it too
         self._warm_count = 0
 
     # ---- public API (any thread) -------------------------------------------------------------
@@ -334,9 +335,14 @@ class Session(RunSupervision, SessionEnds, Completion):
             os.makedirs(files.metrics, exist_ok=True)
             dump_json(files.spec,
                       config.run_spec_payload(self.comparison, run, out_dir=self.out_dir, device=self.device))
-            warm, self._warm = self._warm, None
-            plan = self._start_next_agent(plan, cold=warm is None)
-            proc = (warm.launch(plan) if warm is not None else None) or launcher.start(plan)
+            warm = self._take_warm()
+            try:
+                plan = self._start_next_agent(plan, cold=warm is None)
+                proc = (warm.launch(plan) if warm is not None else None) or launcher.start(plan)
+            except BaseException:
+                if warm is not None:  # not handed its order (or its order failed): it goes now
+                    warm.discard()
+                raise
         except OSError as err:
             disk = outspace.disk_error(err)
             if disk is None:
@@ -345,7 +351,6 @@ class Session(RunSupervision, SessionEnds, Completion):
             return
         self._active[name] = _Active(name, proc, MetricsTailer(files.metrics),
                                      ConsoleTailer(plan.console_path), time.monotonic())
-
 
     def _start_next_agent(self, plan: launcher.LaunchPlan, *, cold: bool) -> launcher.LaunchPlan:
         """Start the next queued run's torchrun agent beside this launch when ``prestart.worth_starting``;
@@ -356,12 +361,27 @@ class Session(RunSupervision, SessionEnds, Completion):
                 or not prestart.worth_starting(cold=cold, local_ranks=ranks, cpus=prestart.usable_cpus())):
             return plan
         self._warm_count += 1
-        ready = self.rundir.agent_ready(self._warm_count)
-        self._warm = prestart.start(self.python, ready, launcher.worker_env(self.device), os.getcwd())
-        return plan.with_env(self._warm.gate_env())
+        ready = self.rundir.agent_ready(self._warm_count, launch.node_rank)
+        try:
+            warm = prestart.start(self.python, ready, launcher.worker_env(self.device), os.getcwd())
+        except OSError as err:  # no process to spare (EAGAIN, ENOMEM): the next run starts cold, as it did before
+            self._emit(state.Notice(f"the next run's torchrun agent was not started ahead: {err}", "warning"))
+            return plan
+        with self._warm_lock:
+            self._warm = warm
+        if self._stopping:  # stop_all (or a signal's terminate_all) came while it started
+            self._discard_warm()
+            return plan
+        return plan.with_env(warm.gate_env())
+
+    def _take_warm(self) -> prestart.Warm | None:
+        """The agent started ahead, now this caller's alone (the session thread, or a signal handler's)."""
+        with self._warm_lock:
+            warm, self._warm = self._warm, None
+        return warm
 
     def _discard_warm(self) -> None:
         """End the agent started ahead for a run that will not start now."""
-        warm, self._warm = self._warm, None
+        warm = self._take_warm()
         if warm is not None:
             warm.discard()
