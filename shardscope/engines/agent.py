@@ -23,6 +23,7 @@ children of something other than torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,10 +53,8 @@ def parse_order(line: str) -> dict:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # gone already, or never written
         os.remove(path)
-    except OSError:
-        pass
 
 
 def _redirect(console: str) -> None:

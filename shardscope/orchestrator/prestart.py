@@ -16,6 +16,7 @@ ranks. Never beside measured steps: this run's ranks wait for the agent's ready 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -94,10 +95,12 @@ class Warm:
         self._forget_ready()
 
     def _forget_ready(self) -> None:
-        try:
-            os.remove(self.ready_path)
-        except OSError:
-            pass
+        _remove(self.ready_path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):  # gone already, or never written
+        os.remove(path)
 
 
 def torchrun_args(argv: tuple[str, ...]) -> tuple[str, ...]:
@@ -113,10 +116,7 @@ def start(python: str, ready_path: str, env: dict[str, str], cwd: str) -> Warm:
 
     Call it from the thread that launches runs: like torchrun, the agent gets its parent-death signal when
     that thread ends (``lifeline.die_with_parent``); it also ends at the end of its input."""
-    try:
-        os.remove(ready_path)  # one left by an orchestrator that was killed: not this agent's
-    except OSError:
-        pass
+    _remove(ready_path)  # one left by an orchestrator that was killed: not this agent's
     popen = subprocess.Popen(
         [python, "-m", AGENT_MODULE, ready_path],
         stdin=subprocess.PIPE,
