@@ -17,12 +17,17 @@ first torchrun started, each rank's process start, imports, process group, model
 initial weights), strategy, batches (from the ``startup`` marks of the start record). ``agent`` is the
 start of the run's torchrun agent: with ``launch.prestart`` (the default) the next run's agent starts ahead,
 beside the first run's launch, so between runs its stage is negative (it was there before the last run ended).
+With ``launch.start_method`` fork (the default on CPU) the agent imports torch, ``torch._dynamo`` and the worker
+before torchrun forks the ranks from it: ``process`` is then the fork, after the agent's imports, and the
+ranks' own imports take nothing.
 
     python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke] [--device cuda]
-                                 [--no-bytecode-cache] [--prestart on|off|both]
+                                 [--no-bytecode-cache] [--variants default,exec,cold]
 
-``--prestart both`` (the default) runs the comparison twice a round, with the agent started ahead and without
-(``--set launch.prestart=false``), in an order that turns; the last two lines are the shipped default's (on).
+``--variants`` (default ``default,exec``) names the launches measured each round, in an order that turns:
+``default`` (the shipped settings), ``exec`` (``launch.start_method=exec``: each rank a new interpreter, the
+next run's agent still started ahead, stop 36's default), ``cold`` (``exec`` and ``launch.prestart=false``:
+torchrun as it comes). The last two lines are the first variant's.
 
 Both sides run with Python's bytecode cache on, as on a user's machine, even where the environment sets
 ``PYTHONDONTWRITEBYTECODE`` (this VM's does: then every process compiles shardscope's modules from source,
@@ -101,13 +106,22 @@ def records(out: str, run: str) -> dict[int, list[dict]]:
     return got
 
 
-def shardscope_once(args: argparse.Namespace, work: str, prestart: bool = True) -> dict:
+VARIANTS = {  # name -> the --set overrides of that launch
+    "default": (),
+    "exec": ("launch.start_method='exec'",),
+    "cold": ("launch.start_method='exec'", "launch.prestart=false"),
+}
+
+
+def shardscope_once(args: argparse.Namespace, work: str, variant: str = "default") -> dict:
     """Run the comparison once; return its timeline (s from launch) and the per-stage breakdown."""
     out = tempfile.mkdtemp(dir=work)
     os.rmdir(out)
     cmd = [sys.executable, "-m", "shardscope.cli", "run", "--preset", args.preset, "--headless", "--out", out,
            "--set", f"steps={args.steps}", "--set", f"world_size={args.world_size}",
-           "--set", f"launch.device={args.device}", "--set", f"launch.prestart={str(prestart).lower()}"]
+           "--set", f"launch.device={args.device}"]
+    for override in VARIANTS[variant]:
+        cmd += ["--set", override]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
     total = time.time() - t0
@@ -129,8 +143,8 @@ def shardscope_once(args: argparse.Namespace, work: str, prestart: bool = True) 
     return {"total": total, "runs": timeline}
 
 
-def one_round(args: argparse.Namespace, work: str, index: int, variants: list[bool]) -> list:
-    """The floor, the DDP floor and shardscope (once per prestart variant), in an order that turns by round."""
+def one_round(args: argparse.Namespace, work: str, index: int, variants: list[str]) -> list:
+    """The floor, the DDP floor and shardscope (once per launch variant), in an order that turns by round."""
     jobs = [lambda: floor_once(args.world_size, work, device=args.device),
             lambda: floor_once(args.world_size, work, "ddp", args.device)]
     jobs += [lambda p=p: shardscope_once(args, work, p) for p in variants]
@@ -165,17 +179,18 @@ def main() -> int:
                         help="cuda: the floor joins NCCL and reduces a CUDA tensor; the comparison runs on the GPUs")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="keep the environment's PYTHONDONTWRITEBYTECODE (default: cache bytecode, as users do)")
-    parser.add_argument("--prestart", default="both", choices=("on", "off", "both"),
-                        help="the comparison with the next run's agent started ahead (on, the default setting), "
-                             "without, or both each round (default)")
+    parser.add_argument("--variants", default="default,exec",
+                        help=f"comma-separated launches measured each round, of {', '.join(VARIANTS)} (see above)")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if not variants or any(v not in VARIANTS for v in variants):
+        parser.error(f"--variants {args.variants!r}: each must be one of {', '.join(VARIANTS)}")
     if not args.no_bytecode_cache:
         ENV.pop("PYTHONDONTWRITEBYTECODE", None)
     print(f"bytecode cache: {'off (PYTHONDONTWRITEBYTECODE)' if ENV.get('PYTHONDONTWRITEBYTECODE') else 'on'}")
     print(f"load average before: {os.getloadavg()[0]:.2f}; device {args.device}, world size {args.world_size}")
-    variants = {"on": [True], "off": [False], "both": [True, False]}[args.prestart]
     floors, ddp_floors = [], []
-    got: dict[bool, dict[str, list[float]]] = {p: {"first": [], "between": [], "ddp_first": [], "ddp_between": []}
+    got: dict[str, dict[str, list[float]]] = {p: {"first": [], "between": [], "ddp_first": [], "ddp_between": []}
                                                for p in variants}
     with tempfile.TemporaryDirectory() as work:
         floor_once(args.world_size, work, device=args.device)  # warm the page cache for both sides
@@ -187,15 +202,15 @@ def main() -> int:
             floors.append(floor)
             ddp_floors.append(ddp_floor)
             print(f"round {i + 1}: floor {floor:.2f} s, DDP floor {ddp_floor:.2f} s")
-            for prestart, ss in zip(variants, comparisons):
-                runs, figures = ss["runs"], got[prestart]
+            for variant, ss in zip(variants, comparisons):
+                runs, figures = ss["runs"], got[variant]
                 first = runs[0]["begin"]
                 gaps = [b["begin"] - a["end"] for a, b in zip(runs, runs[1:])]
                 figures["first"].append(first / floor)
                 figures["ddp_first"].append(first / ddp_floor)
                 figures["between"].extend(g / floor for g in gaps)
                 figures["ddp_between"].extend(g / ddp_floor for g in gaps)
-                print(f"  prestart {'on' if prestart else 'off'}: first step {first:.2f} s ({first / floor:.2f}x, "
+                print(f"  {variant}: first step {first:.2f} s ({first / floor:.2f}x, "
                       f"{first / ddp_floor:.2f}x DDP) | between runs "
                       f"{', '.join(f'{g:.2f} s ({g / floor:.2f}x, {g / ddp_floor:.2f}x DDP)' for g in gaps)} | "
                       f"whole comparison {ss['total']:.2f} s")
@@ -205,9 +220,9 @@ def main() -> int:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print(f"floor median {statistics.median(floors):.2f} s, DDP floor median {statistics.median(ddp_floors):.2f} s "
           f"over {len(floors)} rounds")
-    for prestart in sorted(variants, reverse=False):
-        figures = got[prestart]
-        print(f"prestart {'on' if prestart else 'off'}: first step {statistics.median(figures['first']):.2f}x floor "
+    for variant in variants:
+        figures = got[variant]
+        print(f"{variant}: first step {statistics.median(figures['first']):.2f}x floor "
               f"({statistics.median(figures['ddp_first']):.2f}x DDP floor), between runs "
               f"{statistics.median(figures['between']):.2f}x ({statistics.median(figures['ddp_between']):.2f}x)")
     shipped = got[variants[0]]

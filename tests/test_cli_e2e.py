@@ -93,6 +93,8 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
         assert all(r["startup"]["agent"] < first_step for r in fsdp_starts), fsdp_starts[0]["startup"]
         assert all(r["startup"]["next_agent_ready"] <= r["t"] for r in ddp_starts), ddp_starts[0]["startup"]
         assert not list(out.glob(".shardscope-agent*")), "the agent's ready file is gone with it"
+    # launch.start_method auto on CPU: every rank forked from an agent that had imported the worker
+    assert all(r["forked"] is True for run in ("ddp", "fsdp2") for r in start_records(out, run))
 
 
 def _check_explained_and_recommended(out, summary, stdout):
@@ -232,7 +234,7 @@ def test_bf16_run_tracks_fp32_baseline_and_is_flagged(tmp_path):
     out = tmp_path / "bf16"
     proc = run_cli(["run", "--preset", "smoke", "--headless", "--out", str(out), "--set", "steps=10",
                     "--set", "profile.enabled=false", "--set", "runs.fsdp2.precision='bf16-autocast'", "--check-parity",
-                    "--set", "launch.prestart=false"])
+                    "--set", "launch.prestart=false", "--set", "launch.start_method='exec'"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     runs = {r["name"]: r for r in load_summary(out)["runs"]}
     bf16 = runs["fsdp2"]
@@ -247,3 +249,5 @@ def test_bf16_run_tracks_fp32_baseline_and_is_flagged(tmp_path):
     ddp_end = max(r["t"] for rank in (0, 1) for r in events.read_records(out / "ddp" / "metrics" / f"rank{rank}.jsonl")[0])
     assert all(r["startup"]["agent"] >= ddp_end - 0.05 for r in start_records(out, "fsdp2"))  # to a clock tick
     assert all("next_agent_ready" not in r["startup"] for r in start_records(out, "ddp"))
+    # launch.start_method exec: each rank a new interpreter that imported the worker itself
+    assert all(r["forked"] is False for run in ("ddp", "fsdp2") for r in start_records(out, run))

@@ -36,6 +36,59 @@ def test_only_torchruns_root_cause_counts_as_killed():
     assert verdict.killed_ranks(swapped) == [(0, 9, 111)]
 
 
+FORKED_CONSOLE = """[shardscope agent] rank exit: rank 1 pid 222 code -9
+[shardscope agent] rank exit: rank 0 pid 111 code 1
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 111)
+"""
+
+
+def test_forked_ranks_exits_said_by_their_agent_count():
+    """Forked ranks: torchrun's table names one failure (rank 0's broken collective, observed first); the agent's
+    lines give every rank's end in order, so the killed rank is found and the other's code is kept."""
+    assert verdict.killed_ranks(FORKED_CONSOLE) == [(1, 9, 222)]
+    assert verdict.exit_codes(FORKED_CONSOLE) == {0: 1, 1: -9}
+    assert verdict.from_exit(FORKED_CONSOLE.replace("code -9", "code 3"), [1], {1: 2}).error.startswith(
+        "rank 1 exited with code 3 at step 3")
+
+
+def _reap_as_torchrun_does(pid: int) -> int:
+    """torchrun's multiprocessing start polls its ranks (``waitpid(WNOHANG)``) every 0.1 s, and reaps them."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.1)
+
+
+def test_an_agent_learns_how_each_forked_rank_ended_without_reaping_it():
+    """ExitWatch: children named as ranks, ended by a signal, a code and success; the parent (torchrun, here this
+    test) still reaps each one itself and sees the same status."""
+    import signal
+
+    from shardscope.core import rank_process
+    from shardscope.engines.agent_exits import ExitWatch
+
+    watch = ExitWatch(poll_s=0.02).start()
+    pids = []
+    for rank, how in enumerate(("kill", "exit3", "ok")):
+        pid = os.fork()
+        if pid == 0:  # the child: name itself, wait to be seen, end as told
+            rank_process.name_this_process(rank)
+            time.sleep(0.5)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3 if how == "exit3" else 0)
+        pids.append(pid)
+    statuses = [_reap_as_torchrun_does(pid) for pid in pids]
+    assert os.WIFSIGNALED(statuses[0]) and os.WEXITSTATUS(statuses[1]) == 3 and statuses[2] == 0
+    lines = watch.lines()
+    assert sorted(lines) == sorted([rank_process.exit_line(0, pids[0], -9), rank_process.exit_line(1, pids[1], 3)])
+    assert rank_process.exit_rows("\n".join(lines))[0][0] in (0, 1)
+
+
 def test_disk_error_named_through_causes():
     inner = OSError(errno.ENOSPC, "No space left on device", "/x/rank0.jsonl")
     try:

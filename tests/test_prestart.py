@@ -182,3 +182,110 @@ def test_each_node_has_its_own_ready_file(tmp_path):
     out = RunDir(str(tmp_path))
     assert out.agent_ready(2, 0) != out.agent_ready(2, 1)
     assert os.path.dirname(out.agent_ready(1)) == str(tmp_path)
+
+
+def test_ranks_are_forked_on_cpu_by_default_and_exec_is_kept():
+    """``launch.start_method``: auto forks on CPU only; the command names torchrun's fork start method and the
+    rank script by path (which exists), or the worker module for a new interpreter per rank."""
+    assert prestart.fork_ranks("auto", "cpu") and not prestart.fork_ranks("auto", "cuda")
+    assert prestart.fork_ranks("fork", "cuda") and not prestart.fork_ranks("exec", "cpu")
+    forked = launcher.torchrun_argv("/x/spec.json", nproc_per_node=2, fork=True)
+    assert forked[-5:] == ("--start-method", "fork", "--run-path", launcher.RANK_SCRIPT, "/x/spec.json")
+    assert os.path.isfile(launcher.RANK_SCRIPT) and os.path.isabs(launcher.RANK_SCRIPT)
+    assert "--start-method" not in launcher.torchrun_argv("/x/spec.json", nproc_per_node=2)
+
+
+def test_what_an_agent_preloads_follows_the_runs_strategy():
+    from shardscope.config import Comparison
+    from shardscope.core import registry
+
+    plain = next(n for n in registry.names() if not registry.get(n).needs_deepspeed)
+    deepspeed = next(n for n in registry.names() if registry.get(n).needs_deepspeed)
+    comparison = Comparison.from_dict({"name": "p", "runs": [{"name": "a", "strategy": plain},
+                                                             {"name": "b", "strategy": deepspeed}]})
+    ddp = prestart.preload_for(comparison, "a", "cpu")
+    assert ddp[:len(prestart.RANK_MODULES)] == list(prestart.RANK_MODULES)
+    assert ddp[-1] == registry.get(plain).entry.partition(":")[0]
+    assert prestart.preload_for(comparison, "b", "cpu") == list(prestart.RANK_MODULES)  # DeepSpeed: the rank's own
+    assert prestart.preload_for(comparison, "a", "cuda") is None  # auto on CUDA: new interpreters, nothing preloaded
+
+
+FORKED_RANK = """
+import json, os, sys, time
+preloaded = "shardscope.engines.worker" in sys.modules  # before this script imports anything of shardscope
+from shardscope.core import rank_process
+import torch.distributed as dist
+rank_process.name_this_process(int(os.environ["RANK"]))
+dist.init_process_group("gloo")
+seen = {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": preloaded, "rank": os.environ["RANK"]}
+with open(sys.argv[1] + "." + os.environ["RANK"] + ".part", "w") as fh:
+    json.dump(seen, fh)
+os.replace(sys.argv[1] + "." + os.environ["RANK"] + ".part", sys.argv[1] + "." + os.environ["RANK"])
+deadline = time.monotonic() + 120
+while not os.path.exists(sys.argv[1] + ".release") and time.monotonic() < deadline:
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def test_an_agent_forks_ranks_that_inherit_its_imports(tmp_path):
+    """A cold launch in fork mode: the agent preloads the worker, torchrun forks both ranks from the agent (its
+    children), the ranks find the worker imported, and the job's exit code is torchrun's."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_RANK)
+    result = tmp_path / "rank.json"
+    argv = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "fork-test",
+            "--max-restarts", "0", "--start-method", "fork", "--run-path", str(script), str(result))
+    plan = launcher.LaunchPlan("r", argv, {}, str(tmp_path / "r" / "console.log"), str(tmp_path))
+    proc = prestart.launch_cold(plan, sys.executable, str(tmp_path / "e.ready"), ["shardscope.engines.worker"])
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not all(
+                (tmp_path / f"rank.json.{rank}").exists() for rank in (0, 1)):
+            time.sleep(0.05)
+        seen = [json.loads((tmp_path / f"rank.json.{rank}").read_text()) for rank in (0, 1)]
+        # /proc shows no RANK for a forked rank: its name tells the orchestrator which rank it is
+        assert proc.refresh_descendants() == {seen[0]["pid"]: 0, seen[1]["pid"]: 1}
+        (tmp_path / "rank.json.release").touch()
+        assert proc.popen.wait(timeout=300) == 0, open(plan.console_path).read()[-3000:]
+    finally:
+        (tmp_path / "rank.json.release").touch()
+        proc.kill()
+    for rank, got in enumerate(seen):
+        assert got["ppid"] == proc.pid and got["preloaded"] is True and got["rank"] == str(rank)
+    assert not (tmp_path / "e.ready").exists()
+
+
+def test_a_forked_rank_that_fails_gives_torchrun_its_exit_code(tmp_path):
+    """A rank that raises through engines/rank.py (a spec that is not there): the worker's own exit code 1 for the
+    rank, torchrun's failure exit for the job, the error on the run's console; no process left."""
+    plan = launcher.LaunchPlan("r", launcher.torchrun_argv(str(tmp_path / "missing.json"), nproc_per_node=1,
+                                                           fork=True),
+                               {}, str(tmp_path / "r" / "console.log"), str(tmp_path))
+    proc = prestart.launch_cold(plan, sys.executable, str(tmp_path / "f.ready"), list(prestart.RANK_MODULES))
+    try:
+        assert proc.popen.wait(timeout=300) == 1
+    finally:
+        proc.kill()
+    console = open(plan.console_path, encoding="utf-8").read()
+    assert "missing.json" in console and "exitcode" in console, console[-3000:]
+    assert proc.alive_pids() == []
+
+
+def test_a_rank_is_known_by_its_environment_or_its_name():
+    from shardscope.core.rank_process import rank_of
+
+    class Proc:
+        def __init__(self, env, name):
+            self.env, self.label = env, name
+
+        def environ(self):
+            return self.env
+
+        def name(self):
+            return self.label
+
+    assert rank_of(Proc({"RANK": "3"}, "python3")) == 3  # a new interpreter: torchrun's RANK
+    assert rank_of(Proc({}, "ssrank12")) == 12  # forked: the name it gave itself
+    assert rank_of(Proc({}, "python3")) is None and rank_of(Proc({}, "ssrankx")) is None

@@ -44,3 +44,16 @@ def test_no_collective_in_flight_says_so_only_by_its_stacks():
     assert where(stalls) == ""
     line, stacks = describe(stalls, 20, 1)
     assert line == "stalled at step 2 (no progress for 20 s)" and "File x" in stacks
+
+
+def test_a_ranks_stack_is_cut_below_the_worker_entry():
+    """The launch's frames below ``worker.main`` (torchrun, multiprocessing, runpy: 25 for a forked rank) are left
+    out, so the summary's traceback tail shows where the rank is."""
+    stack = ("Thread 0x1 (most recent call first):\n"
+             '  File "/x/shardscope/engines/faults.py", line 9 in maybe_fire\n'
+             '  File "/x/shardscope/engines/worker.py", line 283 in main\n'
+             '  File "/x/shardscope/engines/rank.py", line 40 in main\n'
+             '  File "<frozen runpy>", line 88 in _run_code\n')
+    _, stacks = describe({1: {"t": 1.0, "step": 3, "collectives": [], "stack": stack}}, 20, 2)
+    assert stacks.splitlines()[-1].endswith('worker.py", line 283 in main') and "maybe_fire" in stacks
+    assert "runpy" not in stacks and "rank.py" not in stacks

@@ -4,7 +4,7 @@ Owns: the record format (``events``), the run directory's file names (``rundir``
 them), the strategy registry (``registry``: the one place strategy names live), the record wire over TCP and its
 secret (``record_wire``), the shared numbers (``numbers``: medians, differences, byte formats), sizes,
 Hugging Face architecture values, the world-size/batch rule (``batch_follow``), disk room (``outspace``),
-liveness checks, console noise.
+liveness checks, which rank a process is (``rank_process``), console noise.
 May import: nothing of shardscope outside ``core``; no torch, no textual.
 Imported by: every room.
 """

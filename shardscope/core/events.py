@@ -25,7 +25,8 @@ from shardscope.core.rundir import RANK_SPARE_SUFFIX
 SCHEMA_VERSION = 1
 
 # Kinds of record, and what each carries beyond the common keys.
-START = "start"  # spec (resolved RunSpec dict), world_size, device, backend, versions, precision{...}
+START = "start"  # spec (resolved RunSpec dict), world_size, device, backend, versions, precision{...},
+# startup{stage: epoch s}, forked (the rank was forked from an agent that had imported the worker: engines/rank.py)
 STEP = "step"  # step, local_loss (this rank's mean; the run's loss is the mean over ranks, profiling/loss_fold.py),
 #               loss? (the global loss, only on steps whose verdict reduced it), grad_norm (global), lr,
 #               step_time_s, tokens, tokens_per_s, samples_per_s?, mem_*_bytes; CPU: busy_s, idle_s, time_<phase>_s,

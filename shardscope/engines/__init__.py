@@ -1,6 +1,6 @@
 """The rank side (room ``engines``): what runs inside each torchrun rank.
 
-Owns: the worker entry point (``worker``), the torchrun agent started ahead of its run (``agent``), the model, data and precision, one module per strategy (``ddp``,
+Owns: the worker entry point (``worker``; ``rank`` for a rank torchrun forks), the torchrun agent started ahead of its run (``agent``), the model, data and precision, one module per strategy (``ddp``,
 ``fsdp1``, ``fsdp2``, ``handwritten_fsdp``, ``deepspeed_zero``, ``autotp``, ``fsdp2_tp``) with its explainer
 template (``<module>.<function>.md``), the shared training loop (``loop``), step timing, collective counting,
 profiler capture, the watchdog, the stall dump, the module probe, fault injection, the initial weights.

@@ -1,4 +1,4 @@
-"""A torchrun agent started ahead of its run: ``python -m shardscope.engines.agent READY_PATH``.
+"""A torchrun agent started ahead of its run: ``python -m shardscope.engines.agent READY_PATH [MODULE ...]``.
 
 Between two runs of a comparison, most of the gap is start-up that does not depend on the run: torchrun's
 agent importing torch (``torch.distributed.run``: 1.5-2.5 s on a 2-core VM) before it spawns any rank. The
@@ -17,14 +17,22 @@ it): exit 0 without starting anything. An import that fails is said on the run's
 with exit code 1, as ``python -m torch.distributed.run`` would; the ready file is written all the same, so the run
 going on does not wait for an agent that will never be ready.
 
-Written by hand: torchrun has no "import now, launch later" mode, and a fork server would make ranks
+MODULEs are imported too, after torchrun: with ``launch.start_method = fork`` torchrun forks the ranks from this
+process (``--start-method fork --run-path engines/rank.py``), so a rank inherits ``torch._dynamo``, the worker and
+its strategy's module instead of importing them (3-4 s a rank on a 2-core machine). One that fails to import is
+left to the rank, which imports it again and records the error as any rank does. A run started cold goes through
+this process too (its order written at once), so that its ranks are forked from a preloaded agent as well.
+
+Written by hand: torchrun has no "import now, launch later" mode; a fork server outside torchrun would make ranks
 children of something other than torchrun.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,6 +40,7 @@ import time
 import traceback
 
 from shardscope.core.rundir import PARTIAL_SUFFIX
+from shardscope.engines.agent_exits import ExitWatch
 
 ORDER_KEYS = {"args": list, "env": dict, "cwd": str, "console": str}
 
@@ -70,11 +79,20 @@ def _redirect(console: str) -> None:
     os.close(null)
 
 
+def preload(modules: list[str]) -> None:
+    """Import ``modules`` for the ranks this process will fork; one that fails is the rank's to report."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the forked rank imports it again and records why it failed
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
     """Import torchrun, say so in READY_PATH, wait for the launch order, run torchrun; return its exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m shardscope.engines.agent READY_PATH", file=sys.stderr)
+    if not argv:
+        print("usage: python -m shardscope.engines.agent READY_PATH [MODULE ...]", file=sys.stderr)
         return 2
     # Ended before its run (the orchestrator gone: parent-death SIGTERM): leave no ready file behind.
     signal.signal(signal.SIGTERM, lambda *_: (_remove(argv[0]), os._exit(128 + signal.SIGTERM)))
@@ -83,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed.run as torchrun  # the start-up this process exists to take early
     except Exception:  # noqa: BLE001 - said on the run's console once it is due, as a cold launch would
         failure = traceback.format_exc()
+    if not failure:
+        preload(argv[1:])
     ready = f"{argv[0]}.{os.getpid()}{PARTIAL_SUFFIX}"
     with open(ready, "w", encoding="utf-8") as fh:  # whole or absent: a rank reads the time in it
         fh.write(f"{time.time()!r}\n")
@@ -101,8 +121,31 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.clear()
     os.environ.update(order["env"])
     sys.argv = ["torchrun", *order["args"]]
-    torchrun.main(order["args"])
-    return 0
+    code = 0
+    watch = ExitWatch().start()  # forked ranks: how each ended, which torchrun's table may leave out
+    try:
+        torchrun.main(order["args"])
+    except SystemExit as exc:  # argparse's usage error, say: its code, and its message where it gives one
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - said as an uncaught exception is, exit 1: what `torchrun` does
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    for line in watch.lines():
+        print(line, file=sys.stderr)
+    leave(code)
+    return code
+
+
+def leave(code: int) -> None:
+    """Exit without the interpreter's finalization (0.5 s or more with torch, dynamo and the worker loaded,
+    which the next run's ranks would wait for, ``watchdog.wait_for_previous_run``); the job is over by now."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a console on a full disk
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":

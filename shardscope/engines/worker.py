@@ -1,4 +1,5 @@
-"""The entry point of every rank: ``torchrun ... -m shardscope.engines.worker <run_dir>/spec.json``.
+"""The entry point of every rank: ``torchrun ... -m shardscope.engines.worker <run_dir>/spec.json`` (a rank forked
+from a preloaded agent runs it through ``engines/rank.py``).
 
 Reads the spec (``config.run_spec_payload``), initialises the process group (gloo on CPU, NCCL on
 CUDA) and the device mesh (1-D ``dp`` or 2-D ``dp x tp``), builds the model, loads the shared
@@ -193,7 +194,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes,
                  straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window},
-                 startup=marks)
+                 startup=marks, forked=bool(marks.get("process")) and _T_IMPORTED < marks["process"])
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample
     cfg.min_lr_ratio, cfg.parity, cfg.log_every = comparison.min_lr_ratio, comparison.parity, comparison.log_every
     fault = Fault.parse(run.get("fault", ""), writer)
@@ -268,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
             writer.forward_to(os.environ[record_wire.ENV], secret=record_wire.secret_from_env())
         # "agent": torchrun's agent (this rank's parent), which started ahead of its run when prestarted
-        marks = {"agent": process_start_time(os.getppid()), "process": process_start_time(),
-                 "entry": _T_ENTRY, "imported": _T_IMPORTED}
+        # A rank forked from a preloaded agent (engines/rank.py) imported nothing itself: its entry is its start.
+        started = process_start_time() or 0.0
+        marks = {"agent": process_start_time(os.getppid()), "process": started or None,
+                 "entry": max(_T_ENTRY, started), "imported": max(_T_IMPORTED, started)}
         ctx = init_distributed(spec)
         marks["process_group"] = time.time()
         run_rank(spec, ctx, writer, cfg, marks)

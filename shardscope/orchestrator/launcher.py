@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from shardscope.core import rank_process
 from shardscope.core.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
 
@@ -55,8 +56,13 @@ def torchrun_argv(
     rdzv_endpoint: str = "",
     rdzv_id: str = "shardscope",
     python: str = sys.executable,
+    fork: bool = False,
 ) -> tuple[str, ...]:
     """Return the exact torchrun command for one run.
+
+    ``fork``: torchrun forks each rank from its own agent (``--start-method fork``) and runs
+    ``engines/rank.py`` in it (``--run-path``), so ranks inherit what the agent imported (``engines/agent.py``
+    preloads torch and the worker); otherwise each rank is a new interpreter running ``-m shardscope.engines.worker``.
 
     One node: c10d rendezvous on the given endpoint, or on port 0 of 127.0.0.1 (torchrun's store binds a
     port the kernel picks, as ``--standalone`` does: no window in which a port chosen beforehand could be
@@ -78,8 +84,15 @@ def torchrun_argv(
     ]
     if nnodes > 1:
         argv += ["--node-rank", str(node_rank)]
-    argv += ["-m", "shardscope.engines.worker", spec_path]
+    if fork:
+        argv += ["--start-method", "fork", "--run-path", RANK_SCRIPT, spec_path]
+    else:
+        argv += ["-m", "shardscope.engines.worker", spec_path]
     return tuple(argv)
+
+
+# engines/rank.py by its path (torchrun's --run-path wants one): found without importing the rank side (torch)
+RANK_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engines", "rank.py")
 
 
 def endpoint_for_run(endpoint: str, index: int) -> str:
@@ -154,9 +167,9 @@ class RunProcess:
         for child in children:
             try:
                 self.seen.setdefault(child.pid, child.create_time())
-                env_rank = child.environ().get("RANK")  # global: several nodes label ranks alike
-                if env_rank is not None:
-                    ranks[child.pid] = int(env_rank)
+                rank = rank_process.rank_of(child)  # global: several nodes label ranks alike
+                if rank is not None:
+                    ranks[child.pid] = rank
             except (psutil.Error, ValueError):
                 continue
         return ranks

@@ -24,10 +24,33 @@ from dataclasses import dataclass
 
 import psutil
 
+from shardscope.config import Comparison
+from shardscope.core import registry
 from shardscope.core.events import WARM_AGENT_ENV
 from shardscope.orchestrator import launcher, lifeline
 
 AGENT_MODULE = "shardscope.engines.agent"
+# What a forked rank needs of any strategy: torch's compiler front end (imported by every torch optimizer's and
+# DDP's or FSDP's constructor: 1.3-1.8 s on a 2-core VM) and the worker with its own imports.
+RANK_MODULES = ("torch._dynamo", "shardscope.engines.worker", "shardscope.engines.rank")
+
+
+def fork_ranks(start_method: str, device: str) -> bool:
+    """Whether torchrun forks the ranks from a preloaded agent (``launch.start_method``): ``fork``; ``exec``
+    (each rank a new interpreter); ``auto``, fork on CPU and exec on CUDA, where forking after the agent's
+    imports has not been checked on a GPU yet."""
+    return start_method == "fork" or (start_method == "auto" and device == "cpu")
+
+
+def preload_for(comparison: Comparison, run: str, device: str) -> list[str] | None:
+    """The modules an agent imports for the ranks it will fork for ``run``: ``RANK_MODULES`` and its strategy's
+    own, except DeepSpeed's (its import probes the accelerator; the ranks import it themselves). None where
+    ranks are not forked (``fork_ranks``)."""
+    if not fork_ranks(comparison.launch.start_method, device):
+        return None
+    info = registry.get(comparison.run(run).strategy)
+    own = [] if info.needs_deepspeed else [info.entry.partition(":")[0]]
+    return [*RANK_MODULES, *own]
 
 
 def usable_cpus() -> int:
@@ -111,14 +134,15 @@ def torchrun_args(argv: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(argv[3:])
 
 
-def start(python: str, ready_path: str, env: dict[str, str], cwd: str) -> Warm:
-    """Start an agent ahead of its run, with ``env`` added to this process's environment.
+def start(python: str, ready_path: str, env: dict[str, str], cwd: str, modules: list[str] | tuple = ()) -> Warm:
+    """Start an agent ahead of its run, with ``env`` added to this process's environment; it imports ``modules``
+    after torchrun (``preload_modules``, for ranks it forks).
 
     Call it from the thread that launches runs: like torchrun, the agent gets its parent-death signal when
     that thread ends (``lifeline.die_with_parent``); it also ends at the end of its input."""
     _remove(ready_path)  # one left by an orchestrator that was killed: not this agent's
     popen = subprocess.Popen(
-        [python, "-m", AGENT_MODULE, ready_path],
+        [python, "-m", AGENT_MODULE, ready_path, *modules],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -132,3 +156,17 @@ def start(python: str, ready_path: str, env: dict[str, str], cwd: str) -> Warm:
     except psutil.Error:  # gone already: the gate lets the run train (no such process)
         created = 0.0
     return Warm(popen=popen, ready_path=ready_path, create_time=created)
+
+
+def launch_cold(plan: launcher.LaunchPlan, python: str, ready_path: str, modules: list[str]) -> launcher.RunProcess:
+    """Start ``plan`` now through an agent that preloads ``modules`` for the ranks torchrun forks (its order is
+    written at once; it reads it once its imports are done). Where no agent runs it, torchrun is started as such."""
+    try:
+        warm = start(python, ready_path, plan.env, plan.cwd, modules)
+    except OSError:  # no process to spare for it: torchrun itself, whose ranks then import what they need
+        return launcher.start(plan)
+    try:
+        return warm.launch(plan) or launcher.start(plan)
+    except BaseException:
+        warm.discard()
+        raise

@@ -22,15 +22,14 @@ import weakref
 from typing import Callable
 
 from shardscope import config
-from shardscope.core import outspace
 from shardscope.config import Comparison, dump_json
-from shardscope.core import record_wire
+from shardscope.core import outspace, record_wire
 from shardscope.orchestrator.record_server import RecordServer
 from shardscope.orchestrator import launcher, lifeline, nodes, prestart, verdict
 from shardscope.profiling import state
+from shardscope.profiling.state import RunState, Update
 from shardscope.orchestrator.completion import Completion
 from shardscope.orchestrator.device_log import DeviceLog
-from shardscope.profiling.state import RunState, Update
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
 from shardscope.orchestrator.session_ends import SessionEnds
 from shardscope.orchestrator.supervision import RunSupervision, _Active
@@ -309,6 +308,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             rdzv_endpoint=launcher.endpoint_for_run(launch.rdzv_endpoint, self.run_names.index(run.name)),
             rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
+            fork=prestart.fork_ranks(launch.start_method, self.device),
         )
         env = launcher.worker_env(self.device)
         if launch.records_endpoint and launch.node_rank != 0:  # no shared filesystem: records go to node 0
@@ -338,7 +338,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             warm = self._take_warm()
             try:
                 plan = self._start_next_agent(plan, cold=warm is None)
-                proc = (warm.launch(plan) if warm is not None else None) or launcher.start(plan)
+                proc = (warm.launch(plan) if warm is not None else None) or self._start_cold(plan)
             except BaseException:
                 if warm is not None:  # not handed its order (or its order failed): it goes now
                     warm.discard()
@@ -352,6 +352,14 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._active[name] = _Active(name, proc, MetricsTailer(files.metrics),
                                      ConsoleTailer(plan.console_path), time.monotonic())
 
+    def _start_cold(self, plan: launcher.LaunchPlan) -> launcher.RunProcess:
+        """Start ``plan`` with no agent ahead: through one that preloads for forked ranks, else torchrun itself."""
+        if (modules := prestart.preload_for(self.comparison, plan.run, self.device)) is None:
+            return launcher.start(plan)
+        self._warm_count += 1
+        return prestart.launch_cold(plan, self.python,
+                                    self.rundir.agent_ready(self._warm_count, self.comparison.launch.node_rank), modules)
+
     def _start_next_agent(self, plan: launcher.LaunchPlan, *, cold: bool) -> launcher.LaunchPlan:
         """Start the next queued run's torchrun agent beside this launch when ``prestart.worth_starting``;
         return ``plan`` with the gate that keeps its ranks' first step after that agent's imports."""
@@ -363,7 +371,8 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._warm_count += 1
         ready = self.rundir.agent_ready(self._warm_count, launch.node_rank)
         try:
-            warm = prestart.start(self.python, ready, launcher.worker_env(self.device), os.getcwd())
+            warm = prestart.start(self.python, ready, launcher.worker_env(self.device), os.getcwd(),
+                                  prestart.preload_for(self.comparison, self._queue[0], self.device) or ())
         except OSError as err:  # no process to spare (EAGAIN, ENOMEM): the next run starts cold, as it did before
             self._emit(state.Notice(f"the next run's torchrun agent was not started ahead: {err}", "warning"))
             return plan

@@ -8,6 +8,8 @@ rank is where the run stopped, and its Python stack (in the traceback) says what
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 
@@ -84,6 +86,17 @@ def describe(stalls: dict[int, dict[str, Any]], limit_s: float, world_size: int)
 
 
 def _without_dumper(stack: str) -> str:
-    """faulthandler's dump without the block of the thread that made it."""
+    """faulthandler's dump without the block of the thread that made it, each thread's stack cut below the rank's
+    entry (``worker.main``): what called it is the launch (torchrun, multiprocessing, runpy), 25 frames for a
+    forked rank, which would push the frames that say where the rank is out of the summary's traceback tail."""
     blocks = stack.strip().split("\n\n")
-    return "\n\n".join(b for b in blocks if not b.startswith("Current thread")).strip()
+    return "\n\n".join(_cut_at_entry(b) for b in blocks if not b.startswith("Current thread")).strip()
+
+
+def _cut_at_entry(block: str) -> str:
+    lines = block.splitlines()
+    entry = next((k for k, line in enumerate(lines) if _ENTRY.search(line)), None)
+    return "\n".join(lines if entry is None else lines[:entry + 1])
+
+
+_ENTRY = re.compile(r'engines[/\\]worker\.py", line \d+ in main$')

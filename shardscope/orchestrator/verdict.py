@@ -20,7 +20,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from shardscope.core import outspace
+from shardscope.core import outspace, rank_process
 
 OOM, DISK, ERROR = "oom", "disk", "error"  # the same causes a rank's error record carries
 RENDEZVOUS = "rendezvous"  # this node's torchrun could not host the rendezvous: a local cause, no rank started
@@ -49,7 +49,9 @@ def killed_ranks(console: str) -> list[tuple[int, int, int]]:
     broke (exit code 1) before the killed rank, so the other failures of the table count too."""
     block = console[console.rfind("Failures:"):] if "Failures:" in console else console
     _, found, root = block.rpartition("Root Cause (first observed failure)")
-    rows = [(r, c, p, True) for r, c, p in _FAILURE_ROW.findall(root if found else "")]
+    # forked ranks: how each ended, said by their agent in the order they ended (torchrun lists one failure only)
+    rows = [(r, c, p, True) for r, c, p in rank_process.exit_rows(console)]
+    rows += [(r, c, p, True) for r, c, p in _FAILURE_ROW.findall(root if found else "")]
     rows += [(r, c, p, False) for r, c, p in _FAILURE_ROW.findall(block)]
     out: list[tuple[int, int, int]] = []
     for rank, code, pid, is_root in rows:
@@ -63,7 +65,9 @@ def killed_ranks(console: str) -> list[tuple[int, int, int]]:
 def exit_codes(console: str) -> dict[int, int]:
     """{rank: exit code} of the ranks in torchrun's failure table (ranks that ended with code 0 are not there)."""
     block = console[console.rfind("Failures:"):] if "Failures:" in console else console
-    return {int(r): int(c) for r, c, _ in _FAILURE_ROW.findall(block)}
+    codes = {int(r): int(c) for r, c, _ in _FAILURE_ROW.findall(block)}
+    codes.update({rank: code for rank, code, _ in rank_process.exit_rows(console)})  # forked ranks: every one
+    return codes
 
 
 def from_exit(console: str, silent: list[int], last_steps: dict[int, int]) -> Verdict | None:

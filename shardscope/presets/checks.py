@@ -18,7 +18,7 @@ from shardscope.core.record_wire import parse_endpoint
 from shardscope.core import registry
 from shardscope.presets.files import ConfigError
 from shardscope.presets.schema import (
-    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
+    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, START_METHODS, Comparison,
     RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
 )
 
@@ -117,6 +117,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     _positive(src, "profile.steps", c.profile.steps, allow_zero=True)
     _positive(src, "profile.start_step", c.profile.start_step, allow_zero=True)
     _one_of(src, "launch.device", c.launch.device, DEVICES)
+    _one_of(src, "launch.start_method", c.launch.start_method, START_METHODS)
     _positive(src, "launch.nnodes", c.launch.nnodes)
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)

@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
 MODEL_KINDS = ("transformer", "hf", "vit")
 DATA_KINDS = ("synthetic", "text", "images")
 DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("auto", "fork", "exec")  # launch.start_method: see LaunchSpec
 FAULT_KINDS = ("raise", "exit", "hang", "skip", "slow", "oom", "memlimit", "oomkill", "nospace", "netdrop")
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
@@ -82,6 +83,9 @@ class LaunchSpec:
     concurrent: bool = False
     # start the next run's torchrun agent (its import of torch) before its run is due; orchestrator/prestart.py
     prestart: bool = True
+    # how torchrun starts ranks: "fork" them from its agent after it preloaded torch (engines/rank.py), "exec" a
+    # new interpreter each, "auto" = fork on CPU, exec on CUDA (forking not yet checked on a GPU)
+    start_method: str = "auto"
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
+from shardscope.core import rank_process
 from shardscope.profiling.state import DeviceReading, DeviceSample
 
 PidsByRun = dict[str, dict[int, int]]  # run -> {rank: pid}
@@ -244,7 +245,6 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 def _env_rank(proc: psutil.Process) -> int | None:
     try:
-        value = proc.environ().get("RANK")
+        return rank_process.rank_of(proc)  # RANK in its environment, or a forked rank's name
     except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
         return None
-    return int(value) if value and value.isdigit() else None
