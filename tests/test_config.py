@@ -131,7 +131,7 @@ def test_cli_bad_input_exits_2_with_one_line(args):
 def test_dry_run_prints_torchrun_commands_and_launches_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run",
-                           "--out", str(out)], capture_output=True, text=True, timeout=60)
+                           "--set", "launch.device='cpu'", "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("torch.distributed.run") == 2
     assert "--nproc-per-node 2" in proc.stdout and "--start-method fork --run-path" in proc.stdout  # CPU: forked ranks

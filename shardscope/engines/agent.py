@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:  # noqa: BLE001 - said as an uncaught exception is, exit 1: what `torchrun` does
         sys.excepthook(*sys.exc_info())
         code = 1
-    for line in watch.lines():
+    for line in watch.lines() if code else ():  # a failed job's verdict reads them; a finished one needs none
         print(line, file=sys.stderr)
     leave(code)
     return code

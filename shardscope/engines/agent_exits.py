@@ -9,8 +9,8 @@ rank 1's signal is lost. A cold ``torchrun`` (a process per rank) lists every fa
 So the agent, the ranks' parent, watches them: a thread reads the agent's children from
 ``/proc/self/task/<pid>/children`` every 0.1 s (one small read) and, for each child that named itself a rank
 (``core/rank_process``), a thread waits in ``waitid(..., WEXITED | WNOWAIT)``: it learns how the rank ended and
-leaves it to torchrun to reap. When torchrun returns, ``ExitWatch.lines`` gives one console line per rank that
-ended with a non-zero code or a signal, in the order they ended, which the agent prints last.
+leaves it to torchrun to reap. When torchrun returns, ``ExitWatch.lines`` gives one console line per rank, in the
+order they ended, which the agent prints last.
 
 Written by hand: neither torchrun nor psutil says how another process's child ended without reaping it.
 """
@@ -80,6 +80,15 @@ class ExitWatch:
                         waiter.start()
             self._stop.wait(self.poll_s)
 
+    def watched(self) -> set[int]:
+        """The pids of the ranks being watched so far."""
+        return set(self._waiting)
+
+    def ended(self) -> set[int]:
+        """The pids of the watched ranks whose end was seen."""
+        with self._lock:
+            return {pid for _, pid, _ in self._ended}
+
     def _await(self, pid: int, rank: int) -> None:
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
@@ -92,11 +101,12 @@ class ExitWatch:
             self._ended.append((rank, pid, code))
 
     def lines(self, wait_s: float = 2.0) -> list[str]:
-        """Stop watching; the console lines of ranks that ended badly (waiting up to ``wait_s`` for the waiters
-        of ranks that are gone to say so)."""
+        """Stop watching; a console line for each rank whose end was seen, code 0 included (waiting up to
+        ``wait_s`` for the waiters of ranks that are gone to say so). A rank torchrun reaped before its waiter ran
+        (a starved thread on a loaded machine) has no line: the verdict then calls its code unknown."""
         self._stop.set()
         deadline = time.monotonic() + wait_s
         for waiter in list(self._waiting.values()):
             waiter.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._lock:
-            return [rank_process.exit_line(rank, pid, code) for rank, pid, code in self._ended if code != 0]
+            return [rank_process.exit_line(rank, pid, code) for rank, pid, code in self._ended]

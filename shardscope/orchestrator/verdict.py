@@ -62,6 +62,9 @@ def killed_ranks(console: str) -> list[tuple[int, int, int]]:
     return out
 
 
+FORKED_MARK = "(start_method: fork)"  # torchrun's log line for a failed rank it forked
+
+
 def exit_codes(console: str) -> dict[int, int]:
     """{rank: exit code} of the ranks in torchrun's failure table (ranks that ended with code 0 are not there)."""
     block = console[console.rfind("Failures:"):] if "Failures:" in console else console
@@ -74,7 +77,8 @@ def from_exit(console: str, silent: list[int], last_steps: dict[int, int]) -> Ve
     """A verdict naming a rank that left without a record (``os._exit``, a crash in C, ``sys.exit`` from a
     library) while its peers reported: that rank is the root cause, their broken connections its consequence.
     ``silent``: ranks of this node with neither an ``end`` nor an ``error`` record. Its exit code comes from
-    torchrun's failure table; a rank missing from a table that lists others left with code 0."""
+    torchrun's failure table or, for forked ranks, their agent's lines; a rank missing from a table that lists
+    others left with code 0 (a new interpreter per rank: torchrun lists every failure), else its code is unknown."""
     if not silent:
         return None
     codes = exit_codes(console)
@@ -83,7 +87,9 @@ def from_exit(console: str, silent: list[int], last_steps: dict[int, int]) -> Ve
         return None
     step = last_steps.get(rank, -1) + 1
     code = codes.get(rank)
-    said = f"code {code}" if code is not None else ("code 0" if codes else "an unknown code")
+    # Forked ranks: torchrun's table lists one failure, and the agent's lines miss a rank reaped before it looked.
+    complete = codes and not rank_process.exit_rows(console) and FORKED_MARK not in console
+    said = f"code {code}" if code is not None else ("code 0" if complete else "an unknown code")
     return Verdict(f"rank {rank} exited with {said} at step {step} without an error record; the other ranks' "
                    "errors follow from it", console)
 
