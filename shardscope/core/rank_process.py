@@ -34,9 +34,14 @@ def rank_of(proc: Any) -> int | None:
     name; None for a process that is neither (torchrun's agent, a helper). psutil's errors propagate."""
     value = proc.environ().get("RANK")
     if value is None:
-        name = proc.name()
-        value = name[len(NAME_PREFIX):] if name.startswith(NAME_PREFIX) else None
-    return int(value) if value is not None and value.isdigit() else None
+        return rank_from_name(proc.name())
+    return int(value) if value.isdigit() else None
+
+
+def rank_from_name(name: str) -> int | None:
+    """R of a process named ``ssrank<R>``; None for any other name."""
+    digits = name[len(NAME_PREFIX):] if name.startswith(NAME_PREFIX) else ""
+    return int(digits) if digits.isdigit() else None
 
 
 # How a forked rank ended, as its agent saw it (``engines/agent_exits.py``); torchrun's own failure table lists only

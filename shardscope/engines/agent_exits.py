@@ -42,16 +42,11 @@ def _children() -> list[int]:
         return []
 
 
-_PREFIX = rank_process.NAME_PREFIX.encode()
-
-
 def _rank_of(pid: int) -> int | None:
-    try:
-        name = _read(f"/proc/{pid}/comm").strip()
+    try:  # ASCII decoding is built in (no codec is looked up or imported)
+        return rank_process.rank_from_name(_read(f"/proc/{pid}/comm").decode("ascii", "replace").strip())
     except OSError:
         return None
-    digits = name[len(_PREFIX):] if name.startswith(_PREFIX) else b""
-    return int(digits) if digits.isdigit() else None
 
 
 class ExitWatch:

@@ -10,7 +10,6 @@ Three things differ from a rank that is a new interpreter, and this file handles
 
 - ``/proc/<pid>/environ`` shows the agent's environment, without torchrun's ``RANK``: the rank names itself
   (``core/rank_process.py``) so the orchestrator and the device sampler know which rank each process is;
-
 - the rank inherits the agent's signal handlers (torchrun's, which raise its ``SignalException``): SIGINT is
   Python's KeyboardInterrupt again and SIGHUP/SIGQUIT their default, as in a new interpreter (the worker sets its
   own SIGTERM handler);

@@ -136,7 +136,7 @@ def torchrun_args(argv: tuple[str, ...]) -> tuple[str, ...]:
 
 def start(python: str, ready_path: str, env: dict[str, str], cwd: str, modules: list[str] | tuple = ()) -> Warm:
     """Start an agent ahead of its run, with ``env`` added to this process's environment; it imports ``modules``
-    after torchrun (``preload_modules``, for ranks it forks).
+    after torchrun (``preload_for``, for ranks it forks).
 
     Call it from the thread that launches runs: like torchrun, the agent gets its parent-death signal when
     that thread ends (``lifeline.die_with_parent``); it also ends at the end of its input."""
