@@ -22,12 +22,13 @@ before torchrun forks the ranks from it: ``process`` is then the fork, after the
 ranks' own imports take nothing.
 
     python benchmarks/startup.py [--rounds 5] [--steps 10] [--world-size 2] [--preset smoke] [--device cuda]
-                                 [--no-bytecode-cache] [--variants default,exec,cold]
+                                 [--no-bytecode-cache] [--variants default,exec,fork,cold]
 
 ``--variants`` (default ``default,exec``) names the launches measured each round, in an order that turns:
 ``default`` (the shipped settings), ``exec`` (``launch.start_method=exec``: each rank a new interpreter, the
-next run's agent still started ahead, stop 36's default), ``cold`` (``exec`` and ``launch.prestart=false``:
-torchrun as it comes). The last two lines are the first variant's.
+next run's agent still started ahead, stop 36's default; the default on CUDA), ``fork`` (ranks forked on any
+device: on CUDA, to measure it against ``exec``), ``cold`` (``exec`` and ``launch.prestart=false``: torchrun as
+it comes). The last two lines are the first variant's.
 
 Both sides run with Python's bytecode cache on, as on a user's machine, even where the environment sets
 ``PYTHONDONTWRITEBYTECODE`` (this VM's does: then every process compiles shardscope's modules from source,
@@ -109,6 +110,7 @@ def records(out: str, run: str) -> dict[int, list[dict]]:
 VARIANTS = {  # name -> the --set overrides of that launch
     "default": (),
     "exec": ("launch.start_method='exec'",),
+    "fork": ("launch.start_method='fork'",),
     "cold": ("launch.start_method='exec'", "launch.prestart=false"),
 }
 

@@ -107,8 +107,10 @@ def _what_if_compute(w: Work, model: MachineModel | None, device: DeviceSpec) ->
 def _probed_compute(w: Work, model: MachineModel, probed: dict[str, float]) -> tuple[dict[str, float], list[str]]:
     """The run's own compute per phase from its probe (a core of its own), shared out as the ranks share cores."""
     slow = slowdown(w, model.backend, model.cores, model.background)
+    group = ("a real group of one, whose collectives move nothing but cost what the run's own do" if w.world_size == 1
+             else "fake process group: its collectives return at once; communication added from the collective fit")
     notes = [f"compute and framework overhead measured by a one-rank probe of this run at {w.world_size} ranks "
-             "(fake process group: its collectives return at once; communication added from the collective fit)"]
+             f"({group})"]
     if slow > 1:
         notes.append(f"{w.world_size} ranks share {model.cores} cores" + (f" with {model.background:.1f} other "
                      "busy processes" if model.background > 0.05 else "") + f": compute x{slow:.2f}")

@@ -37,11 +37,18 @@ from shardscope.engines.model import build_model, resolve
 from shardscope.engines.worker import train_settings
 
 
-def fake_rank_context(world_size: int, tp: int, device: str = "cpu") -> RankContext:
+def fake_rank_context(world_size: int, tp: int, device: str = "cpu", backend: str = "fake") -> RankContext:
     """Initialise a fake process group of ``world_size`` as rank 0 and return its RankContext
     (the same mesh layout as ``worker.init_distributed``: ("dp",) or ("dp", "tp")) on ``device``
-    ("cpu", or "cuda": the compute probe on a GPU; the group's collectives return at once on either)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    ("cpu", or "cuda": the compute probe on a GPU; the group's collectives return at once on either).
+    ``backend`` "gloo" or "nccl" at world size 1 makes it a real group of one instead (the compute probe's
+    one-rank runs: their collectives cost what the run's own do)."""
+    if backend == "fake":
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    elif world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise ValueError(f"a real {backend} group stands in for a run of world size 1 only, not {world_size}")
     if device == "cuda":
         torch.cuda.set_device(0)
     dp = world_size // tp
@@ -53,7 +60,7 @@ def fake_rank_context(world_size: int, tp: int, device: str = "cpu") -> RankCont
         mesh = init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
         dp_group, tp_group = mesh.get_group("dp"), None
     where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    return RankContext(rank=0, world_size=world_size, local_rank=0, device=where, backend="fake",
+    return RankContext(rank=0, world_size=world_size, local_rank=0, device=where, backend=backend,
                        dp_size=dp, dp_rank=0, tp_size=tp, tp_rank=0, mesh=mesh, dp_group=dp_group, tp_group=tp_group)
 
 
