@@ -1,33 +1,59 @@
-"""Ranks forked from a preloaded agent on CUDA (``launch.start_method = fork``): the agent's imports must not
-initialise CUDA (a child forked from a process that did cannot use the GPU), and a forked rank must train as a new
-interpreter does. Needs a GPU (skipped without one: CI has none)."""
+"""Ranks forked from a preloaded agent on CUDA (``launch.start_method = fork``): nothing the agent does before
+torchrun forks the ranks may leave them unable to use the GPU, and a forked rank must train as a new interpreter
+does. Needs a GPU (skipped without one: CI has none)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from shardscope.core import events
-from shardscope.orchestrator import prestart
+from shardscope.core import events, registry
+from shardscope.orchestrator import launcher, prestart
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
+# What an agent does before torchrun forks a rank: import torchrun and the preloaded modules, build torchrun's
+# LaunchConfig (which asks torch.cuda.is_available()); then a fork that uses the GPU, as a rank does.
+AGENT_THEN_FORK = """
+import importlib, os, sys
+import torch, torch.distributed.run
+from torch.distributed.launcher.api import LaunchConfig
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+pid = os.fork()
+if pid == 0:
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        os._exit(0)
+    except Exception as err:
+        print(err, flush=True)
+        os._exit(3)
+print("child", os.waitpid(pid, 0)[1] >> 8, "initialised", torch.cuda.is_initialized())
+"""
 
-def test_the_agents_preload_leaves_cuda_uninitialised():
-    """What an agent imports before torchrun forks the ranks (torchrun, dynamo, the worker, every torch strategy's
-    module) in a fresh interpreter: CUDA is not initialised afterwards."""
-    from shardscope.core import registry
 
+def _agent_then_fork(env_extra):
     modules = [*prestart.RANK_MODULES] + sorted({registry.get(n).entry.partition(":")[0] for n in registry.names()
                                                  if not registry.get(n).needs_deepspeed})
-    code = ("import importlib, sys, torch.distributed.run, torch\n"
-            "for m in sys.argv[1:]: importlib.import_module(m)\n"
-            "print(torch.cuda.is_available(), torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", AGENT_THEN_FORK, *modules], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "False"], (modules, out.stdout)
+    return out.stdout
+
+
+def test_ranks_forked_after_the_agents_imports_and_torchruns_checks_can_use_the_gpu():
+    """With the ranks' environment (``launcher.worker_env``) a child forked after everything the agent does uses
+    the GPU; with torch's runtime-based availability check (the variable off) the same child cannot: the
+    variable is what makes forking on CUDA work."""
+    assert "child 0 initialised False" in _agent_then_fork(launcher.worker_env("cuda"))
+    broken = _agent_then_fork({**launcher.worker_env("cuda"), launcher.NVML_CHECK_ENV: "0"})
+    assert "child 3" in broken and "forked subprocess" in broken
 
 
 def _run(tmp_path, method):

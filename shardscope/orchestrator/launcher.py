@@ -122,11 +122,19 @@ def after_env(previous: list["RunProcess"]) -> dict[str, str]:
 KINETO_QUIET = "6"  # above kineto's highest severity (ERROR = 4, USDT = 5): nothing is printed
 
 
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def worker_env(device: str) -> dict[str, str]:
     """Return environment additions for ranks: thread counts that do not oversubscribe CPUs."""
     env = {"PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     # A stalled run's ranks say which collective each one last entered (engines/stall_dump.py).
     env[FLIGHT_RECORDER_ENV] = os.environ.get(FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES)
+    # torchrun asks torch.cuda.is_available() before it starts the ranks (LaunchConfig's NUMA default); through
+    # the CUDA runtime that marks every process forked afterwards as unable to use CUDA ("Cannot re-initialize
+    # CUDA in forked subprocess"), so ranks forked by the agent (launch.start_method = fork) could not train on a
+    # GPU. torch's documented remedy: answer it from NVML instead, which leaves forks usable (seen on an H200).
+    env[NVML_CHECK_ENV] = os.environ.get(NVML_CHECK_ENV, "1")
     if device == "cpu":
         # Several ranks share the cores; one intra-op thread each keeps them from thrashing.
         env.setdefault("OMP_NUM_THREADS", "1")
