@@ -17,7 +17,7 @@ first torchrun started, each rank's process start, imports, process group, model
 initial weights), strategy, batches (from the ``startup`` marks of the start record). ``agent`` is the
 start of the run's torchrun agent: with ``launch.prestart`` (the default) the next run's agent starts ahead,
 beside the first run's launch, so between runs its stage is negative (it was there before the last run ended).
-With ``launch.start_method`` fork (the default on CPU) the agent imports torch, ``torch._dynamo`` and the worker
+With ``launch.start_method`` fork (the default but for DeepSpeed on CUDA) the agent imports torch, ``torch._dynamo`` and the worker
 before torchrun forks the ranks from it: ``process`` is then the fork, after the agent's imports, and the
 ranks' own imports take nothing.
 

@@ -184,10 +184,11 @@ def test_each_node_has_its_own_ready_file(tmp_path):
     assert os.path.dirname(out.agent_ready(1)) == str(tmp_path)
 
 
-def test_ranks_are_forked_on_cpu_by_default_and_exec_is_kept():
-    """``launch.start_method``: auto forks on CPU only; the command names torchrun's fork start method and the
-    rank script by path (which exists), or the worker module for a new interpreter per rank."""
-    assert prestart.fork_ranks("auto", "cpu") and not prestart.fork_ranks("auto", "cuda")
+def test_ranks_are_forked_by_default_and_exec_is_kept():
+    """``launch.start_method``: auto forks, except DeepSpeed's ranks on CUDA; the command names torchrun's fork
+    start method and the rank script by path (which exists), or the worker module for a new interpreter per rank."""
+    assert prestart.fork_ranks("auto", "cpu") and prestart.fork_ranks("auto", "cuda")
+    assert prestart.fork_ranks("auto", "cpu", deepspeed=True) and not prestart.fork_ranks("auto", "cuda", True)
     assert prestart.fork_ranks("fork", "cuda") and not prestart.fork_ranks("exec", "cpu")
     forked = launcher.torchrun_argv("/x/spec.json", nproc_per_node=2, fork=True)
     assert forked[-5:] == ("--start-method", "fork", "--run-path", launcher.RANK_SCRIPT, "/x/spec.json")
@@ -207,7 +208,9 @@ def test_what_an_agent_preloads_follows_the_runs_strategy():
     assert ddp[:len(prestart.RANK_MODULES)] == list(prestart.RANK_MODULES)
     assert ddp[-1] == registry.get(plain).entry.partition(":")[0]
     assert prestart.preload_for(comparison, "b", "cpu") == list(prestart.RANK_MODULES)  # DeepSpeed: the rank's own
-    assert prestart.preload_for(comparison, "a", "cuda") is None  # auto on CUDA: new interpreters, nothing preloaded
+    assert prestart.preload_for(comparison, "a", "cuda") == ddp  # forked on CUDA too (tests/test_fork_cuda.py)
+    # DeepSpeed on CUDA (unchecked there): new interpreters, nothing preloaded
+    assert prestart.preload_for(comparison, "b", "cuda") is None and not prestart.forks(comparison, "b", "cuda")
 
 
 FORKED_RANK = """

@@ -35,18 +35,24 @@ AGENT_MODULE = "shardscope.engines.agent"
 RANK_MODULES = ("torch._dynamo", "shardscope.engines.worker", "shardscope.engines.rank")
 
 
-def fork_ranks(start_method: str, device: str) -> bool:
+def fork_ranks(start_method: str, device: str, deepspeed: bool = False) -> bool:
     """Whether torchrun forks the ranks from a preloaded agent (``launch.start_method``): ``fork``; ``exec``
-    (each rank a new interpreter); ``auto``, fork on CPU and exec on CUDA, where forking after the agent's
-    imports has not been checked on a GPU yet."""
-    return start_method == "fork" or (start_method == "auto" and device == "cpu")
+    (each rank a new interpreter); ``auto``, fork, except a DeepSpeed run (``deepspeed``) on CUDA: forked torch
+    ranks were checked on an H200 (``tests/test_fork_cuda.py``), DeepSpeed's were not (not on that machine)."""
+    return start_method == "fork" or (start_method == "auto" and not (deepspeed and device != "cpu"))
+
+
+def forks(comparison: Comparison, run: str, device: str) -> bool:
+    """Whether ``run``'s ranks are forked from its agent (``fork_ranks`` for its strategy)."""
+    info = registry.get(comparison.run(run).strategy)
+    return fork_ranks(comparison.launch.start_method, device, info.needs_deepspeed)
 
 
 def preload_for(comparison: Comparison, run: str, device: str) -> list[str] | None:
     """The modules an agent imports for the ranks it will fork for ``run``: ``RANK_MODULES`` and its strategy's
     own, except DeepSpeed's (its import probes the accelerator; the ranks import it themselves). None where
     ranks are not forked (``fork_ranks``)."""
-    if not fork_ranks(comparison.launch.start_method, device):
+    if not forks(comparison, run, device):
         return None
     info = registry.get(comparison.run(run).strategy)
     own = [] if info.needs_deepspeed else [info.entry.partition(":")[0]]

@@ -308,7 +308,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             rdzv_endpoint=launcher.endpoint_for_run(launch.rdzv_endpoint, self.run_names.index(run.name)),
             rdzv_id=f"{prefix}-{run.name}",
             python=self.python,
-            fork=prestart.fork_ranks(launch.start_method, self.device),
+            fork=prestart.forks(self.comparison, run.name, self.device),
         )
         env = launcher.worker_env(self.device)
         if launch.records_endpoint and launch.node_rank != 0:  # no shared filesystem: records go to node 0

@@ -84,7 +84,7 @@ class LaunchSpec:
     # start the next run's torchrun agent (its import of torch) before its run is due; orchestrator/prestart.py
     prestart: bool = True
     # how torchrun starts ranks: "fork" them from its agent after it preloaded torch (engines/rank.py), "exec" a
-    # new interpreter each, "auto" = fork on CPU, exec on CUDA (forking not yet checked on a GPU)
+    # new interpreter each, "auto" = fork, except DeepSpeed runs on CUDA (orchestrator/prestart.fork_ranks)
     start_method: str = "auto"
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
