@@ -105,6 +105,43 @@ def test_an_agent_learns_how_each_forked_rank_ended_without_reaping_it():
     assert sorted(rank_process.exit_rows("\n".join(lines))) == [(0, -9, pids[0]), (1, 3, pids[1]), (2, 0, pids[2])]
 
 
+def test_a_rank_torchrun_reaps_before_any_waiter_saw_it_keeps_its_exit_code():
+    """The race a loaded machine runs: torchrun reaps a rank before the watch's threads saw it end. With the poll
+    off, only the ``os.waitpid`` tap sees the rank (named, then reaped by the blocking wait that multiprocessing
+    makes once the rank's sentinel is ready); its code is kept, another child's is not, and the tap is removed."""
+    from shardscope.core import rank_process
+    from shardscope.engines import agent_exits
+    from shardscope.engines.agent_exits import ExitWatch
+
+    real = os.waitpid
+    watch = ExitWatch().start(poll=False)
+    try:
+        go_read, go_write = os.pipe()
+        pids = []
+        for name in (5, None):  # a rank, and a child that is not one
+            pid = os.fork()
+            if pid == 0:
+                os.close(go_write)
+                if name is not None:
+                    rank_process.name_this_process(name)
+                os.read(go_read, 1)
+                os._exit(7 if name is not None else 4)
+            pids.append(pid)
+        os.close(go_read)
+        deadline = time.monotonic() + 120  # the child names itself when the scheduler lets it: no timing asserted
+        while agent_exits._rank_of(pids[0]) != 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.write(go_write, b"go")
+        os.close(go_write)
+        statuses = [os.waitpid(pid, 0)[1] for pid in pids]  # the tap, as torchrun's multiprocessing calls it
+        assert [os.waitstatus_to_exitcode(s) for s in statuses] == [7, 4]
+        assert watch.watched() == set()  # no waiter thread ever ran: the tap alone saw it
+        assert watch.lines() == [rank_process.exit_line(5, pids[0], 7)]
+        assert os.waitpid is real
+    finally:
+        os.waitpid = real
+
+
 def test_disk_error_named_through_causes():
     inner = OSError(errno.ENOSPC, "No space left on device", "/x/rank0.jsonl")
     try:
