@@ -121,7 +121,9 @@ def trace(spec: dict[str, Any]) -> dict[str, Any]:
                 autocast = torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None)
                 with autocast:
                     logits = prep.model(inputs)
-                prep.backward(loss_fn(logits, targets))
+                loss = loss_fn(logits, targets)
+                del logits  # as the training loop does: not held through backward
+                prep.backward(loss)
                 if prep.optimizer is not None:
                     prep.optimizer.step()
                 if step == 0:
