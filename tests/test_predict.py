@@ -4,7 +4,6 @@ support say why."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -405,20 +404,3 @@ def test_a_one_size_gpu_calibration_predicts_only_models_near_its_size():
     two = predict_fit.fit(sizes, cores=16)
     assert "per_layer_token_s" in two.coefficients["forward"]  # two sizes: a per-layer cost, carried to any size
     assert predict.predict_run(wide, wide.run("ddp"), two)["why"] is None
-
-
-def test_a_one_rank_probe_uses_a_real_group_of_one_and_a_larger_one_the_fake_group():
-    """At world size 1 the run's own collectives on a group of one (DDP's reducer copying every gradient into its
-    buckets and all-reducing them) cost time that no schedule places, so the probe runs them on a real gloo group
-    of one; at 2 ranks it stands in for the others with the fake group, whose collectives return at once."""
-    from shardscope.analysis.predict_probe import probe_runs
-    from shardscope.engines.compute_probe import probe_backend
-
-    assert (probe_backend(1, "cpu"), probe_backend(1, "cuda"), probe_backend(2, "cpu")) == ("gloo", "nccl", "fake")
-    whole = smoke()
-    c = dataclasses.replace(whole, runs=[whole.run("ddp")])
-    for size, backend in ((1, "gloo"), (2, "fake")):
-        got = probe_runs(c, world_size=size)["ddp"]
-        assert "error" not in got, got
-        assert got["raw"]["backend"] == backend and got["raw"]["world_size"] == size
-        assert got["forward"] > 0 and got["backward"] > 0
