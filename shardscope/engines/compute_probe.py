@@ -6,11 +6,10 @@ stays torch-free). Rank 0 of a fake process group (``backend="fake"``: every col
 once, as in ``traced_estimate``; at world size 1 a real group of one, ``probe_backend``) stands in for
 the run: the model is built at its real size with real tensors, the registered strategy's own ``apply``
 shards it for the predicted world size, and the training loop of every run (``loop.train``) runs a few
-steps with the step clock on. What the step
-records then hold per phase is this rank's own work at that world size (matmuls on its local batch,
-the strategy's hooks, flat-parameter views, DTensor dispatch, the optimizer on its shard, parity mode's
-per-layer norms when the preset asks for them), with no
-wait and no transfer in a collective: the part of a step that ``predict`` would otherwise carry over
+steps with the step clock on. What the step records then hold per phase is this rank's own work at that
+world size (matmuls on its local batch, the strategy's hooks, flat-parameter views, DTensor dispatch, the
+optimizer on its shard, parity mode's per-layer norms when the preset asks for them), with no wait and no
+transfer in a collective: the part of a step that ``predict`` would otherwise carry over
 from the calibration's model size and strategies, measured instead for the model and strategy being
 predicted (operator profiling on one device, as vTrain and Lumos do). Communication is added back by
 ``predict``'s collective fit on the strategy's schedule.
@@ -85,9 +84,9 @@ def probe_backend(world_size: int, device: str) -> str:
 
 
 def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps of ``spec``'s run as rank 0 of a fake process group of its world size; return
-    the median over steps ``WARMUP``.. of each phase's seconds, ``busy_s`` and ``step_time_s``, and
-    ``{"steps", "world_size", "threads"}``."""
+    """Train ``steps`` steps of ``spec``'s run as rank 0 of a process group of its world size (``probe_backend``);
+    return the median over steps ``WARMUP``.. of each phase's seconds, ``busy_s`` and ``step_time_s``, and
+    ``{"steps", "world_size", "threads", "backend"}``."""
     if steps <= WARMUP:
         raise ValueError(f"steps = {steps}: the probe needs more than {WARMUP} (the first is a warm-up)")
     comparison = Comparison.from_dict({**spec["comparison"], "runs": [], "steps": steps})
@@ -97,7 +96,8 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(run["world_size"]), "LOCAL_WORLD_SIZE": "1"})
     torch.manual_seed(comparison.seed)
     device = "cuda" if spec.get("device") == "cuda" else "cpu"
-    ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]), device, probe_backend(int(run["world_size"]), device))
+    world = int(run["world_size"])
+    ctx = fake_rank_context(world, int(run["tp"]), device, probe_backend(world, device))
     settings = train_settings(comparison, run, ctx.dp_size)
     model = build_model(comparison.model, comparison.seed).to(ctx.device)  # as the worker does before apply
     prep = resolve(registry.get(run["strategy"]).entry)(

@@ -1,7 +1,7 @@
 """A rank forked by torchrun: ``torchrun --start-method fork --run-path <this file> <run_dir>/spec.json``.
 
-With ``launch.start_method = fork`` (the default but for DeepSpeed on CUDA), torchrun's agent already imported torch, ``torch._dynamo``
-and the worker (``engines/agent.py`` preloads them) and forks each rank from itself (torchrun's
+With ``launch.start_method = fork`` (the default, but for DeepSpeed on CUDA), torchrun's agent already imported
+torch, ``torch._dynamo`` and the worker (``engines/agent.py`` preloads them) and forks each rank from itself (torchrun's
 ``--start-method fork``: ``torch.distributed.elastic.multiprocessing``), which then runs this file with
 ``runpy.run_path``. A rank so started skips the 3-4 s of imports a new interpreter pays on a 2-core machine; it is
 the same worker (``worker.main``), the same records and exit codes.
