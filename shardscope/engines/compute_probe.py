@@ -38,7 +38,7 @@ from shardscope.core.rundir import RunDir
 from shardscope.engines.data import build_batches
 from shardscope.engines.loop import LoopConfig, train
 from shardscope.engines.model import build_model, resolve
-from shardscope.engines.traced_estimate import fake_rank_context, spec_main
+from shardscope.engines.traced_estimate import rank0_context, spec_main
 from shardscope.engines.worker import train_settings
 
 PHASE_FIELDS = ("time_forward_s", "time_backward_s", "time_optimizer_s", "busy_s", "step_time_s")
@@ -97,7 +97,7 @@ def probe(spec: dict[str, Any], steps: int) -> dict[str, Any]:
     torch.manual_seed(comparison.seed)
     device = "cuda" if spec.get("device") == "cuda" else "cpu"
     world = int(run["world_size"])
-    ctx = fake_rank_context(world, int(run["tp"]), device, probe_backend(world, device))
+    ctx = rank0_context(world, int(run["tp"]), device, probe_backend(world, device))
     settings = train_settings(comparison, run, ctx.dp_size)
     model = build_model(comparison.model, comparison.seed).to(ctx.device)  # as the worker does before apply
     prep = resolve(registry.get(run["strategy"]).entry)(

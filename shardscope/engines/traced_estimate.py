@@ -37,12 +37,11 @@ from shardscope.engines.model import build_model, resolve
 from shardscope.engines.worker import train_settings
 
 
-def fake_rank_context(world_size: int, tp: int, device: str = "cpu", backend: str = "fake") -> RankContext:
-    """Initialise a fake process group of ``world_size`` as rank 0 and return its RankContext
-    (the same mesh layout as ``worker.init_distributed``: ("dp",) or ("dp", "tp")) on ``device``
-    ("cpu", or "cuda": the compute probe on a GPU; the group's collectives return at once on either).
-    ``backend`` "gloo" or "nccl" at world size 1 makes it a real group of one instead (the compute probe's
-    one-rank runs: their collectives cost what the run's own do)."""
+def rank0_context(world_size: int, tp: int, device: str = "cpu", backend: str = "fake") -> RankContext:
+    """Initialise a process group of ``world_size`` as rank 0 and return its RankContext (the same mesh layout as
+    ``worker.init_distributed``: ("dp",) or ("dp", "tp")) on ``device`` ("cpu", or "cuda": the compute probe on a
+    GPU). ``backend`` "fake": torch's fake group, whose collectives return at once; "gloo" or "nccl" at world size
+    1: a real group of one (the compute probe's one-rank runs: their collectives cost what the run's own do)."""
     if backend == "fake":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     elif world_size == 1:
@@ -101,7 +100,7 @@ def trace(spec: dict[str, Any]) -> dict[str, Any]:
     "model_state_bytes", "peak_bytes"}`` (bytes by tracker category, then shardscope's terms)."""
     comparison = Comparison.from_dict({**spec["comparison"], "runs": []})
     run = spec["run"]
-    ctx = fake_rank_context(int(run["world_size"]), int(run["tp"]))
+    ctx = rank0_context(int(run["world_size"]), int(run["tp"]))
     settings = train_settings(comparison, run, ctx.dp_size)
     micro_batches, _ = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
     real_inputs, real_targets = micro_batches(0)[0]

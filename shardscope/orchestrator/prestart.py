@@ -54,7 +54,7 @@ def preload_for(comparison: Comparison, run: str, device: str) -> list[str] | No
     ranks are not forked (``fork_ranks``)."""
     if not forks(comparison, run, device):
         return None
-    info = registry.get(comparison.run(run).strategy)
+    info = registry.get(comparison.run(run).strategy)  # DeepSpeed's may be forked (on CPU), never preloaded
     own = [] if info.needs_deepspeed else [info.entry.partition(":")[0]]
     return [*RANK_MODULES, *own]
 
