@@ -262,7 +262,11 @@ def compiled_graph_count() -> int:
 def _marker(phase: str, profiled: bool) -> ContextManager[Any]:
     """The phase's profiler annotation in a profiled step (the trace analysis reads it); nothing otherwise,
     since outside the profiler window an annotation is a dispatcher call per phase that nothing reads."""
-    return record_function(PHASE_MARKERS[phase]) if profiled else contextlib.nullcontext()
+    return record_function(PHASE_MARKERS[phase]) if profiled else _NULL
+
+
+# One reusable no-op context for the step's optional contexts (nullcontext holds no state), not one built per use.
+_NULL: ContextManager[Any] = contextlib.nullcontext()
 
 
 def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], autocast_dtype: torch.dtype | None,
@@ -270,16 +274,15 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
                       probe: ModuleProbe | None = None, loss_divisor: int = 1) -> torch.Tensor:
     """Run every micro-batch forward and backward, each loss divided by ``loss_divisor`` (grad_accum: the gradient
     of the mean loss) before backward; return the detached sum of their undivided losses."""
-    loss_sum = torch.zeros(1, device=ctx.device)
+    losses: list[torch.Tensor] = []
     for i, (inputs, targets) in enumerate(micro):
         inputs = inputs.to(ctx.device, non_blocking=True)
         targets = targets.to(ctx.device, non_blocking=True)
         last = i == len(micro) - 1
-        with contextlib.nullcontext() if last else prep.no_sync():
-            autocast = (torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                        else contextlib.nullcontext())
+        with _NULL if last else prep.no_sync():
+            autocast = torch.autocast(ctx.device.type, dtype=autocast_dtype) if autocast_dtype is not None else _NULL
             # The phase markers let the trace analysis tell forward, backward and step collectives apart.
-            with _marker("forward", profiled), probe.forward() if probe is not None else contextlib.nullcontext():
+            with _marker("forward", profiled), probe.forward() if probe is not None else _NULL:
                 with autocast:
                     logits = prep.model(inputs)
                 loss = loss_fn(logits, targets)
@@ -291,8 +294,9 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
             with _marker("backward", profiled):
                 prep.backward(scaler.scale_loss(scaled) if scaler is not None else scaled)
             clock.lap("backward")
-        loss_sum += loss.detach()
-    return loss_sum
+        losses.append(loss.detach())
+    # One micro-batch (the common case) adds no op to the step; several are summed once, after the last backward.
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
 def _unscale(prep: Prepared, scaler: LossScaler | None) -> bool:
