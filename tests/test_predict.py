@@ -4,9 +4,7 @@ support say why."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import statistics
 
 import pytest
 
@@ -406,48 +404,3 @@ def test_a_one_size_gpu_calibration_predicts_only_models_near_its_size():
     two = predict_fit.fit(sizes, cores=16)
     assert "per_layer_token_s" in two.coefficients["forward"]  # two sizes: a per-layer cost, carried to any size
     assert predict.predict_run(wide, wide.run("ddp"), two)["why"] is None
-
-
-def test_the_probe_factor_is_measured_on_the_calibrations_own_runs_and_applied_at_their_world_size(tmp_path):
-    from shardscope.analysis import predict_probe_bias
-
-    cal = smoke()
-    config.dump_json(str(tmp_path / "comparison.json"), cal.to_dict())
-    model = _model()
-    probed = {"forward": 0.010, "backward": 0.020, "optimizer": 0.005}
-    # each calibration run "measured" 1.3x (ddp) and 1.5x (fsdp2) its probed prediction; probes scatter by +-10%
-    base = {r.name: predict.predict_run(cal, r, model, probed=probed)["step_time_s"] for r in cal.runs}
-    model.fit_error["runs"] = {"ddp": {"measured_step_s": 1.3 * base["ddp"]},
-                               "fsdp2": {"measured_step_s": 1.5 * base["fsdp2"]}}
-    scale = iter([1.0, 1.1, 0.9])
-    calls = []
-
-    def probe(c, progress=None):
-        calls.append(c.name)
-        s = next(scale)
-        return {r.name: {p: v * s for p, v in probed.items()} for r in c.runs}
-
-    got = predict_probe_bias.measure(model, [str(tmp_path)], probe, predict.predict_run)
-    assert len(calls) == predict_probe_bias.REPEATS and not model.probe_factor  # the model given is left as it was
-    pf = got.probe_factor
-    assert pf["world_size"] == 2 and set(pf["ratios"]) == {"ddp", "fsdp2"}
-    assert sorted(pf["ratios"]["ddp"]) == pytest.approx(sorted(1.3 * base["ddp"] / predict.predict_run(
-        cal, cal.run("ddp"), model, probed={p: v * s for p, v in probed.items()})["step_time_s"] for s in (1.0, 1.1, 0.9)))
-    assert pf["factor"] == pytest.approx(statistics.median(x for v in pf["ratios"].values() for x in v))
-    assert 1.3 < pf["factor"] < 1.5
-    # applied to a probed run at the calibration's world size, its extra time in rest_s; not at another world size
-    c = config.load_preset("ddp-vs-fsdp", ["world_size=2"], host=CPU)
-    run = c.run("ddp")
-    plain, with_factor = (predict.predict_run(c, run, m, probed=probed) for m in (model, got))
-    assert with_factor["step_time_s"] == pytest.approx(plain["step_time_s"] * pf["factor"])
-    assert with_factor["compute_s"] == pytest.approx(plain["compute_s"])
-    assert with_factor["rest_s"] == pytest.approx(plain["rest_s"] + plain["step_time_s"] * (pf["factor"] - 1))
-    assert any(f"step x{pf['factor']:.2f}" in n for n in with_factor["notes"])
-    at4 = predict.predict_run(c, dataclasses.replace(run, world_size=4), got, probed=probed)
-    assert at4["step_time_s"] == pytest.approx(predict.predict_run(c, dataclasses.replace(run, world_size=4), model,
-                                                                   probed=probed)["step_time_s"])
-    assert any("no probe factor" in n for n in at4["notes"])
-    # a run predicted without a probe, and a GPU calibration, get none
-    assert predict.predict_run(c, run, got)["step_time_s"] == pytest.approx(predict.predict_run(c, run, model)["step_time_s"])
-    gpu = dataclasses.replace(model, backend="nccl")
-    assert predict_probe_bias.measure(gpu, [str(tmp_path)], probe, predict.predict_run) is gpu

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
@@ -23,7 +22,6 @@ from shardscope.analysis.predict_fit import (
     PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, fit, slowdown, read_calibration, reference_compute,
     ring_steps, bus_factor,
 )
-from shardscope.analysis import predict_probe_bias as probe_bias
 from shardscope.analysis.predict_schedule import simulate
 from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
@@ -186,10 +184,6 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
                 f"{k} ({model.collectives[k].source})" for k in derived))
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
     step = timing.step_s + rest
-    if device is None and probed is not None and model is not None and model.probe_factor:
-        factor = probe_bias.applies(model, w.world_size)
-        step *= factor or 1.0  # what the probe misses lands in rest_s below
-        notes.append(probe_bias.note(model, w.world_size))
     compute = min(sum(reference.values()), sum(comp.values()))
     return {"tokens_per_s": w.tokens_per_step / step if step > 0 else None, "step_time_s": step,
             "compute_s": compute, "exposed_comm_s": timing.exposed_comm_s,
@@ -267,17 +261,8 @@ def predict_comparison(c: Comparison, model: MachineModel | None, device: Device
         "runs": [predict_run(c, run, model, device, probes.get(run.name)) for run in c.runs],
         "assumptions": assumptions(model, device) + ([
             "compute and framework overhead per run measured by a one-rank probe at the predicted world size "
-            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else [])
-            + ([_probe_factor_assumption(model)] if probes and device is None and model and model.probe_factor else []),
+            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else []),
         "families": {k: v for k, v in FAMILY_TEXT.items()},
         "calibration": model.to_dict() if model else None,
         "fit_error": model.fit_error if model else None,
     }
-
-
-def _probe_factor_assumption(model: MachineModel) -> str:
-    pf = model.probe_factor
-    per_run = ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in pf["ratios"].items())
-    return (f"probed runs at {pf['world_size']} ranks: step x{pf['factor']:.2f}, what a real step paid beyond its "
-            f"probe's prediction on the calibration's own runs (measured / predicted, median per run: {per_run}); "
-            "none at other world sizes (predict_probe_bias.py)")

@@ -89,7 +89,6 @@ class MachineModel:
     notes: list[str] = field(default_factory=list)
     fit_error: dict[str, Any] = field(default_factory=dict)
     fwd_flops: list[float] = field(default_factory=list)  # per rank per step, of the runs the compute was fitted on
-    probe_factor: dict[str, Any] = field(default_factory=dict)  # predict_probe_bias: real step / probed prediction
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""

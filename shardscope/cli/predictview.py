@@ -196,11 +196,8 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         model = _with_collectives(list(calibrate_dirs), model.backend, timed)
     probes = None
     if probe and model is not None and spec is None:
-        from shardscope.analysis import predict_probe_bias
         from shardscope.analysis.predict_probe import probe_runs
 
-        model = predict_probe_bias.measure(model, list(calibrate_dirs), probe_runs, predict.predict_run,
-                                           progress=lambda text: click.echo(f"calibration: {text}", err=True))
         probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True),
                             device=model.device)
     result = predict.predict_comparison(comparison, model, spec, probes)
