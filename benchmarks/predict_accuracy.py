@@ -194,10 +194,12 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
         p = predicted.get(m["name"])
         if p is None or p["why"]:
             continue
-        measured = m.get("median_tokens_per_s") if m["status"] == "ok" else None
+        # an image model (vit) is predicted and measured in samples/s, a language model in tokens/s
+        measured = (m.get("median_tokens_per_s") or m.get("median_samples_per_s")) if m["status"] == "ok" else None
+        got = p.get("tokens_per_s") or p.get("samples_per_s")
         rows.append({"preset": preset, "world_size": m["world_size"], "run": m["name"],
-                     "strategy": m["strategy"], "predicted": p["tokens_per_s"], "measured": measured,
-                     "error": p["tokens_per_s"] / measured - 1 if measured else None,
+                     "strategy": m["strategy"], "predicted": got, "measured": measured,
+                     "error": got / measured - 1 if measured and got else None,
                      "split_ms": [round(p[k] * 1e3, 1) for k in ("compute_s", "exposed_comm_s", "rest_s")],
                      "bound": p.get("bound"), "status": m["status"]})
     return rows
@@ -249,7 +251,7 @@ def report(rows: list[dict], skipped: list[str], repeats: int = 1) -> None:
     if repeats > 1:
         print(f"\n{repeats} repeats per run, each predicted from its own fresh calibration (and probe) and then run; "
               "a row is the median prediction against the median measurement")
-    print("\n| preset | ranks | run | strategy | predicted tokens/s | measured | error | predicted ms compute / "
+    print("\n| preset | ranks | run | strategy | predicted tokens/s (vit: samples/s) | measured | error | predicted ms compute / "
           f"exposed comm / rest |{extra[0]}")
     print(f"|---|---|---|---|---|---|---|---|{extra[1]}")
     for r in rows:

@@ -145,11 +145,28 @@ def matrix(tmp_path_factory):
             out = str(base / "run")
             proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(preset), "--headless",
                                    "--out", out], capture_output=True, text=True, timeout=1800, check=False, cwd=REPO)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert proc.returncode == 0, _failure(out, proc)
             done[key] = out
         return done[key]
 
     return get
+
+
+def _failure(out: str, proc: subprocess.CompletedProcess) -> str:
+    """What a failed comparison said: each run that did not end ok with its status and error (the stall verdict
+    with the ranks' stacks), then the tails of the console; the tail alone lost the verdict (stop 39's CI)."""
+    lines = []
+    try:
+        for r in _summary(out)["runs"]:
+            if r["status"] != "ok":
+                lines.append(f"{r['name']}: {r['status']}: {r.get('error')}")
+                verdict = os.path.join(out, r["name"], "status.json")  # the whole verdict, every rank's stack
+                if os.path.exists(verdict):
+                    with open(verdict, encoding="utf-8") as fh:
+                        lines.append(fh.read()[-6000:])
+    except (OSError, ValueError, KeyError) as exc:
+        lines.append(f"no summary.json to read ({exc})")
+    return "\n".join(lines) + "\n--- stdout tail ---\n" + proc.stdout[-3000:] + "\n--- stderr tail ---\n" + proc.stderr[-3000:]
 
 
 def _where(world_size: int, precision: str) -> list:

@@ -25,7 +25,17 @@ from shardscope.analysis.predict_fit import (
 from shardscope.analysis.predict_schedule import simulate
 from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
-FIGURES = ("tokens_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
+FIGURES = ("tokens_per_s", "samples_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
+
+
+def rate(row: dict[str, Any]) -> float | None:
+    """A prediction row's throughput in its own unit (``unit``): tokens/s, or samples/s for an image model."""
+    return row.get("tokens_per_s") or row.get("samples_per_s")
+
+
+def unit(row: dict[str, Any]) -> str:
+    """The unit of ``rate(row)``: "samples/s" for an image model, else "tokens/s"."""
+    return str(row.get("unit") or "tokens/s")
 
 
 def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | None = None,
@@ -185,7 +195,9 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
     step = timing.step_s + rest
     compute = min(sum(reference.values()), sum(comp.values()))
-    return {"tokens_per_s": w.tokens_per_step / step if step > 0 else None, "step_time_s": step,
+    rate = (w.samples_per_step or w.tokens_per_step) / step if step > 0 else None
+    return {"tokens_per_s": None if w.samples_per_step else rate, "samples_per_s": rate if w.samples_per_step else None,
+            "unit": "samples/s" if w.samples_per_step else "tokens/s", "step_time_s": step,
             "compute_s": compute, "exposed_comm_s": timing.exposed_comm_s,
             "rest_s": max(0.0, step - compute - timing.exposed_comm_s), "comm_s": timing.comm_s,
             "phases_s": timing.phase_s, "bound": bound, "notes": notes}

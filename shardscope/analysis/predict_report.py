@@ -16,8 +16,8 @@ from shardscope.analysis.predict_work import NotPredicted
 
 
 def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None) -> dict[str, Any]:
-    """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "runs": {name: row + measured_tokens_per_s,
-    measured_step_time_s, measured_spread, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``.
+    """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "runs": {name: row + measured_tokens_per_s
+    (or measured_samples_per_s: an image model's), measured_step_time_s, measured_spread, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``.
     ``measured_spread``: the run's own step-to-step spread (half-IQR / median of its timed rates, as ``diff``'s
     noise; None below 4 timed steps): an error inside it is the machine's noise as much as the model's."""
     baseline = c.baseline or (c.runs[0].name if c.runs else "")
@@ -39,12 +39,13 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
         except (KeyError, ValueError, ZeroDivisionError) as err:
             row = {"name": run.name, "strategy": run.strategy, "why": f"{err!r}", "notes": []}
         st = states.get(run.name)
-        rate = median_rate(st.throughput) if st is not None and st.unit == "tokens/s" else None
+        rate = median_rate(st.throughput) if st is not None and st.unit == predict.unit(row) else None
         steps = [t for s, t in (st.step_times if st else []) if s > 0]
-        row["measured_tokens_per_s"] = rate
+        row["measured_tokens_per_s"] = rate if predict.unit(row) == "tokens/s" else None
+        row["measured_samples_per_s"] = rate if predict.unit(row) == "samples/s" else None
         row["measured_spread"] = relative_spread(timed_rates(st.throughput)) if rate is not None else None
         row["measured_step_time_s"] = statistics.median(steps) if steps else None
-        got = row.get("tokens_per_s")
+        got = predict.rate(row)
         row["error"] = got / rate - 1 if got and rate else None
         row["calibration_run"] = not calibrate_dirs and run.name == baseline
         runs[run.name] = row
@@ -57,8 +58,18 @@ def _rate(v: Any) -> str:
 
 
 UNREADABLE = "not shown: its figures in the comparison's summary are not numbers"
-FIGURES = ("tokens_per_s", "measured_tokens_per_s", "error", "measured_spread", "step_time_s", "compute_s",
-           "exposed_comm_s", "rest_s")
+FIGURES = ("tokens_per_s", "samples_per_s", "measured_tokens_per_s", "measured_samples_per_s", "error",
+           "measured_spread", "step_time_s", "compute_s", "exposed_comm_s", "rest_s")
+
+
+def _measured(r: dict[str, Any]) -> Any:
+    return r.get("measured_tokens_per_s") or r.get("measured_samples_per_s")
+
+
+def _unit(sec: dict[str, Any]) -> str:
+    """The section's throughput unit: tokens/s, samples/s (image models), or both named."""
+    units = {predict.unit(r) for r in sec["runs"].values() if isinstance(r, dict) and not r.get("why")}
+    return " or ".join(sorted(units)) or "tokens/s"
 
 
 def _readable(r: Any) -> bool:
@@ -79,8 +90,8 @@ def markdown(sec: dict[str, Any]) -> str:
     if sec.get("why"):
         return "\n".join(out + [f"Not predicted: {sec['why']}.\n"])
     out.append(f"Calibrated on {sec['calibrated_on']} (`shardscope predict` explains the model). "
-               "The error is predicted / measured median tokens/s - 1; beside it, the run's own spread (half the "
-               "interquartile range of its steps' tokens/s over their median): an error inside it is this machine's "
+               f"The error is predicted / measured median {_unit(sec)} - 1; beside it, the run's own spread (half the "
+               f"interquartile range of its steps' {_unit(sec)} over their median): an error inside it is this machine's "
                "noise as much as the model's.\n")
     rows, notes = [], []
     for name, r in sec["runs"].items():
@@ -88,7 +99,7 @@ def markdown(sec: dict[str, Any]) -> str:
             rows.append(f"| {name} | - | {UNREADABLE} | - | - | - | - |")
             continue
         if r.get("why"):
-            rows.append(f"| {name} | {r.get('strategy', '')} | not predicted | {_rate(r.get('measured_tokens_per_s'))} "
+            rows.append(f"| {name} | {r.get('strategy', '')} | not predicted | {_rate(_measured(r))} "
                         "| - | - | - |")
             notes.append(f"- {name}: not predicted: {r['why']}")
             continue
@@ -97,11 +108,11 @@ def markdown(sec: dict[str, Any]) -> str:
         if r["error"] is not None and "measured_spread" in r:  # a summary written before it was kept has none
             err += f" (own spread {_spread(r.get('measured_spread'))})"
         split = " / ".join(f"{r[k] * 1e3:,.1f}" for k in ("compute_s", "exposed_comm_s", "rest_s"))
-        rows.append(f"| {name} | {r['strategy']} | {'≤ ' if r.get('bound') else ''}{_rate(r['tokens_per_s'])} | "
-                    f"{_rate(r['measured_tokens_per_s'])} | "
+        rows.append(f"| {name} | {r['strategy']} | {'≤ ' if r.get('bound') else ''}{_rate(predict.rate(r))} | "
+                    f"{_rate(_measured(r))} | "
                     f"{err} | {r['step_time_s'] * 1e3:,.1f} ({split}) | {fmt_bytes(r.get('peak_mem_bytes'))} |")
         notes += [f"- {name}: {n}" for n in r.get("notes", [])]
-    out.append("| run | strategy | predicted tokens/s | measured | error | predicted step ms (compute / exposed comm / "
+    out.append(f"| run | strategy | predicted {_unit(sec)} | measured | error | predicted step ms (compute / exposed comm / "
                "rest) | peak mem (model) |\n|---|---|---|---|---|---|---|")
     out += rows
     out.append("")
@@ -116,7 +127,7 @@ def plain_lines(sec: dict[str, Any]) -> list[str]:
         return []
     if sec.get("why"):
         return [f"not predicted: {sec['why']}"]
-    lines = [f"calibrated on {sec['calibrated_on']}; error = predicted / measured median tokens/s - 1"]
+    lines = [f"calibrated on {sec['calibrated_on']}; error = predicted / measured median {_unit(sec)} - 1"]
     for name, r in sec["runs"].items():
         if not _readable(r):
             lines.append(f"{name}: {UNREADABLE}")
@@ -127,7 +138,7 @@ def plain_lines(sec: dict[str, Any]) -> list[str]:
         err = "error not measured" if r.get("error") is None else f"{r['error']:+.1%}"
         if r.get("error") is not None and "measured_spread" in r:
             err += f"; its own spread {_spread(r.get('measured_spread'))}"
-        lines.append(f"{name}: predicted {'≤ ' if r.get('bound') else ''}{_rate(r.get('tokens_per_s'))} tokens/s, "
-                     f"measured {_rate(r.get('measured_tokens_per_s'))} ({err}"
+        lines.append(f"{name}: predicted {'≤ ' if r.get('bound') else ''}{_rate(predict.rate(r))} {predict.unit(r)}, "
+                     f"measured {_rate(_measured(r))} ({err}"
                      + (", the calibration run: its fit error)" if r.get("calibration_run") else ")"))
     return lines

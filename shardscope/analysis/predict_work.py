@@ -4,7 +4,8 @@ elements, units and the bytes each collective moves, and how the strategy schedu
 Everything here follows from the comparison and the registry (no measurement, no torch):
 
 - FLOPs per token from ``memory_model.flops_per_token`` (torchtitan's count; plus the output matmul of a
-  tied embedding, which that count leaves out with the embedding's parameters): a third in forward, two
+  tied embedding, which that count leaves out with the embedding's parameters); an image model's per patch
+  (``vit_flops_per_patch``), its throughput in samples/s: a third in forward, two
   thirds in backward (activation checkpointing adds one more forward inside backward); tensor
   parallelism divides a rank's FLOPs by its degree. Tokens per rank: the global batch over the
   data-parallel ranks (tensor-parallel peers take the same tokens).
@@ -81,7 +82,7 @@ class Work:
     precision: str
     accum: int
     activation_checkpointing: bool
-    tokens_per_step: int  # global tokens (or samples) per optimizer step
+    tokens_per_step: int  # global tokens (an image model's patches) per optimizer step
     tokens_per_rank: float
     layers: int
     fwd_flops: float  # per rank per step
@@ -100,6 +101,9 @@ class Work:
     # the calls those bytes are split over, per layer and micro-batch: two in forward (attention and MLP outputs),
     # one per column-parallel linear in backward (a real AutoTP step on 2 layers: 17 all-reduces, RESULTS.md)
     tp_layer_calls: tuple[int, int] = (1, 1)
+    # an image model's samples per optimizer step (its throughput is samples/s; its "tokens" are patches); 0: a
+    # language model, whose throughput is tokens/s
+    samples_per_step: int = 0
 
 
 def family_of(shards: str, tp: int) -> str:
@@ -160,13 +164,30 @@ def unit_shares(c: Comparison, tp: int) -> list[tuple[str, float, int]]:
         a = memory_model.ARCHS[m.hf_arch]
         attn = 12.0 * a["hidden_size"] * m.seq_len
     else:
-        attn = 12.0 * m.d_model * m.seq_len
+        attn = 12.0 * m.d_model * tokens_per_sample(m)
     flops = {u: 6.0 * n * tp + (attn if u != "root" else 0.0) for u, n in numel.items()}
     flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - emb) + tied_head_flops(c)
     total = sum(flops.values()) or 1.0
     blocks = sorted((u for u in numel if u != "root"), key=lambda u: int(_BLOCK.search(u).group(1)))  # type: ignore[union-attr]
     order = ["root", *blocks] if "root" in numel else blocks
     return [(u, flops[u] / total, numel[u]) for u in order]
+
+
+def tokens_per_sample(m: Any) -> int:
+    """Tokens a sample carries through the blocks: its sequence, or an image's patches (a ViT has no class token)."""
+    return (m.image_size // m.patch_size) ** 2 if m.kind == "vit" else m.seq_len
+
+
+def vit_flops_per_patch(m: Any) -> float:
+    """Training FLOPs per patch of the ViT classifier (param_shapes.vit_params), counted as torchtitan counts a
+    token: 6 x the parameters every patch goes through (patch projection, blocks, final norm) + 12 x layers x
+    d_model x patches of attention, plus the head's 6 x its parameters once per image, shared over its patches.
+    The position embedding is an addition (no FLOPs counted, as token embeddings)."""
+    params = memory_model.model_params(m)
+    head = sum(p.numel for p in params if p.name.startswith("head."))
+    per_patch = sum(p.numel for p in params if not p.name.startswith("head.")) - memory_model.embedding_count(m)
+    t = tokens_per_sample(m)
+    return 6.0 * per_patch + 6.0 * head / t + 12.0 * m.n_layers * m.d_model * t
 
 
 def tied_head_flops(c: Comparison) -> float:
@@ -200,10 +221,10 @@ def column_linears(c: Comparison) -> int:
 def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     """The work of one optimizer step of ``run`` per rank at ``world_size`` (default: the run's own).
 
-    Raises NotPredicted when the model has no FLOP count (image models), KeyError/ValueError for a
+    Raises NotPredicted when the model has no FLOP count (a kind no count covers), KeyError/ValueError for a
     run the memory model or the communication theory cannot read.
     """
-    fpt = memory_model.flops_per_token(c.model)
+    fpt = vit_flops_per_patch(c.model) if c.model.kind == "vit" else memory_model.flops_per_token(c.model)
     if fpt is None:
         raise NotPredicted(f"model.kind = {c.model.kind!r} has no FLOPs-per-token count (memory_model.flops_per_token): "
                            "compute cannot be scaled from the calibration")
@@ -220,13 +241,14 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     full = sum(math.prod(memory_model.tp_local(p, layout.tp)) for p in params)
     shard_group = int(getattr(layout, "shard_size", layout.dp) or layout.dp)
     optim_elements = full if layout.shards == "none" else math.ceil(full / max(1, shard_group))
-    tokens_per_step = c.global_batch * c.model.seq_len
+    tokens_per_step = c.global_batch * tokens_per_sample(c.model)
     tokens_per_rank = tokens_per_step / layout.dp
     ac = bool(run.activation_checkpointing)
     layers = c.model.hf_layers if c.model.kind == "hf" else c.model.n_layers
     compute_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
     return Work(
         run=run.name, strategy=run.strategy, family=family_of(layout.shards, layout.tp), shards=layout.shards,
+        samples_per_step=c.global_batch if c.model.kind == "vit" else 0,
         world_size=ws,
         dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, c.grad_accum),
         activation_checkpointing=ac, tokens_per_step=tokens_per_step, tokens_per_rank=tokens_per_rank, layers=layers,

@@ -38,7 +38,7 @@ def _fit_error(errors: dict[str, Any], names: list[str], what_if: bool) -> str:
 def at_scale(out_dir: str, world_size: int, device: DeviceSpec | None = None,
              device_memory_bytes: int | None = None) -> dict[str, Any]:
     """Predict every run of the comparison in ``out_dir`` at ``world_size`` ranks (this machine, or ``device``
-    GPUs as a what-if). Returns ``{"world_size", "device", "fastest", "runs": {name: tokens_per_s, bound,
+    GPUs as a what-if). Returns ``{"world_size", "device", "fastest", "runs": {name: tokens_per_s (samples_per_s for an image model), bound,
     peak_mem_bytes, fits, why}, "lines", "notes", "assumptions", "fit_error"}``.
 
     Raises NotPredicted when the comparison cannot calibrate the machine, OSError/ValueError when ``out_dir`` is
@@ -51,14 +51,14 @@ def at_scale(out_dir: str, world_size: int, device: DeviceSpec | None = None,
     errors = (model.fit_error or {}).get("runs") or {}
     where = (f"at {world_size} ranks of {device.name} (what-if, not measured here)" if device
              else f"at {world_size} ranks (this machine's calibration)")
-    rows = [r for r in result["runs"] if not r["why"] and r["tokens_per_s"]]
-    rows.sort(key=lambda r: -r["tokens_per_s"])
+    rows = [r for r in result["runs"] if not r["why"] and predict.rate(r)]
+    rows.sort(key=lambda r: -predict.rate(r))  # type: ignore[operator]
     lines: list[str] = []
     per_run: dict[str, Any] = {}
     for r in result["runs"]:
         fits = (None if device_memory_bytes is None or r["peak_mem_bytes"] is None
                 else r["peak_mem_bytes"] <= device_memory_bytes)
-        per_run[r["name"]] = {"tokens_per_s": r["tokens_per_s"], "bound": r["bound"], "world_size": r["world_size"],
+        per_run[r["name"]] = {"tokens_per_s": r["tokens_per_s"], "samples_per_s": r.get("samples_per_s"), "bound": r["bound"], "world_size": r["world_size"],
                               "peak_mem_bytes": r["peak_mem_bytes"], "fits": fits, "why": r["why"]}
     fitting = [r for r in rows if per_run[r["name"]]["fits"] is not False]
     fastest = fitting[0] if fitting else None
@@ -67,17 +67,17 @@ def at_scale(out_dir: str, world_size: int, device: DeviceSpec | None = None,
     else:
         bound = "≤ " if fastest["bound"] else ""
         lines.append(f"{where}: fastest predicted{' that fits' if device_memory_bytes else ''} {fastest['name']} "
-                     f"({bound}{fastest['tokens_per_s']:,.0f} tokens/s; "
+                     f"({bound}{predict.rate(fastest):,.0f} {predict.unit(fastest)}; "
                      f"{_fit_error(errors, [fastest['name']], device is not None)})")
         for r in fitting[1:]:
             pair = _fit_error(errors, [fastest["name"], r["name"]], device is not None)
             if fastest["bound"] or r["bound"]:
                 loose = fastest["name"] if fastest["bound"] else r["name"]
-                lines.append(f"{fastest['name']} vs {r['name']}: no ratio predicted ({loose}'s tokens/s is only an "
+                lines.append(f"{fastest['name']} vs {r['name']}: no ratio predicted ({loose}'s {predict.unit(r)} is only an "
                              "upper bound: its framework overhead was not calibrated)")
                 continue
-            lines.append(f"{where}: {fastest['name']} is predicted {fastest['tokens_per_s'] / r['tokens_per_s']:.2f}× "
-                         f"{r['name']} ({fastest['tokens_per_s']:,.0f} vs {r['tokens_per_s']:,.0f} tokens/s; {pair})")
+            lines.append(f"{where}: {fastest['name']} is predicted {predict.rate(fastest) / predict.rate(r):.2f}× "  # type: ignore[operator]
+                         f"{r['name']} ({predict.rate(fastest):,.0f} vs {predict.rate(r):,.0f} {predict.unit(r)}; {pair})")
     for r in result["runs"]:
         entry = per_run[r["name"]]
         if entry["why"]:

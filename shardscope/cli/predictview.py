@@ -43,11 +43,14 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
     """Print ``predict.predict_comparison``'s dict: the runs table, notes, assumptions and the calibration's fit."""
     from rich.table import Table
 
+    from shardscope.analysis import predict
+
     what_if = result["what_if"]
     title = (f"WHAT-IF on {result['device']} GPUs (not measured here): {result['preset']}" if what_if
              else f"predicted for this machine: {result['preset']}")
     table = Table(title=title, title_justify="left")
-    for name, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("tokens/s", "right"),
+    units = {predict.unit(r) for r in result["runs"] if not r["why"]}
+    for name, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), (" or ".join(sorted(units)) or "tokens/s", "right"),
                           ("step ms", "right"), ("compute", "right"), ("exposed comm", "right"), ("rest", "right"),
                           ("peak mem (model)", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -57,7 +60,7 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
         if r["why"]:
             table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem)
             continue
-        table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{r['tokens_per_s']:,.0f}",
+        table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{predict.rate(r):,.0f}",
                       ("≥ " if r.get("bound") else "") + _ms(r["step_time_s"]),
                       _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem)
     console.print(table)
