@@ -47,6 +47,7 @@ from shardscope.presets.files import PRESET_DIR  # noqa: E402
 from shardscope.analysis import predict  # noqa: E402
 from shardscope.analysis.predict_collectives import measure  # noqa: E402
 from shardscope.analysis.predict_probe import probe_runs  # noqa: E402
+from shardscope.analysis import predict_comm_cost  # noqa: E402
 from shardscope.core.rundir import load_summary  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -122,6 +123,8 @@ def main() -> int:
                     help="fit collectives on the calibration's traces only (no short torchrun job per world size)")
     ap.add_argument("--probe", action="store_true", help="measure each run's compute and framework overhead "
                     "in a one-rank probe at its world size (predict --probe) instead of carrying the calibration's over")
+    ap.add_argument("--no-comm-cost", dest="comm_cost", action="store_false",
+                    help="with --probe: no communication cost factor (predict_comm_cost) measured on the calibration")
     ap.add_argument("--repeats", type=int, default=1, help="predict and run each preset this many times, "
                     "interleaved, and compare the median prediction with the median measurement of each run")
     ap.add_argument("--second", default="", help="calibrate on a second smoke comparison at another model size "
@@ -170,6 +173,13 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
     elif anything and args.collectives:
         model = calibrate(given or list(LAST), False, ws)
     state["model"] = model
+    plain = None  # with --probe on CPU: the same probes predicted without the factor, side by side
+    if args.probe and args.comm_cost and model.backend == "gloo":
+        plain = {r["name"]: r for r in predict.predict_comparison(c, model, probes=probes)["runs"]}
+        model = predict_comm_cost.measure(model, [str(d) for d in (given or list(LAST))], probe_runs,
+                                          predict.predict_run, progress=lambda t: print(f"calibration: {t}", flush=True))
+        print(f"communication cost factor: {model.comm_cost.get('factor', 'none')} at "
+              f"{model.comm_cost.get('world_size', '-')} ranks", flush=True)
     predicted = {r["name"]: r for r in predict.predict_comparison(c, model, probes=probes)["runs"]}
     if args.collectives:  # a run at another world size (tensor parallel's dp x tp) gets collectives timed there
         for other in sorted({r["world_size"] for r in predicted.values() if not r["why"]} - {ws}):
@@ -201,7 +211,8 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
                      "strategy": m["strategy"], "predicted": got, "measured": measured,
                      "error": got / measured - 1 if measured and got else None,
                      "split_ms": [round(p[k] * 1e3, 1) for k in ("compute_s", "exposed_comm_s", "rest_s")],
-                     "bound": p.get("bound"), "status": m["status"]})
+                     "bound": p.get("bound"), "status": m["status"],
+                     "predicted_no_factor": predict.rate(plain[m["name"]]) if plain and m["name"] in plain else None})
     return rows
 
 
@@ -218,7 +229,9 @@ def combine(rows: list[dict]) -> list[dict]:
         measured = [r["measured"] for r in group if r["measured"]]
         pred = statistics.median(r["predicted"] for r in group)
         meas = statistics.median(measured) if measured else None
+        plain = [r["predicted_no_factor"] for r in group if r.get("predicted_no_factor")]
         out.append({**group[0], "predicted": pred, "measured": meas,
+                    "predicted_no_factor": statistics.median(plain) if plain else None,
                     "error": pred / meas - 1 if meas else None,
                     "repeat_errors": [r["error"] for r in group],
                     "measured_spread": max(measured) / min(measured) if measured else None})
@@ -228,18 +241,26 @@ def combine(rows: list[dict]) -> list[dict]:
 def report(rows: list[dict], skipped: list[str], repeats: int = 1) -> None:
     """Print the per-strategy table and every run (with repeats: medians, and each repeat's own error)."""
     print(f"\nfinished {time.strftime('%Y-%m-%d %H:%M')}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("\n| strategy | runs | median abs error | worst abs error | within 15% / 30% |\n|---|---|---|---|---|")
     full = [r for r in rows if not r.get("bound")]
+    plain = any(r.get("predicted_no_factor") for r in full)  # the A/B of the communication cost factor
+    print("\n| strategy | runs | median abs error | worst abs error | within 15% / 30% |"
+          + (" without the comm cost factor: median / worst |\n|---|---|---|---|---|---|" if plain else "\n|---|---|---|---|---|"))
     for s in sorted({r["strategy"] for r in full}):
-        errs = [abs(r["error"]) for r in full if r["strategy"] == s and r["error"] is not None]
-        if not errs:
+        mine = [r for r in full if r["strategy"] == s and r["error"] is not None]
+        if not mine:
             continue
+        errs = [abs(r["error"]) for r in mine]
+        other = [abs(r["predicted_no_factor"] / r["measured"] - 1) for r in mine if r.get("predicted_no_factor")]
+        tail = f" {statistics.median(other):.1%} / {max(other):.1%} |" if plain and other else (" - |" if plain else "")
         print(f"| {s} | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} | "
-              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |")
+              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |{tail}")
     errs = [abs(r["error"]) for r in full if r["error"] is not None]
     if errs:
+        other = [abs(r["predicted_no_factor"] / r["measured"] - 1) for r in full
+                 if r["error"] is not None and r.get("predicted_no_factor")]
+        tail = f" {statistics.median(other):.1%} / {max(other):.1%} |" if plain and other else (" - |" if plain else "")
         print(f"| all | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} | "
-              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |")
+              f"{sum(e <= 0.15 for e in errs)} / {sum(e <= 0.30 for e in errs)} |{tail}")
     bounds = [r for r in rows if r.get("bound") and r["error"] is not None]
     if bounds:
         held = sum(r["error"] >= 0 for r in bounds)

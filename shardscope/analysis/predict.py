@@ -22,6 +22,7 @@ from shardscope.analysis.predict_fit import (
     PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, fit, slowdown, read_calibration, reference_compute,
     ring_steps, bus_factor,
 )
+from shardscope.analysis import predict_comm_cost as comm_cost
 from shardscope.analysis.predict_schedule import simulate
 from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
@@ -193,13 +194,18 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
             notes.append("timed from another type's fit: " + ", ".join(
                 f"{k} ({model.collectives[k].source})" for k in derived))
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
-    step = timing.step_s + rest
+    step, exposed = timing.step_s + rest, timing.exposed_comm_s
+    if device is None and probed is not None and model is not None and model.comm_cost:
+        factor = comm_cost.applies(model, w.world_size)
+        if factor is not None:
+            step, exposed = step + (factor - 1.0) * exposed, factor * exposed
+        notes.append(comm_cost.note(model, w.world_size))
     compute = min(sum(reference.values()), sum(comp.values()))
     rate = (w.samples_per_step or w.tokens_per_step) / step if step > 0 else None
     return {"tokens_per_s": None if w.samples_per_step else rate, "samples_per_s": rate if w.samples_per_step else None,
             "unit": "samples/s" if w.samples_per_step else "tokens/s", "step_time_s": step,
-            "compute_s": compute, "exposed_comm_s": timing.exposed_comm_s,
-            "rest_s": max(0.0, step - compute - timing.exposed_comm_s), "comm_s": timing.comm_s,
+            "compute_s": compute, "exposed_comm_s": exposed,
+            "rest_s": max(0.0, step - compute - exposed), "comm_s": timing.comm_s,
             "phases_s": timing.phase_s, "bound": bound, "notes": notes}
 
 
@@ -273,7 +279,8 @@ def predict_comparison(c: Comparison, model: MachineModel | None, device: Device
         "runs": [predict_run(c, run, model, device, probes.get(run.name)) for run in c.runs],
         "assumptions": assumptions(model, device) + ([
             "compute and framework overhead per run measured by a one-rank probe at the predicted world size "
-            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else []),
+            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else [])
+            + ([comm_cost.assumption(model)] if probes and device is None and model and model.comm_cost else []),
         "families": {k: v for k, v in FAMILY_TEXT.items()},
         "calibration": model.to_dict() if model else None,
         "fit_error": model.fit_error if model else None,

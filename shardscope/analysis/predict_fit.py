@@ -89,6 +89,7 @@ class MachineModel:
     notes: list[str] = field(default_factory=list)
     fit_error: dict[str, Any] = field(default_factory=dict)
     fwd_flops: list[float] = field(default_factory=list)  # per rank per step, of the runs the compute was fitted on
+    comm_cost: dict[str, Any] = field(default_factory=dict)  # predict_comm_cost: real steps' communication / the fit's
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""

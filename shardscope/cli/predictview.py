@@ -165,7 +165,8 @@ def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Compari
               "at the predicted world size (for types or sizes the calibration lacks).")
 @click.option("--probe", is_flag=True, help="Measure each run's compute and framework overhead in a few steps of one "
               "rank on a fake process group at the predicted world size (a subprocess per run), instead of carrying "
-              "the calibration's per-FLOP compute and overhead over to this model and strategy.")
+              "the calibration's per-FLOP compute and overhead over to this model and strategy. On CPU the "
+              "calibration's runs are probed too, for what their real steps paid for communication.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
                 device: str | None, collectives: bool, probe: bool, as_json: bool) -> None:
@@ -203,6 +204,11 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
 
         probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True),
                             device=model.device)
+        if model.backend == "gloo":  # what the calibration's own real steps paid for their collectives
+            from shardscope.analysis import predict_comm_cost
+
+            model = predict_comm_cost.measure(model, list(calibrate_dirs), probe_runs, predict.predict_run,
+                                              progress=lambda text: click.echo(f"calibration: {text}", err=True))
     result = predict.predict_comparison(comparison, model, spec, probes)
     if collectives and model is not None and spec is None:
         _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)

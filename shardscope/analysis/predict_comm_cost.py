@@ -1,0 +1,101 @@
+"""What a real step pays for its collectives on a CPU, measured on the calibration's own runs (gloo).
+
+``predict --probe`` measures each run's compute in a one-rank probe and adds the communication the collective
+fit and the strategy's schedule place in the step. On a CPU with one core per rank a real step pays more for
+its collectives than that fit says: gloo's thread takes its CPU from the compute (nothing overlaps), a rank
+waiting in a call is woken through the kernel, and every blocking call makes the faster rank wait for the slower
+one. Interleaved repeats on a 2-core VM (``benchmarks/RESULTS.md``, stop 39) found 31 of 33 data-parallel runs at
+2 ranks slower than predicted, and none at 1 rank, where no collective moves data; what the steps were missing was
+about as large again as the communication predicted for them.
+
+A factor on the whole step (stop 39's "probe factor") over-corrected larger models, whose communication is a
+smaller share of the step. This factor is on the communication only: the calibration's runs are real runs of
+this machine, finished; each is probed as the runs being predicted are (at its own world size, ``REPEATS``
+times, since a probe's speed here moves by ±25% over seconds) and predicted from each probe. What its real
+step took beyond the predicted compute and rest is what it paid for communication; summed over the runs and
+probes and divided by the exposed communication predicted for them, it is the machine's communication cost
+factor. ``predict`` multiplies the exposed communication of a probed run at the same world size by it and says
+so in the run's notes. Nothing is taken from the runs being predicted. Runs at another world size get none (not
+measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200, RESULTS stop 38).
+
+Parent side, torch-free: the probes are ``predict_probe.probe_runs`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from shardscope.analysis import fold
+from shardscope.analysis.predict_fit import MachineModel
+
+REPEATS = 3  # probes per calibration run: the sums stand against the probe's own scatter
+
+
+def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[str, dict[str, Any]]],
+            predict_run: Callable[..., dict[str, Any]], repeats: int = REPEATS,
+            progress: Callable[[str], None] | None = None) -> MachineModel:
+    """Return ``model`` with ``comm_cost`` set from the calibration comparisons ``out_dirs`` (those ``model`` was
+    fitted on): ``{"world_size", "factor", "paid_s", "predicted_s", "runs": {run: [paid / predicted per probe]}}``,
+    or unchanged (no factor) when the backend is not gloo, the calibration's runs ran at several world sizes or at
+    one rank, or no run could be probed. ``probe(c, progress=...)``: ``predict_probe.probe_runs``;
+    ``predict_run``: ``predict.predict_run``."""
+    if model.backend != "gloo":
+        return model
+    measured = model.fit_error.get("runs", {})
+    base = dataclasses.replace(model, comm_cost={})  # each calibration run predicted as with no factor
+    paid_sum = predicted_sum = 0.0
+    per_run: dict[str, list[float]] = {}
+    sizes = set()
+    for d in out_dirs:
+        c = fold.load_comparison(d)
+        for _ in range(repeats):
+            probes = probe(c, progress=progress)
+            for run in c.runs:
+                key = run.name if len(out_dirs) == 1 else f"{os.path.basename(os.path.normpath(d))}/{run.name}"
+                got = probes.get(run.name) or {}
+                if key not in measured or "error" in got:
+                    continue
+                row = predict_run(c, run, base, probed=got)
+                if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"]:
+                    continue
+                sizes.add(row["world_size"])
+                paid = measured[key]["measured_step_s"] - (row["step_time_s"] - row["exposed_comm_s"])
+                paid_sum += paid
+                predicted_sum += row["exposed_comm_s"]
+                per_run.setdefault(key, []).append(paid / row["exposed_comm_s"])
+    if len(sizes) != 1 or predicted_sum <= 0:
+        return model
+    factor = max(0.0, paid_sum / predicted_sum)  # a step cannot pay less than nothing for its collectives
+    return dataclasses.replace(model, comm_cost={"world_size": sizes.pop(), "factor": factor, "paid_s": paid_sum,
+                                                 "predicted_s": predicted_sum, "runs": per_run})
+
+
+def applies(model: MachineModel, world_size: int) -> float | None:
+    """The communication cost factor for a probed run at ``world_size``, or None where none was measured."""
+    cc = model.comm_cost
+    return float(cc["factor"]) if cc and cc.get("world_size") == world_size else None
+
+
+def note(model: MachineModel, world_size: int) -> str:
+    """The sentence a probed run's notes carry about the factor (applied, or why not)."""
+    cc = model.comm_cost
+    if not cc:
+        return ""
+    if cc["world_size"] != world_size:
+        return (f"exposed communication as fitted: its cost in a real step was measured on the calibration's runs "
+                f"at {cc['world_size']} ranks, not at {world_size}")
+    n = sum(len(v) for v in cc["runs"].values())
+    return (f"exposed communication x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
+            f"paid for theirs against the fit ({', '.join(cc['runs'])}; {n} probes)")
+
+
+def assumption(model: MachineModel) -> str:
+    """The sentence the prediction's assumptions carry when a factor was measured."""
+    cc = model.comm_cost
+    per_run = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.2f}" for k, v in cc["runs"].items())
+    return (f"probed runs at {cc['world_size']} ranks: exposed communication x{cc['factor']:.2f}, what the "
+            f"calibration's own steps paid for their collectives ({cc['paid_s'] * 1e3:,.1f} ms) over what the fit "
+            f"placed in them ({cc['predicted_s'] * 1e3:,.1f} ms), summed over their probes (median per run: "
+            f"{per_run}); none at other world sizes (predict_comm_cost.py)")

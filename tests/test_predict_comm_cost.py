@@ -1,0 +1,82 @@
+"""``predict_comm_cost``: what the calibration's own real steps paid for their collectives, against what the fit
+placed in them, measured from probes of those runs and applied to the exposed communication of probed runs at
+the same world size (and nowhere else)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardscope import config
+from shardscope.analysis import predict, predict_comm_cost
+
+from test_predict import CPU, _model, smoke
+
+PROBED = {"forward": 0.010, "backward": 0.020, "optimizer": 0.005}
+
+
+def _calibrated(tmp_path, paid: dict[str, float]):
+    """A model whose calibration runs (smoke's ddp and fsdp2, written to ``tmp_path``) measured their probed
+    prediction's compute and rest plus ``paid[run]`` x its predicted exposed communication."""
+    cal = smoke()
+    config.dump_json(str(tmp_path / "comparison.json"), cal.to_dict())
+    model = _model()
+    rows = {r.name: predict.predict_run(cal, r, model, probed=PROBED) for r in cal.runs}
+    model.fit_error["runs"] = {name: {"measured_step_s": row["step_time_s"] + (paid[name] - 1) * row["exposed_comm_s"]}
+                               for name, row in rows.items()}
+    return cal, model, rows
+
+
+def test_the_factor_is_what_the_calibrations_steps_paid_over_the_fit(tmp_path):
+    cal, model, rows = _calibrated(tmp_path, {"ddp": 1.5, "fsdp2": 2.5})
+    calls = []
+
+    def probe(c, progress=None):
+        calls.append(c.name)
+        return {r.name: dict(PROBED) for r in c.runs}
+
+    got = predict_comm_cost.measure(model, [str(tmp_path)], probe, predict.predict_run)
+    assert len(calls) == predict_comm_cost.REPEATS and not model.comm_cost  # the model given is left as it was
+    cc = got.comm_cost
+    assert cc["world_size"] == 2 and cc["runs"] == {"ddp": [pytest.approx(1.5)] * 3, "fsdp2": [pytest.approx(2.5)] * 3}
+    # weighted by each run's communication: the sum of what they paid over the sum the fit placed
+    ddp, fsdp2 = rows["ddp"]["exposed_comm_s"], rows["fsdp2"]["exposed_comm_s"]
+    assert cc["factor"] == pytest.approx((1.5 * ddp + 2.5 * fsdp2) / (ddp + fsdp2))
+    assert cc["paid_s"] == pytest.approx(3 * (1.5 * ddp + 2.5 * fsdp2))
+
+
+def test_applied_to_the_exposed_communication_of_probed_runs_at_its_world_size_only(tmp_path):
+    _, model, _ = _calibrated(tmp_path, {"ddp": 2.0, "fsdp2": 2.0})
+    got = predict_comm_cost.measure(model, [str(tmp_path)], lambda c, progress=None: {r.name: dict(PROBED) for r in c.runs},
+                                    predict.predict_run)
+    assert got.comm_cost["factor"] == pytest.approx(2.0)
+    c = config.load_preset("ddp-vs-fsdp", ["world_size=2"], host=CPU)
+    for run in c.runs:
+        plain, with_factor = (predict.predict_run(c, run, m, probed=PROBED) for m in (model, got))
+        assert plain["exposed_comm_s"] > 0
+        assert with_factor["exposed_comm_s"] == pytest.approx(2.0 * plain["exposed_comm_s"])
+        assert with_factor["step_time_s"] == pytest.approx(plain["step_time_s"] + plain["exposed_comm_s"])
+        assert with_factor["compute_s"] == pytest.approx(plain["compute_s"])
+        assert with_factor["rest_s"] == pytest.approx(plain["rest_s"])
+        assert any("exposed communication x2.00" in n for n in with_factor["notes"])
+    run = dataclasses.replace(c.run("ddp"), world_size=4)
+    at4 = [predict.predict_run(c, run, m, probed=PROBED) for m in (model, got)]
+    assert at4[1]["step_time_s"] == pytest.approx(at4[0]["step_time_s"])
+    assert any("not at 4" in n for n in at4[1]["notes"])
+    # a run predicted without a probe gets none
+    assert predict.predict_run(c, c.run("ddp"), got)["step_time_s"] == pytest.approx(
+        predict.predict_run(c, c.run("ddp"), model)["step_time_s"])
+    text = predict.predict_comparison(c, got, probes={r.name: dict(PROBED) for r in c.runs})["assumptions"]
+    assert any("exposed communication x2.00" in a and "predict_comm_cost.py" in a for a in text)
+
+
+def test_no_factor_on_gpus_without_probes_or_from_steps_that_paid_nothing(tmp_path):
+    _, model, _ = _calibrated(tmp_path, {"ddp": 0.0, "fsdp2": 0.0})
+    probe = (lambda c, progress=None: {r.name: dict(PROBED) for r in c.runs})
+    gpu = dataclasses.replace(model, backend="nccl")
+    assert predict_comm_cost.measure(gpu, [str(tmp_path)], probe, predict.predict_run) is gpu
+    failed = (lambda c, progress=None: {r.name: {"error": "the probe failed"} for r in c.runs})
+    assert predict_comm_cost.measure(model, [str(tmp_path)], failed, predict.predict_run) is model
+    # steps that paid nothing for their collectives: a factor of 0 (never negative), not a guess
+    assert predict_comm_cost.measure(model, [str(tmp_path)], probe, predict.predict_run).comm_cost["factor"] == 0.0
