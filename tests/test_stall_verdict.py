@@ -43,7 +43,27 @@ def test_no_collective_in_flight_says_so_only_by_its_stacks():
     stalls = {0: {"t": 1.0, "step": 2, "collectives": [entry(3, True)], "stack": "Thread 0x1:\n  File x"}}
     assert where(stalls) == ""
     line, stacks = describe(stalls, 20, 1)
-    assert line == "stalled at step 2 (no progress for 20 s)" and "File x" in stacks
+    assert line == "stalled at step 2 (no progress for 20 s): no rank is in a collective" and "File x" in stacks
+
+
+def test_ranks_outside_any_collective_are_placed_by_their_main_threads_innermost_frame():
+    """Stop 39's CI stalled with every rank answering and none in a collective, and its verdict said only the head."""
+    def stack(func, line):
+        return ("Thread 0x2 (most recent call first):\n"
+                '  File "/x/threading.py", line 320 in wait\n'
+                '  File "/x/shardscope/engines/record_wire.py", line 77 in _send\n\n'
+                "Thread 0x1 (most recent call first):\n"
+                f'  File "/x/shardscope/engines/watchdog.py", line {line} in {func}\n'
+                '  File "/x/shardscope/engines/worker.py", line 182 in run_rank\n'
+                '  File "/x/shardscope/engines/worker.py", line 283 in main\n\n'
+                "Current thread 0x3 (most recent call first):\n"
+                '  File "/x/shardscope/engines/stall_dump.py", line 60 in stacks\n')
+    stalls = {r: {"t": 1.0, "step": 0, "collectives": [entry(1, True)], "stack": stack("wait_for_previous_run", 98)}
+              for r in (0, 1, 3)}
+    stalls[2] = {"t": 1.0, "step": 0, "collectives": [], "stack": stack("sleep_a_while", 7)}
+    line, _ = describe(stalls, 300, 4)
+    assert line == ("stalled at step 0 (no progress for 300 s): no rank is in a collective; "
+                    "ranks 0-1 and 3 in wait_for_previous_run (watchdog.py:98); rank 2 in sleep_a_while (watchdog.py:7)")
 
 
 def test_a_ranks_stack_is_cut_below_the_worker_entry():

@@ -78,11 +78,37 @@ def describe(stalls: dict[int, dict[str, Any]], limit_s: float, world_size: int)
     said = where(stalls)
     silent = [r for r in range(world_size) if r not in stalls]
     line = f"{head}: {said}" if said else head
+    if not said and stalls:  # the verdict of stop 39's CI said only the head: say where the ranks are instead
+        places = where_not_in_a_collective(stalls)
+        line = f"{head}: no rank is in a collective" + (f"; {places}" if places else "")
     if silent and stalls:
         line += f"; {rank_list(silent)} did not answer"
     stack_text = "\n".join(f"--- rank {rank}: Python stacks\n{_without_dumper(str(rec.get('stack', '')))}"
                            for rank, rec in sorted(stalls.items()))
     return line, stack_text
+
+
+def main_frame(stack: str) -> str:
+    """The innermost frame of a rank's main thread (the thread whose stack reaches ``worker.main``), as
+    ``function (file.py:line)``; "" when the stack has none."""
+    for block in stack.strip().split("\n\n"):
+        lines = block.splitlines()
+        if block.startswith("Current thread") or not any(_ENTRY.search(x) for x in lines):
+            continue
+        frame = next((_FRAME.search(x) for x in lines if _FRAME.search(x)), None)
+        if frame:
+            return f"{frame.group(3)} ({frame.group(1).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.group(2)})"
+    return ""
+
+
+def where_not_in_a_collective(stalls: dict[int, dict[str, Any]]) -> str:
+    """Where the ranks' main threads are, grouped: ``ranks 0-3 in wait_for_previous_run (watchdog.py:98)``."""
+    by_place: dict[str, list[int]] = {}
+    for rank, rec in stalls.items():
+        place = main_frame(str(rec.get("stack", "")))
+        if place:
+            by_place.setdefault(place, []).append(rank)
+    return "; ".join(f"{rank_list(ranks)} in {place}" for place, ranks in sorted(by_place.items(), key=lambda x: min(x[1])))
 
 
 def _without_dumper(stack: str) -> str:
@@ -100,3 +126,4 @@ def _cut_at_entry(block: str) -> str:
 
 
 _ENTRY = re.compile(r'engines[/\\]worker\.py", line \d+ in main$')
+_FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')

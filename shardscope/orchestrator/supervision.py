@@ -39,6 +39,8 @@ class _Active:
     ended: set[int] = field(default_factory=set)  # ranks whose `end` record arrived
     finished: set[int] = field(default_factory=set)  # ranks whose `end` record says ok or diverged
     stalls: dict[int, dict] = field(default_factory=dict)  # rank -> its `stall` record (where it was)
+    stalled_after: float = 0.0  # the limit in force when it was found stalled (the answers then start it)
+    stalled_before_start: bool = False  # found stalled before any record: launch.startup_timeout_s applied
     step_clock: list[tuple[int, float]] = field(default_factory=list)  # rank 0's first and latest (step, t)
 
     def seconds_left(self, last_step: int) -> float | None:
@@ -64,6 +66,7 @@ class RunSupervision:
             stalled = time.monotonic() - active.last_progress > self._stall_limit(active)
             if stalled and not active.stop_reason:
                 active.stop_reason = "stalled"
+                active.stalled_after, active.stalled_before_start = self._stall_limit(active), not active.started
                 self._ask_where(active)
             if not active.stop_reason:
                 return
@@ -159,7 +162,7 @@ class RunSupervision:
                 os.remove(spare)
             except OSError:
                 pass
-        limit = self._stall_limit(active)
+        limit = active.stalled_after or self._stall_limit(active)
         if active.stop_reason == "stopped":
             update = state.StatusChanged(active.name, state.STOPPED, "stopped by the user")
         elif active.stop_reason == "stalled" and active.stalls:  # the ranks said where they were
@@ -168,7 +171,7 @@ class RunSupervision:
         elif active.stop_reason == "stalled":
             update = state.StatusChanged(
                 active.name, state.FAILED, f"stalled: no progress for {limit:g} s ("
-                f"{'stall_timeout_s' if active.started else 'launch.startup_timeout_s: no record since launch'})",
+                f"{'launch.startup_timeout_s: no record since launch' if active.stalled_before_start else 'stall_timeout_s'})",
                 active.traceback or tail_text(active.proc.plan.console_path, 30))
         elif active.stop_reason:  # a lost node
             update = state.StatusChanged(active.name, state.FAILED, active.stop_reason, active.traceback)
