@@ -295,7 +295,9 @@ assert len(calls) == 1, calls
 want = {{"layers.0": math.sqrt(8 + 20), "head": math.sqrt(27)}}
 assert got.keys() == want.keys() and all(math.isclose(got[k], want[k], rel_tol=1e-6) for k in want), got
 dist.destroy_process_group()
-print("ok")
+print("ok", flush=True)
+import os
+os._exit(0)  # as a rank leaves (worker.exit_now): torch 2.13's static teardown once aborted after "ok" (stop 40 CI)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
