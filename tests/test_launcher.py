@@ -58,18 +58,3 @@ def test_torchrun_argv():
     s = " ".join(argv)
     assert "--nproc-per-node 4" in s and "--nnodes 2" in s and "--node-rank 1" in s and "--rdzv-endpoint h:29500" in s
     assert s.endswith("-m shardscope.engines.worker /x/spec.json")
-
-
-def test_one_nodes_ranks_join_without_a_name_lookup(monkeypatch):
-    """One node: MASTER_ADDR is 127.0.0.1 (``--local-addr``) and gloo's device the loopback interface, so a rank
-    forked from torchrun's agent looks up no host name while it joins (an inherited resolver lock hung one, RESULTS
-    stop 40); several nodes keep their addresses and the user's interface wins."""
-    one = launcher.torchrun_argv("/x/spec.json", nproc_per_node=4, fork=True)
-    assert one[one.index("--local-addr") + 1] == "127.0.0.1"
-    assert "--local-addr" not in launcher.torchrun_argv("/x/spec.json", nproc_per_node=2, nnodes=2, rdzv_endpoint="h:1")
-    monkeypatch.setattr(launcher.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
-    assert launcher.no_lookup_env(1, {}) == {"GLOO_SOCKET_IFNAME": "lo"}
-    assert launcher.no_lookup_env(2, {}) == {}
-    assert launcher.no_lookup_env(1, {"GLOO_SOCKET_IFNAME": "eth0"}) == {}
-    monkeypatch.setattr(launcher.socket, "if_nameindex", lambda: [(2, "eth0")])  # no loopback named lo: as before
-    assert launcher.no_lookup_env(1, {}) == {}

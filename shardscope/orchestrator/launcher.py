@@ -11,7 +11,6 @@ orchestrator either: see ``lifeline`` (torchrun's parent-death signal, the ranks
 from __future__ import annotations
 
 import os
-import socket
 import signal
 import subprocess
 import sys
@@ -85,8 +84,6 @@ def torchrun_argv(
     ]
     if nnodes > 1:
         argv += ["--node-rank", str(node_rank)]
-    else:  # the ranks' MASTER_ADDR (else "localhost"): a number, which no rank looks up (see NO_LOOKUP_ENV)
-        argv += ["--local-addr", LOOPBACK]
     if fork:
         argv += ["--start-method", "fork", "--run-path", RANK_SCRIPT, spec_path]
     else:
@@ -126,29 +123,6 @@ KINETO_QUIET = "6"  # above kineto's highest severity (ERROR = 4, USDT = 5): not
 
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def no_lookup_env(nnodes: int, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """On one node, gloo's device on the loopback interface (``GLOO_SOCKET_IFNAME=lo``), unless the user named one
-    or the machine has no ``lo``. With ``--local-addr 127.0.0.1`` (``torchrun_argv``) a rank then looks up no host
-    name while it joins: torchrun's store by its number, gloo's device by its interface, not the host name.
-
-    Why: a rank forked from torchrun's agent (``--start-method fork``) inherits glibc's resolver lock as it was at
-    the fork; held by another thread of the agent then, it stays held in the rank, whose first lookup waits on it
-    forever. Bare torchrun, 6 forked ranks on 2 loaded cores: one job in 11 hung so, gdb showing the rank in
-    ``getaddrinfo("localhost")`` -> ``resolv_conf.c get_locked_global`` under TCPStore's connect; in CI one
-    rank of a 4-rank run sat 300 s in ``_create_c10d_store`` (stops 39-40, RESULTS)."""
-    environ = os.environ if environ is None else environ
-    if nnodes != 1 or "GLOO_SOCKET_IFNAME" in environ:
-        return {}
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except OSError:
-        return {}
-    return {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in names else {}
 
 
 def worker_env(device: str) -> dict[str, str]:

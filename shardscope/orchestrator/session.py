@@ -310,7 +310,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             python=self.python,
             fork=prestart.forks(self.comparison, run.name, self.device),
         )
-        env = {**launcher.worker_env(self.device), **launcher.no_lookup_env(launch.nnodes)}
+        env = launcher.worker_env(self.device)
         if launch.records_endpoint and launch.node_rank != 0:  # no shared filesystem: records go to node 0
             env[record_wire.ENV] = launch.records_endpoint
         return launcher.LaunchPlan(run.name, argv, env,
