@@ -6,7 +6,7 @@ torch, ``torch._dynamo`` and the worker (``engines/agent.py`` preloads them) and
 ``runpy.run_path``. A rank so started skips the 3-4 s of imports a new interpreter pays on a 2-core machine; it is
 the same worker (``worker.main``), the same records and exit codes.
 
-Three things differ from a rank that is a new interpreter, and this file handles them:
+Four things differ from a rank that is a new interpreter, and this file handles them:
 
 - ``/proc/<pid>/environ`` shows the agent's environment, without torchrun's ``RANK``: the rank names itself
   (``core/rank_process.py``) so the orchestrator and the device sampler know which rank each process is;
@@ -16,7 +16,9 @@ Three things differ from a rank that is a new interpreter, and this file handles
 - torchrun collects a forked rank's return value: a rank that succeeded must return from this file (exiting
   with ``os._exit(0)`` would leave torchrun waiting for a value forever); one that failed or stopped leaves with
   its exit code. torchrun's multiprocessing child never finalizes the interpreter (it ends with ``os._exit``), the
-  hazard that ``worker.exit_now`` avoids for a new interpreter.
+  hazard that ``worker.exit_now`` avoids for a new interpreter;
+- a forked rank inherits the agent's locks as they were at the fork, held ones included: no rank connects anywhere
+  until the agent has forked all of this node's ranks (``wait_for_siblings``).
 """
 
 from __future__ import annotations
@@ -24,14 +26,50 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from typing import Callable
 
 from shardscope.core import rank_process
 from shardscope.engines import worker
+
+SIBLINGS_WAIT_S = 20.0  # at most: an agent forks its ranks within a second; past this the rank goes on regardless
+
+
+def agent_children() -> int:
+    """How many processes the agent (this rank's parent) has forked so far."""
+    import psutil
+
+    try:
+        return len(psutil.Process(os.getppid()).children())
+    except psutil.Error:
+        return 0
+
+
+def wait_for_siblings(want: int, children: Callable[[], int] = agent_children, limit_s: float = SIBLINGS_WAIT_S,
+                      poll_s: float = 0.005) -> bool:
+    """Block until the agent has forked ``want`` ranks (this node's LOCAL_WORLD_SIZE), at most ``limit_s``; return
+    whether it has.
+
+    Why: a forked rank inherits the agent's locks as they were at the fork. torchrun's store runs on threads of the
+    agent (libuv), which look up each new connection's peer name, inside glibc's resolver; a rank forked while one
+    of them was there inherits the resolver's lock held, by a thread it does not have, and its own first lookup
+    waits on it forever. Seen with bare torchrun (``--start-method fork``, 6 ranks, 2 loaded cores: 2 jobs in 69,
+    gdb: the rank in ``get_locked_global`` (resolv_conf.c) under ``getaddrinfo("localhost")`` in TCPStore's connect;
+    with the store's address a number, 2 in 111, the rank then in ``getnameinfo`` under gloo's connect) and in CI (a
+    4-rank run, one rank 300 s in ``_create_c10d_store``, stops 39-40; RESULTS). The earlier ranks' connections are
+    what wakes those threads: none connecting before the last rank is forked leaves them idle while the agent forks."""
+    deadline = time.monotonic() + limit_s
+    while children() < want:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def main() -> None:
     """Run the rank in this forked process; return on success, else exit with the rank's code."""
     rank_process.name_this_process(int(os.environ.get("RANK", "0")))  # /proc shows no RANK for a forked rank
+    wait_for_siblings(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # before any connection: see its docstring
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
