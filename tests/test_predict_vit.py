@@ -55,3 +55,4 @@ def test_the_report_sets_samples_per_second_beside_samples_per_second():
     md = predict_report.markdown(sec)
     assert "predicted samples/s" in md and "| 1,200 | 1,000 | +20.0%" in md and "tokens/s" not in md
     assert "predicted 1,200 samples/s, measured 1,000" in "\n".join(predict_report.plain_lines(sec))
+    assert predict.unit({"unit": "../../etc/passwd"}) == "tokens/s"  # summary.json is input: only the two units

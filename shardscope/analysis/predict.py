@@ -35,8 +35,9 @@ def rate(row: dict[str, Any]) -> float | None:
 
 
 def unit(row: dict[str, Any]) -> str:
-    """The unit of ``rate(row)``: "samples/s" for an image model, else "tokens/s"."""
-    return str(row.get("unit") or "tokens/s")
+    """The unit of ``rate(row)``: "samples/s" for an image model, else "tokens/s" (a row read back from a run
+    directory's summary.json is input: any other text there is not shown)."""
+    return "samples/s" if row.get("unit") == "samples/s" else "tokens/s"
 
 
 def calibrate(out_dirs: list[str], only: list[str] | None = None, cores: int | None = None,
