@@ -12,7 +12,10 @@
 # 4. shardscope predict on this GPU: calibrate on smoke, predict ddp-vs-fsdp at one rank from each run's probe, run
 #    them, compare (benchmarks/predict_accuracy.py), and keep each run's records (no traces) in runs.tgz so that a
 #    CPU calibration's `predict --device` what-if can be checked against them elsewhere.
-# ONLY=tests,nvml,startup (say) runs those steps alone (names: env tests gpu_check nvml startup predict pack). Each
+# 5. when ONLY names them, the CPU benchmarks on this machine's idle cores (gloo; the 2-core CI VM is never quiet):
+#    overhead (benchmarks/overhead.py) and cpu_predict (predict_accuracy.py over CPU_PRESETS at CPU_WORLD_SIZES).
+# ONLY=tests,nvml,startup (say) runs those steps alone (names: env tests gpu_check nvml startup predict pack overhead
+# cpu_predict). Each
 # step has its own time limit; a step that fails leaves the next ones to run. Needs torch, click, rich, matplotlib,
 # safetensors, psutil, nvidia-ml-py (not textual or DeepSpeed: their strategies are left out).
 set -u
@@ -71,6 +74,14 @@ if step predict predict; then
     --presets ddp-vs-fsdp --probe --no-collectives --out "$W/predict" --json "$OUT/predict_accuracy.json" 2>&1 \
     | tee "$OUT/predict_accuracy.txt"
 fi
+
+# the instrumentation's cost and predict's error on CPU, on a machine with cores to spare for every rank
+step overhead "overhead.py on CPU (gloo)" && timeout ${OVERHEAD_S:-200} $PY benchmarks/overhead.py \
+  --pairs ${PAIRS:-400} 2>&1 | tee "$OUT/overhead.txt"
+
+step cpu_predict "predict_accuracy.py on CPU (gloo)" && timeout ${CPU_PREDICT_S:-300} $PY benchmarks/predict_accuracy.py \
+  --world-sizes ${CPU_WORLD_SIZES:-2} --presets ${CPU_PRESETS:-tp-verification} --probe --no-fresh \
+  --repeats ${REPEATS:-1} --out "$W/cpu-predict" --json "$OUT/cpu_predict.json" 2>&1 | tee "$OUT/cpu_predict.txt"
 
 step pack pack && tar czf "$OUT/runs.tgz" -C "$W" --exclude='*.pt.trace.json*' --exclude='*.json.gz' \
   --exclude='*.safetensors' --exclude='*.pickle' . && ls -la "$OUT"
