@@ -76,10 +76,11 @@ if step predict predict; then
 fi
 
 # the instrumentation's cost and predict's error on CPU, on a machine with cores to spare for every rank
-step overhead "overhead.py on CPU (gloo)" && timeout ${OVERHEAD_S:-200} $PY benchmarks/overhead.py \
+# CUDA_VISIBLE_DEVICES empty: shardscope sees no GPU, so presets run on CPU at their own world size (2 ranks, 4 for TP)
+step overhead "overhead.py on CPU (gloo)" && CUDA_VISIBLE_DEVICES= timeout ${OVERHEAD_S:-200} $PY benchmarks/overhead.py \
   --pairs ${PAIRS:-400} 2>&1 | tee "$OUT/overhead.txt"
 
-step cpu_predict "predict_accuracy.py on CPU (gloo)" && timeout ${CPU_PREDICT_S:-300} $PY benchmarks/predict_accuracy.py \
+step cpu_predict "predict_accuracy.py on CPU (gloo)" && CUDA_VISIBLE_DEVICES= timeout ${CPU_PREDICT_S:-300} $PY benchmarks/predict_accuracy.py \
   --world-sizes ${CPU_WORLD_SIZES:-2} --presets ${CPU_PRESETS:-tp-verification} --probe --no-fresh \
   --repeats ${REPEATS:-1} --out "$W/cpu-predict" --json "$OUT/cpu_predict.json" 2>&1 | tee "$OUT/cpu_predict.txt"
 
