@@ -187,7 +187,8 @@ def test_a_preset_nested_too_deep_is_one_line(tmp_path):
 
 def test_too_many_ranks_for_the_gpus_names_the_cpu_way_out():
     """A 2-rank preset on a one-GPU machine says how to run it on CPU cores; on CPU there is no such hint."""
-    with pytest.raises(ConfigError, match=r"hosts at most 1 \(1 GPU\); --set launch.device=cpu runs it on CPU"):
+    hint = r"hosts at most 1 \(1 GPU\); launch.device = .cpu. \(`run --device cpu`\) runs it on CPU"
+    with pytest.raises(ConfigError, match=hint):
         config.load_preset("smoke", host=HostInfo("cuda", 1, "1 GPU", True))
     with pytest.raises(ConfigError) as err:
         config.load_preset("smoke", ["world_size=64"], host=HOST)

@@ -187,7 +187,8 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
             raise ConfigError(
                 f"{src}: {where}.world_size = {ws}: {per_node} ranks per node but this machine hosts at most "
                 f"{host.max_ranks_per_node} ({host.detail})"
-                + ("; --set launch.device=cpu runs it on CPU cores (gloo)" if host.device == "cuda" else "")
+                + ("; launch.device = 'cpu' (`run --device cpu`) runs it on CPU cores with gloo"
+                   if host.device == "cuda" else "")
             )
         if info.gpu_only and host.device != "cuda":
             raise ConfigError(f"{src}: {where}.strategy = {run.strategy!r}: needs a GPU; this machine has {host.detail}")
