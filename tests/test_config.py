@@ -193,3 +193,22 @@ def test_too_many_ranks_for_the_gpus_names_the_cpu_way_out():
     with pytest.raises(ConfigError) as err:
         config.load_preset("smoke", ["world_size=64"], host=HOST)
     assert "launch.device" not in str(err.value)
+
+
+def test_the_preset_files_own_launch_device_is_the_one_the_command_line_uses(tmp_path, monkeypatch):
+    """A preset's ``launch.device`` decides the device (and so the host checks) unless ``--set`` names one."""
+    from shardscope.cli import common
+    from shardscope.orchestrator import devices
+
+    monkeypatch.setattr(devices, "gpu_names", lambda: ["NVIDIA H200"])  # a one-GPU node, as NVML would say
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    p = tmp_path / "two.toml"
+    body = ('description = "x"\nsteps = 3\nworld_size = 2\n[launch]\ndevice = "{}"\n'
+            '[[runs]]\nname = "a"\nstrategy = "ddp"\n')
+    p.write_text(body.format("cpu"))
+    assert common.resolve(str(p), [])[1] == "cpu"  # two ranks fit on CPU cores, not on the one GPU
+    p.write_text(body.format("auto"))
+    with pytest.raises(SystemExit) as exited:
+        common.resolve(str(p), [])
+    assert exited.value.code == 2
+    assert common.resolve(str(p), ["launch.device='cpu'"])[1] == "cpu"

@@ -81,6 +81,8 @@ def resolve(preset: str | None, overrides: list[str], generated: list[str] | tup
                 requested = str(value)
         if requested not in config.DEVICES:
             raise ConfigError(f"--set launch.device = {requested!r}: allowed: {', '.join(config.DEVICES)}")
+        if preset and requested == "auto":  # the preset's own launch.device, checked there (no host yet)
+            requested = config.load_preset(preset, overrides).launch.device
         device = devices.resolve_device(requested)
         name = preset or default_preset(device)
         comparison = config.load_preset(name, overrides, host=devices.host_info(device))
