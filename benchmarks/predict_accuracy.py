@@ -6,7 +6,9 @@
    so that calibration and measurement see the machine under the same load (other jobs sharing the
    cores move both); ``--no-fresh`` and ``--no-collectives`` turn these off.
 2. For each built-in preset and world size, predict every run first (before anything of it runs); runs
-   that cannot be predicted are listed with the reason and not run.
+   that cannot be predicted are listed with the reason and not run. Every run is put at that world size, those
+   with a world size of their own in the preset too (tensor parallel's tp 2 x dp 2 becomes tp 2 x dp 1 at 2
+   ranks), where its layout allows; ``--own-world-sizes`` keeps the preset's.
 3. Run the predicted runs (the preset with its other runs left out, shrunk by its ``cpu_overrides`` on
    CPU) through the real command line and read their median tokens/s from summary.json.
    With ``--repeats K`` steps 1-3 are done K times per preset and world size (a fresh calibration and probe each
@@ -17,7 +19,7 @@
    of the medians and counted apart: did the bound hold?
 
     python benchmarks/predict_accuracy.py [--world-sizes 1,2,4] [--presets a,b] [--calibrate DIR[,DIR]]
-                                          [--repeats K] [--out DIR] [--json out.json]
+                                          [--repeats K] [--own-world-sizes] [--out DIR] [--json out.json]
 
 Target on CPU: median |error| <= 15%, worst <= 30% per strategy. Nothing here is tuned on the runs it
 predicts: the model is fitted on the calibration only.
@@ -60,6 +62,26 @@ def run_preset(preset: str, out: Path, sets: list[str], timeout: float = 3600) -
         args += ["--set", item]
     with open(str(out) + ".log", "w") as log:
         return subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False).returncode
+
+
+def world_size_sets(preset: str, ws: int, backend: str | None, own: bool) -> list[str]:
+    """The overrides that put ``preset`` at ``ws`` ranks: ``world_size`` for the comparison and, unless ``own``, for
+    every run with a world size of its own too (tensor parallel's tp x dp: at 2 ranks, tp 2 x dp 1), so that no run
+    is measured with more ranks than asked (4 ranks on 2 cores wait for a core half the time). A run whose layout
+    cannot take ``ws`` ranks (tp 2 at 1 rank) keeps its own world size. Raises ConfigError."""
+    base = [f"world_size={ws}"]
+    if own:
+        return base
+    sets = list(base)
+    for run in load_for(preset, base, backend, False).runs:
+        if not run.world_size or run.world_size == ws:
+            continue
+        try:
+            load_for(preset, [*base, f"runs.{run.name}.world_size={ws}"], backend, False)
+        except ConfigError:
+            continue
+        sets.append(f"runs.{run.name}.world_size={ws}")
+    return sets
 
 
 def only_runs(preset: str, names: set[str], path: Path) -> Path:
@@ -125,6 +147,8 @@ def main() -> int:
                     "in a one-rank probe at its world size (predict --probe) instead of carrying the calibration's over")
     ap.add_argument("--no-comm-cost", dest="comm_cost", action="store_false",
                     help="with --probe: no communication cost factor (predict_comm_cost) measured on the calibration")
+    ap.add_argument("--own-world-sizes", action="store_true", help="runs with a world size of their own in the "
+                    "preset (tensor parallel at tp x dp = 4) keep it instead of running at each of --world-sizes")
     ap.add_argument("--repeats", type=int, default=1, help="predict and run each preset this many times, "
                     "interleaved, and compare the median prediction with the median measurement of each run")
     ap.add_argument("--second", default="", help="calibrate on a second smoke comparison at another model size "
@@ -160,7 +184,8 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
     row per run (None when the preset cannot run at ``ws`` or none of its runs can be predicted)."""
     model = state["model"]
     try:
-        c = load_for(preset, [f"world_size={ws}"], model.backend, False)
+        sets = world_size_sets(preset, ws, model.backend, args.own_world_sizes)
+        c = load_for(preset, sets, model.backend, False)
     except ConfigError as err:
         skipped.append(f"{preset} at {ws}: {err}")
         return None
@@ -195,7 +220,8 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
         return None
     where = out / tag
     t0 = time.time()
-    code = run_preset(str(only_runs(preset, names, out / f"{tag}.toml")), where, [f"world_size={ws}"])
+    code = run_preset(str(only_runs(preset, names, out / f"{tag}.toml")), where,
+                      [x for x in sets if not x.startswith("runs.") or x.split(".")[1] in names])
     summary = load_summary(str(where))
     state["measured_any"] = True
     print(f"{tag}: ran {len(names)} runs in {time.time() - t0:.0f} s (exit {code})", flush=True)
