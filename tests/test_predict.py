@@ -226,6 +226,21 @@ def test_what_if_on_gpus_is_marked_and_lists_its_assumptions():
         device_spec("TPU")
 
 
+def test_a_what_if_lists_none_of_this_machines_collective_or_core_notes():
+    # A calibration with no collective traced says its runs that communicate are not predicted here; a what-if
+    # predicts them from the device table, so that line (and the fits' and cores' lines) must not head its rows.
+    model = _model()
+    local = ["no collective measured in the calibration's traces: runs that communicate are not predicted",
+             "collective fits resting on few sizes or scattered calls: all_gather (10 calls, 2 sizes, rms error 53%)",
+             "the calibration's ranks got 92% of a core each (CPU time / (CPU time + run-queue wait)): 0.2 other busy"]
+    model.notes[:] = [*local, "one model size calibrated: compute scales with FLOPs"]
+    c = config.load_preset("ddp-vs-fsdp", ["world_size=16"])
+    what_if = predict.predict_comparison(c, model, device_spec("h100"))["assumptions"]
+    assert not any(n in what_if for n in local) and "one model size calibrated: compute scales with FLOPs" in what_if
+    here = predict.predict_comparison(smoke(), model)["assumptions"]
+    assert all(n in here for n in local)
+
+
 def test_background_load_read_from_cpu_time_scales_compute_with_the_ranks():
     runs = _runs(smoke())
     for r in runs:  # each rank got 40% of a core: 2 cores shared by 2 ranks and 3 other busy processes

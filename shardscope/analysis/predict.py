@@ -19,8 +19,8 @@ from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import memory_model
 from shardscope.analysis.predict_devices import ADAMW_BYTES_PER_ELEMENT, ASSUMED_MFU, DeviceSpec
 from shardscope.analysis.predict_fit import (
-    PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, fit, slowdown, read_calibration, reference_compute,
-    ring_steps, bus_factor,
+    PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, about_this_machine, fit, slowdown, read_calibration,
+    reference_compute, ring_steps, bus_factor,
 )
 from shardscope.analysis import predict_comm_cost as comm_cost
 from shardscope.analysis.predict_schedule import simulate
@@ -264,7 +264,7 @@ def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) ->
             out.append("framework overhead (each strategy's compute beyond DDP's, per parameter tensor and phase) "
                        "measured on the calibration's runs of: " + (", ".join(sorted(model.overhead)) or "none"))
             out.append("peak memory is the memory model's (model states, gathered units, activations), not process RSS")
-        out += model.notes
+        out += model.notes if device is None else [n for n in model.notes if not about_this_machine(n)]
     return out
 
 

@@ -242,6 +242,17 @@ def background_load(runs: list[CalibrationRun], cores: int) -> float:
     return max(0.0, cores / share - ranks) if share < min(1.0, cores / ranks) else 0.0
 
 
+# Notes on this machine's collective fits and its cores' load: a what-if on GPUs uses neither (its collectives come
+# from the device table, its compute from FLOPs at a share of the peak), so its assumptions leave them out; "runs
+# that communicate are not predicted" was listed above what-if rows that were predicted.
+_THIS_MACHINE_NOTES = ("collective", "no collective measured", "the calibration's ranks got")
+
+
+def about_this_machine(note: str) -> bool:
+    """Whether a calibration note concerns only predictions for this machine (its collective fits, its cores' load)."""
+    return note.startswith(_THIS_MACHINE_NOTES)
+
+
 def fit_compute(works: list[Work], measured: list[dict[str, float]], notes: list[str]) -> dict[str, dict[str, float]]:
     """Per phase, seconds per FLOP (optimizer: per element stepped) and, when the runs span two or more
     model sizes, seconds per layer and token (optimizer: per tensor) too, by non-negative least squares."""
