@@ -30,7 +30,9 @@ from shardscope.core.bounded import run_bounded
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a collective's whole buffer
-REPEATS, WARMUP = 5, 2
+# 15 timed calls per type and size, not 5 (stop 42): on the 2-core VM five jobs in a row gave fits whose time at 16 KiB
+# moved 1.9-3.3x between jobs with 5, 1.3-1.9x with 15 (RESULTS.md); the job takes ~12 s instead of ~7 s.
+REPEATS, WARMUP = 15, 2
 ROUNDS, BURST_MATMULS, BURST_DIM = 4, 4, 256  # CPU: rounds per timed loop; the compute burst before each call
 
 
