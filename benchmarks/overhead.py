@@ -4,25 +4,33 @@ For each strategy asked (DDP and FSDP2 by default), launches one torchrun job (g
 size 2). Inside it, every rank builds the same model, strategy and batches as a shardscope run, then
 alternates single steps: a bare step that records nothing (forward, backward, clip, optimizer step)
 and a step of shardscope's loop (``engines.loop.Trainer.step``: a step record with the local loss,
-memory figures and the CPU timing split, grad-norm read-back), swapping which goes first in each
-pair. Interleaving step by step makes both sides see the same machine: on a shared 2-core VM the
+memory figures and the CPU timing split, grad-norm read-back), changing which goes first from one
+triple to the next. Interleaving step by step makes both sides see the same machine: on a shared 2-core VM the
 load drifts by 10-30% over seconds, which blocks of steps cannot cancel to 1%.
+
+A third arm, a second bare loop (``bare again``), runs in the same rotation: bare against bare again is a
+comparison whose true ratio is 1, so what it prints is the benchmark's own resolution in that sitting (stop 43:
+in a 900-triple run, bare against bare again printed 1.0095 with a pair-bootstrap interval of 1.000-1.019, which
+excluded 1). The three arms take the six orders in turn. Intervals are a moving-block bootstrap over runs of
+``BLOCK`` consecutive triples: the machine's load drifts over seconds, so neighbouring steps are not independent,
+and a bootstrap over single pairs made the interval too narrow.
 
 Each step is timed on rank 0 from the end of the previous step to the end of this one, where "end"
 is a barrier every rank leaves together: whatever any rank spends on a step (its record, a late
 start) lands in that step's time, not in its neighbour's. The barrier's own cost is in both sides
 (it is measured apart and printed). The ratio is total bare time over total instrumented time
-(instrumented tokens/s over bare tokens/s) after ``--warmup`` pairs, with a 95% bootstrap interval
-over pairs.
+(instrumented tokens/s over bare tokens/s) after ``--warmup`` triples, with a 95% block-bootstrap interval.
 
     python benchmarks/overhead.py [--world-size 2] [--strategies ddp,fsdp2] [--pairs 600] [--save PREFIX]
 
-Per strategy the last line is ``overhead_ratio <strategy>: R`` (target >= 0.99).
+Per strategy the last two lines are ``control_ratio <strategy>: C`` (bare against bare again) and
+``overhead_ratio <strategy>: R`` (target >= 0.99).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -30,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ARMS = ("bare", "instrumented", "bare again")
+BLOCK = 25  # triples per bootstrap block: about 4 s of steps, longer than the load's drift between neighbours
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -48,7 +59,7 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
     from shardscope import config
     from shardscope.orchestrator import launcher
 
-    overrides = [f"world_size={args.world_size}", f"steps={2 * (args.pairs + args.warmup + args.profile_steps)}", "profile.enabled=false",
+    overrides = [f"world_size={args.world_size}", f"steps={3 * (args.pairs + args.warmup) + 2 * args.profile_steps}", "profile.enabled=false",
                  f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.seq_len={args.seq}",
                  f"global_batch={args.batch}", "model.vocab_size=1024", "model.n_heads=4", f"model.d_ff={4 * args.d_model}",
                  f"runs.ddp.strategy='{strategy}'"]
@@ -75,14 +86,17 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
             json.dump(result, fh, indent=1)
     print(f"machine: {os.cpu_count()} CPU cores, gloo, world size {args.world_size}, strategy {strategy}, "
           f"model d_model={args.d_model} layers={args.layers} seq={args.seq} global_batch={args.batch}")
-    print(f"pairs: {args.pairs} bare + instrumented steps, interleaved, order swapped each pair, "
-          f"after {args.warmup} warm-up pairs")
+    print(f"triples: {args.pairs} of bare + instrumented + bare-again steps, interleaved, the six orders in turn, "
+          f"after {args.warmup} warm-up triples; intervals: moving-block bootstrap, blocks of {BLOCK} triples")
     print(f"bare tokens/s:         {result['bare']:,.0f}")
     print(f"instrumented tokens/s: {result['instrumented']:,.0f}")
     lo, hi = result["ci95"]
     print(f"barrier per step:      {1000 * result['barrier_s']:.2f} ms (in both sides; "
           f"{100 * result['barrier_s'] / result['bare_step_s']:.1f}% of a bare step)")
     print(f"paired step ratios:    median {result['pair_median']:.3f}")
+    clo, chi = result["control_ci95"]
+    print(f"control, bare against bare again (true ratio 1: the benchmark's resolution here): "
+          f"{result['control']:.4f}, 95% interval {clo:.4f}-{chi:.4f}")
     print(f"ratio (total time):    {result['ratio']:.4f}, 95% interval {lo:.4f}-{hi:.4f}")
     added = result.get("added")
     if added:
@@ -91,6 +105,7 @@ def one_strategy(args: argparse.Namespace, strategy: str) -> int:
               "of a bare step")
         for fn_name, per_step in added["top"]:
             print(f"  {1000 * per_step:7.3f} ms  {fn_name}")
+    print(f"control_ratio {strategy}: {result['control']:.3f}")
     print(f"overhead_ratio {strategy}: {result['ratio']:.3f}")
     return 0
 
@@ -131,23 +146,24 @@ def inner(spec_path: str, pairs: int, warmup: int, profile_steps: int = 0) -> No
                           min_lr_ratio=comparison.min_lr_ratio)
     trainer = loop.Trainer(prep, ctx, settings, cfg, micro_batches, writer)
     barrier = torch.distributed.barrier
-    times: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    orders = list(itertools.permutations(ARMS))
     barrier()
     last = time.perf_counter()
-    for pair in range(warmup + pairs):
-        order = ["bare", "instrumented"] if pair % 2 == 0 else ["instrumented", "bare"]
-        for name in order:
-            step = 2 * pair + (order.index(name))
-            if name == "bare":
-                bare_step(step)
-            else:
+    for triple in range(warmup + pairs):
+        order = orders[triple % len(orders)]
+        for position, name in enumerate(order):
+            step = len(ARMS) * triple + position
+            if name == "instrumented":
                 trainer.step(step)
+            else:
+                bare_step(step)
             barrier()  # every rank's work on this step ends before the clock reads
             now = time.perf_counter()
-            if pair >= warmup:
+            if triple >= warmup:
                 times[name].append(now - last)
             last = now
-    added = _profile_added(bare_step, trainer.step, 2 * (warmup + pairs), profile_steps) if profile_steps else None
+    added = _profile_added(bare_step, trainer.step, len(ARMS) * (warmup + pairs), profile_steps) if profile_steps else None
     trainer.finish()
     barrier()
     t0 = time.perf_counter()
@@ -156,10 +172,11 @@ def inner(spec_path: str, pairs: int, warmup: int, profile_steps: int = 0) -> No
     barrier_s = (time.perf_counter() - t0) / 200
     writer.close()
     if ctx.rank == 0:
-        bare, instr = times["bare"], times["instrumented"]
+        bare, instr, again = times["bare"], times["instrumented"], times["bare again"]
         ratio = sum(bare) / sum(instr)
         result = {"bare": tokens * len(bare) / sum(bare), "instrumented": tokens * len(instr) / sum(instr),
                   "ratio": ratio, "ci95": _bootstrap(bare, instr), "barrier_s": barrier_s,
+                  "control": sum(bare) / sum(again), "control_ci95": _bootstrap(bare, again),
                   "bare_step_s": statistics.median(bare),
                   "pair_median": statistics.median(b / i for b, i in zip(bare, instr)), "steps_s": times,
                   "added": added}
@@ -193,14 +210,17 @@ def _profile_added(bare, instrumented, first_step: int, n: int) -> dict:
 
 
 def _bootstrap(bare: list[float], instr: list[float], rounds: int = 2000) -> tuple[float, float]:
-    """95% interval of sum(bare)/sum(instr) resampling pairs (seeded: the same data gives the same interval)."""
+    """95% interval of sum(bare)/sum(instr), a moving-block bootstrap over triples: blocks of ``BLOCK`` consecutive
+    triples drawn with replacement (seeded: the same data gives the same interval)."""
     import random
 
     rng = random.Random(0)
     n = len(bare)
+    block = min(BLOCK, n)
+    starts = n - block + 1
     ratios = []
     for _ in range(rounds):
-        idx = [rng.randrange(n) for _ in range(n)]
+        idx = [i for _ in range(-(-n // block)) for first in (rng.randrange(starts),) for i in range(first, first + block)]
         ratios.append(sum(bare[i] for i in idx) / sum(instr[i] for i in idx))
     ratios.sort()
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
@@ -212,8 +232,9 @@ def main() -> int:
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--strategies", default="ddp,fsdp2", help="comma-separated registry names")
-    parser.add_argument("--pairs", type=int, default=600, help="timed pairs of steps (one bare, one instrumented)")
-    parser.add_argument("--warmup", type=int, default=10, help="pairs run first and not timed")
+    parser.add_argument("--pairs", type=int, default=600,
+                        help="timed triples of steps (bare, instrumented, bare again; the name is kept from two arms)")
+    parser.add_argument("--warmup", type=int, default=10, help="triples run first and not timed")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)

@@ -238,8 +238,20 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
                      "error": got / measured - 1 if measured and got else None,
                      "split_ms": [round(p[k] * 1e3, 1) for k in ("compute_s", "exposed_comm_s", "rest_s")],
                      "bound": p.get("bound"), "status": m["status"],
-                     "predicted_no_factor": predict.rate(plain[m["name"]]) if plain and m["name"] in plain else None})
+                     "predicted_no_factor": predict.rate(plain[m["name"]]) if plain and m["name"] in plain else None,
+                     "predicted_whole_factor": _whole_factor(plain.get(m["name"]) if plain else None, model)})
     return rows
+
+
+def _whole_factor(plain: dict | None, model) -> float | None:
+    """Stop 42's prediction, for comparison: the same probe with the whole exposed communication (not only its
+    latency part) multiplied by what the calibration's steps paid over the fit."""
+    cc = model.comm_cost if model is not None else None
+    if not plain or plain.get("why") or not cc or cc.get("world_size") != plain.get("world_size") or not plain["step_time_s"]:
+        return None
+    step = plain["step_time_s"] + (cc["paid_s"] / cc["predicted_s"] - 1.0) * plain["exposed_comm_s"]
+    units = (plain.get("tokens_per_s") or plain.get("samples_per_s")) * plain["step_time_s"]
+    return units / step if step > 0 else None
 
 
 def combine(rows: list[dict]) -> list[dict]:

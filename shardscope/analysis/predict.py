@@ -196,17 +196,20 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
                 f"{k} ({model.collectives[k].source})" for k in derived))
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
     step, exposed = timing.step_s + rest, timing.exposed_comm_s
-    if device is None and probed is not None and model is not None and model.comm_cost:
-        factor = comm_cost.applies(model, w.world_size)
-        if factor is not None:
-            step, exposed = step + (factor - 1.0) * exposed, factor * exposed
-        notes.append(comm_cost.note(model, w.world_size))
+    latency = None  # gloo, probed: the part of the exposed communication that is the calls' latency, not their bytes
+    if device is None and probed is not None and model is not None and model.backend == "gloo":
+        latency = simulate(w, comp["forward"], comp["backward"], comp["optimizer"],
+                           _comm_fn(model.collectives, latency_only=True), overlap).exposed_comm_s
+        if model.comm_cost:
+            extra = comm_cost.extra_s(model, w.world_size, exposed, latency)
+            step, exposed = step + extra, exposed + extra
+            notes.append(comm_cost.note(model, w.world_size))
     compute = min(sum(reference.values()), sum(comp.values()))
     rate = (w.samples_per_step or w.tokens_per_step) / step if step > 0 else None
     return {"tokens_per_s": None if w.samples_per_step else rate, "samples_per_s": rate if w.samples_per_step else None,
             "unit": "samples/s" if w.samples_per_step else "tokens/s", "step_time_s": step,
             "compute_s": compute, "exposed_comm_s": exposed,
-            "rest_s": max(0.0, step - compute - exposed), "comm_s": timing.comm_s,
+            "rest_s": max(0.0, step - compute - exposed), "comm_s": timing.comm_s, "comm_latency_s": latency,
             "phases_s": timing.phase_s, "bound": bound, "notes": notes}
 
 

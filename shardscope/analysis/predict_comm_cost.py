@@ -13,9 +13,14 @@ smaller share of the step. This factor is on the communication only: the calibra
 this machine, finished; each is probed as the runs being predicted are (at its own world size, ``REPEATS``
 times, since a probe's speed here moves by ±25% over seconds) and predicted from each probe. What its real
 step took beyond the predicted compute and rest is what it paid for communication; summed over the runs and
-probes and divided by the exposed communication predicted for them, it is the machine's communication cost
-factor. ``predict`` multiplies the exposed communication of a probed run at the same world size by it and says
-so in the run's notes. Nothing is taken from the runs being predicted. Runs at another world size get none (not
+probes, less the exposed communication predicted for them, it is what the steps paid beyond the fit. That
+excess is put on the latency part of their communication (each call's latency x ring steps, not its bytes over
+the bandwidth): a blocking call on gloo costs a step a wake-up and a wait for the slower rank whatever its size,
+while the fit's bandwidth is already what a call of its size adds to a loop of compute (``predict_collectives``).
+The factor is ``1 + excess / latency part``; ``predict`` adds ``(factor - 1) x`` the latency part of a probed
+run's exposed communication at the same world size and says so in the run's notes. Stop 42 multiplied the
+whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made the large all-gathers
+of fsdp-impls' 768-wide model cost more than their measured steps left for them. Nothing is taken from the runs being predicted. Runs at another world size get none (not
 measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200, RESULTS stop 38).
 
 Parent side, torch-free: the probes are ``predict_probe.probe_runs`` subprocesses.
@@ -45,7 +50,7 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
         return model
     measured = model.fit_error.get("runs", {})
     base = dataclasses.replace(model, comm_cost={})  # each calibration run predicted as with no factor
-    paid_sum = predicted_sum = 0.0
+    paid_sum = predicted_sum = latency_sum = 0.0
     per_run: dict[str, list[float]] = {}
     sizes = set()
     for d in out_dirs:
@@ -58,24 +63,35 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
                 if key not in measured or "error" in got:
                     continue
                 row = predict_run(c, run, base, probed=got)
-                if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"]:
+                if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"] or not row.get("comm_latency_s"):
                     continue
                 sizes.add(row["world_size"])
                 paid = measured[key]["measured_step_s"] - (row["step_time_s"] - row["exposed_comm_s"])
                 paid_sum += paid
                 predicted_sum += row["exposed_comm_s"]
+                latency_sum += row["comm_latency_s"]
                 per_run.setdefault(key, []).append(paid / row["exposed_comm_s"])
     if len(sizes) != 1 or predicted_sum <= 0:
         return model
-    factor = max(0.0, paid_sum / predicted_sum)  # a step cannot pay less than nothing for its collectives
+    # What the steps paid beyond the fit is put on the calls' latency part, not on their bytes: each call costs a
+    # real step a wake-up and a wait for the slower rank whatever its size, while the fit's bandwidth is already
+    # what a call of that size adds to a loop of compute (predict_collectives). Stop 42's factor on the whole
+    # communication, fitted on smoke's small calls (x1.5-5.8), made fsdp-impls' large all-gathers cost 157 ms a
+    # step, more than their measured steps left for them: every one of those runs predicted 16-52% slow.
+    factor = max(0.0, 1.0 + (paid_sum - predicted_sum) / latency_sum)  # the latency part never below nothing
     return dataclasses.replace(model, comm_cost={"world_size": sizes.pop(), "factor": factor, "paid_s": paid_sum,
-                                                 "predicted_s": predicted_sum, "runs": per_run})
+                                                 "predicted_s": predicted_sum, "latency_s": latency_sum,
+                                                 "runs": per_run})
 
 
-def applies(model: MachineModel, world_size: int) -> float | None:
-    """The communication cost factor for a probed run at ``world_size``, or None where none was measured."""
+def extra_s(model: MachineModel, world_size: int, exposed_s: float, latency_s: float) -> float:
+    """What a probed run at ``world_size`` pays for its collectives beyond the fit's ``exposed_s``: the factor's
+    share of their latency part ``latency_s``; 0 where no factor was measured at that world size. At least
+    ``-exposed_s`` (a step never pays less than nothing for its collectives)."""
     cc = model.comm_cost
-    return float(cc["factor"]) if cc and cc.get("world_size") == world_size else None
+    if not cc or cc.get("world_size") != world_size:
+        return 0.0
+    return max(-exposed_s, (float(cc["factor"]) - 1.0) * latency_s)
 
 
 def note(model: MachineModel, world_size: int) -> str:
@@ -87,15 +103,17 @@ def note(model: MachineModel, world_size: int) -> str:
         return (f"exposed communication as fitted: its cost in a real step was measured on the calibration's runs "
                 f"at {cc['world_size']} ranks, not at {world_size}")
     n = sum(len(v) for v in cc["runs"].values())
-    return (f"exposed communication x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
-            f"paid for theirs against the fit ({', '.join(cc['runs'])}; {n} probes)")
+    return (f"collective latency x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
+            f"paid for their collectives beyond the fit, put on the calls' latency part ({', '.join(cc['runs'])}; "
+            f"{n} probes)")
 
 
 def assumption(model: MachineModel) -> str:
     """The sentence the prediction's assumptions carry when a factor was measured."""
     cc = model.comm_cost
     per_run = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.2f}" for k, v in cc["runs"].items())
-    return (f"probed runs at {cc['world_size']} ranks: exposed communication x{cc['factor']:.2f}, what the "
-            f"calibration's own steps paid for their collectives ({cc['paid_s'] * 1e3:,.1f} ms) over what the fit "
-            f"placed in them ({cc['predicted_s'] * 1e3:,.1f} ms), summed over their probes (median per run: "
-            f"{per_run}); none at other world sizes (predict_comm_cost.py)")
+    return (f"probed runs at {cc['world_size']} ranks: collective latency x{cc['factor']:.2f}: the calibration's own "
+            f"steps paid {cc['paid_s'] * 1e3:,.1f} ms for their collectives where the fit placed "
+            f"{cc['predicted_s'] * 1e3:,.1f} ms, {cc.get('latency_s', 0.0) * 1e3:,.1f} ms of it the calls' latency, "
+            f"summed over their probes (paid / fit, median per run: {per_run}); the difference is put on the latency "
+            "part, the bytes' part stays as fitted; none at other world sizes (predict_comm_cost.py)")

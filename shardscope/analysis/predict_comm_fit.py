@@ -48,8 +48,13 @@ class CollectiveFit:
         """Predicted seconds for one collective of ``nbytes`` over ``n`` ranks."""
         if n <= 1:
             return 0.0
-        latency = self.latency_by_group.get(n, self.step_latency_s)
-        return latency * ring_steps(self.kind, n) + nbytes * bus_factor(self.kind, n) / self.busbw_Bps
+        return self.latency_seconds(n) + nbytes * bus_factor(self.kind, n) / self.busbw_Bps
+
+    def latency_seconds(self, n: int) -> float:
+        """The latency part of one collective over ``n`` ranks: what a call costs whatever its size."""
+        if n <= 1:
+            return 0.0
+        return self.latency_by_group.get(n, self.step_latency_s) * ring_steps(self.kind, n)
 
 
 def solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:

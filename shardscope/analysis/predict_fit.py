@@ -179,14 +179,15 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
     return cal
 
 
-def _comm_fn(fits: dict[str, CollectiveFit]) -> Any:
+def _comm_fn(fits: dict[str, CollectiveFit], latency_only: bool = False) -> Any:
     def seconds(kind: str, nbytes: float, n: int) -> float:
-        """One collective's seconds from its type's fit; raises NotPredicted without one."""
+        """One collective's seconds from its type's fit (only its latency part with ``latency_only``); raises
+        NotPredicted without one."""
         fit = fits.get(kind)
         if fit is None:
             raise NotPredicted(f"no {kind} timing: the calibration measured no collective of any type "
                                "(world size 1, or no traces: profile.enabled = false)")
-        return fit.seconds(nbytes, n)
+        return fit.latency_seconds(n) if latency_only else fit.seconds(nbytes, n)
     return seconds
 
 
