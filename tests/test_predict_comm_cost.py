@@ -64,7 +64,8 @@ def test_applied_to_the_exposed_communication_of_probed_runs_at_its_world_size_o
         assert with_factor["step_time_s"] == pytest.approx(plain["step_time_s"] + extra)
         assert with_factor["compute_s"] == pytest.approx(plain["compute_s"])
         assert with_factor["rest_s"] == pytest.approx(plain["rest_s"])
-        assert any(f"collective latency x{factor:.2f}" in n for n in with_factor["notes"])
+        assert any(f"communication +{extra * 1e3:,.1f} ms a step, collective latency x{factor:.2f}" in n
+                   for n in with_factor["notes"])
     run = dataclasses.replace(c.run("ddp"), world_size=4)
     at4 = [predict.predict_run(c, run, m, probed=PROBED) for m in (model, got)]
     assert at4[1]["step_time_s"] == pytest.approx(at4[0]["step_time_s"])

@@ -203,7 +203,7 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         if model.comm_cost:
             extra = comm_cost.extra_s(model, w.world_size, exposed, latency)
             step, exposed = step + extra, exposed + extra
-            notes.append(comm_cost.note(model, w.world_size))
+            notes.append(comm_cost.note(model, w.world_size, extra))
     compute = min(sum(reference.values()), sum(comp.values()))
     rate = (w.samples_per_step or w.tokens_per_step) / step if step > 0 else None
     return {"tokens_per_s": None if w.samples_per_step else rate, "samples_per_s": rate if w.samples_per_step else None,

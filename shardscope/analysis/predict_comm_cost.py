@@ -94,8 +94,9 @@ def extra_s(model: MachineModel, world_size: int, exposed_s: float, latency_s: f
     return max(-exposed_s, (float(cc["factor"]) - 1.0) * latency_s)
 
 
-def note(model: MachineModel, world_size: int) -> str:
-    """The sentence a probed run's notes carry about the factor (applied, or why not)."""
+def note(model: MachineModel, world_size: int, extra: float | None = None) -> str:
+    """The sentence a probed run's notes carry about the factor (applied, or why not); ``extra``: the seconds a step
+    of the run pays for it (``extra_s``)."""
     cc = model.comm_cost
     if not cc:
         return ""
@@ -103,7 +104,8 @@ def note(model: MachineModel, world_size: int) -> str:
         return (f"exposed communication as fitted: its cost in a real step was measured on the calibration's runs "
                 f"at {cc['world_size']} ranks, not at {world_size}")
     n = sum(len(v) for v in cc["runs"].values())
-    return (f"collective latency x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
+    paid = f"communication +{extra * 1e3:,.1f} ms a step, " if extra is not None else ""
+    return (f"{paid}collective latency x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
             f"paid for their collectives beyond the fit, put on the calls' latency part ({', '.join(cc['runs'])}; "
             f"{n} probes)")
 
