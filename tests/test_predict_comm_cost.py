@@ -102,3 +102,22 @@ def test_no_factor_on_gpus_without_probes_or_from_steps_that_paid_nothing(tmp_pa
     assert predict_comm_cost.measure(model, [str(tmp_path)], failed, predict.predict_run) is model
     # steps that paid nothing for their collectives: a factor of 0 (never negative), not a guess
     assert predict_comm_cost.measure(model, [str(tmp_path)], probe, predict.predict_run).comm_cost["factor"] == 0.0
+
+
+def test_a_calibration_at_two_world_sizes_gets_its_factor_where_most_runs_are_and_names_the_rest(tmp_path):
+    """parity's tensor-parallel runs run at 4 ranks beside the rest at 2: one factor is measured at one world size
+    (where most runs are), and the runs at the other are named as left out, not silently dropped."""
+    cal = smoke("runs.fsdp2.world_size=4")
+    config.dump_json(str(tmp_path / "comparison.json"), cal.to_dict())
+    model = _model()
+    rows = {r.name: predict.predict_run(cal, r, model, probed=PROBED) for r in cal.runs}
+    assert rows["ddp"]["world_size"] == 2 and rows["fsdp2"]["world_size"] == 4
+    model.fit_error["runs"] = {name: {"measured_step_s": row["step_time_s"] + row["exposed_comm_s"]}
+                               for name, row in rows.items()}  # each paid twice the fit
+    got = predict_comm_cost.measure(model, [str(tmp_path)], lambda c, progress=None: {r.name: dict(PROBED) for r in c.runs},
+                                    predict.predict_run)
+    cc = got.comm_cost
+    assert cc["world_size"] == 2 and set(cc["runs"]) == {"ddp"} and cc["left_out"] == {"4": ["fsdp2"]}
+    assert cc["factor"] == pytest.approx(1 + rows["ddp"]["exposed_comm_s"] / rows["ddp"]["comm_latency_s"])
+    text = predict_comm_cost.assumption(got)
+    assert "at 4 ranks (fsdp2) are left out" in text

@@ -43,16 +43,15 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
             progress: Callable[[str], None] | None = None) -> MachineModel:
     """Return ``model`` with ``comm_cost`` set from the calibration comparisons ``out_dirs`` (those ``model`` was
     fitted on): ``{"world_size", "factor", "paid_s", "predicted_s", "runs": {run: [paid / predicted per probe]}}``,
-    or unchanged (no factor) when the backend is not gloo, the calibration's runs ran at several world sizes or at
-    one rank, or no run could be probed. ``probe(c, progress=...)``: ``predict_probe.probe_runs``;
-    ``predict_run``: ``predict.predict_run``."""
+    ``latency_s`` and ``left_out`` ({world size: [runs]} of calibration runs at other world sizes than the one with
+    the most runs, where the factor is measured), or unchanged (no factor) when the backend is not gloo, the
+    calibration's runs ran at one rank, or no run could be probed. ``probe(c, progress=...)``:
+    ``predict_probe.probe_runs``; ``predict_run``: ``predict.predict_run``."""
     if model.backend != "gloo":
         return model
     measured = model.fit_error.get("runs", {})
     base = dataclasses.replace(model, comm_cost={})  # each calibration run predicted as with no factor
-    paid_sum = predicted_sum = latency_sum = 0.0
-    per_run: dict[str, list[float]] = {}
-    sizes = set()
+    sums: dict[int, dict[str, Any]] = {}  # world size -> paid, predicted, latency, runs
     for d in out_dirs:
         c = fold.load_comparison(d)
         for _ in range(repeats):
@@ -65,23 +64,28 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
                 row = predict_run(c, run, base, probed=got)
                 if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"] or not row.get("comm_latency_s"):
                     continue
-                sizes.add(row["world_size"])
+                at = sums.setdefault(row["world_size"], {"paid": 0.0, "predicted": 0.0, "latency": 0.0, "runs": {}})
                 paid = measured[key]["measured_step_s"] - (row["step_time_s"] - row["exposed_comm_s"])
-                paid_sum += paid
-                predicted_sum += row["exposed_comm_s"]
-                latency_sum += row["comm_latency_s"]
-                per_run.setdefault(key, []).append(paid / row["exposed_comm_s"])
-    if len(sizes) != 1 or predicted_sum <= 0:
+                at["paid"] += paid
+                at["predicted"] += row["exposed_comm_s"]
+                at["latency"] += row["comm_latency_s"]
+                at["runs"].setdefault(key, []).append(paid / row["exposed_comm_s"])
+    if not sums:
         return model
+    # One factor, at one world size: where the most calibration runs are (the fewer ranks on a tie). Runs at other
+    # world sizes (parity's tensor-parallel runs at 4 ranks beside the rest at 2) are left out and named.
+    size = min(sums, key=lambda n: (-len(sums[n]["runs"]), n))
+    at = sums[size]
+    left_out = {str(n): sorted(v["runs"]) for n, v in sums.items() if n != size}
     # What the steps paid beyond the fit is put on the calls' latency part, not on their bytes: each call costs a
     # real step a wake-up and a wait for the slower rank whatever its size, while the fit's bandwidth is already
     # what a call of that size adds to a loop of compute (predict_collectives). Stop 42's factor on the whole
     # communication, fitted on smoke's small calls (x1.5-5.8), made fsdp-impls' large all-gathers cost 157 ms a
     # step, more than their measured steps left for them: every one of those runs predicted 16-52% slow.
-    factor = max(0.0, 1.0 + (paid_sum - predicted_sum) / latency_sum)  # the latency part never below nothing
-    return dataclasses.replace(model, comm_cost={"world_size": sizes.pop(), "factor": factor, "paid_s": paid_sum,
-                                                 "predicted_s": predicted_sum, "latency_s": latency_sum,
-                                                 "runs": per_run})
+    factor = max(0.0, 1.0 + (at["paid"] - at["predicted"]) / at["latency"])  # the latency part never below nothing
+    return dataclasses.replace(model, comm_cost={"world_size": size, "factor": factor, "paid_s": at["paid"],
+                                                 "predicted_s": at["predicted"], "latency_s": at["latency"],
+                                                 "runs": at["runs"], "left_out": left_out})
 
 
 def extra_s(model: MachineModel, world_size: int, exposed_s: float, latency_s: float) -> float:
@@ -118,4 +122,6 @@ def assumption(model: MachineModel) -> str:
             f"steps paid {cc['paid_s'] * 1e3:,.1f} ms for their collectives where the fit placed "
             f"{cc['predicted_s'] * 1e3:,.1f} ms, {cc.get('latency_s', 0.0) * 1e3:,.1f} ms of it the calls' latency, "
             f"summed over their probes (paid / fit, median per run: {per_run}); the difference is put on the latency "
-            "part, the bytes' part stays as fitted; none at other world sizes (predict_comm_cost.py)")
+            "part, the bytes' part stays as fitted; none at other world sizes (predict_comm_cost.py)"
+            + "".join(f"; the calibration's runs at {n} ranks ({', '.join(runs)}) are left out: one factor is "
+                      f"measured at one world size" for n, runs in cc.get("left_out", {}).items()))
