@@ -20,7 +20,9 @@ while the fit's bandwidth is already what a call of its size adds to a loop of c
 The factor is ``1 + excess / latency part``; ``predict`` adds ``(factor - 1) x`` the latency part of a probed
 run's exposed communication at the same world size and says so in the run's notes. Stop 42 multiplied the
 whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made the large all-gathers
-of fsdp-impls' 768-wide model cost more than their measured steps left for them. Nothing is taken from the runs being predicted. Runs at another world size get none (not
+of fsdp-impls' 768-wide model cost more than their measured steps left for them (every FSDP run there 16-52%
+slow). Nothing is taken from the runs being predicted. The factor is measured at one world size, the one most
+of the calibration's runs ran at (the others are named as left out); runs at another world size get none (not
 measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200, RESULTS stop 38).
 
 Parent side, torch-free: the probes are ``predict_probe.probe_runs`` subprocesses.
@@ -72,16 +74,11 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
                 at["runs"].setdefault(key, []).append(paid / row["exposed_comm_s"])
     if not sums:
         return model
-    # One factor, at one world size: where the most calibration runs are (the fewer ranks on a tie). Runs at other
-    # world sizes (parity's tensor-parallel runs at 4 ranks beside the rest at 2) are left out and named.
+    # One factor, at the world size most runs ran at (the fewer ranks on a tie): parity's tensor-parallel runs at 4
+    # ranks beside the rest at 2 are left out and named. The excess goes on the latency part (module docstring).
     size = min(sums, key=lambda n: (-len(sums[n]["runs"]), n))
     at = sums[size]
     left_out = {str(n): sorted(v["runs"]) for n, v in sums.items() if n != size}
-    # What the steps paid beyond the fit is put on the calls' latency part, not on their bytes: each call costs a
-    # real step a wake-up and a wait for the slower rank whatever its size, while the fit's bandwidth is already
-    # what a call of that size adds to a loop of compute (predict_collectives). Stop 42's factor on the whole
-    # communication, fitted on smoke's small calls (x1.5-5.8), made fsdp-impls' large all-gathers cost 157 ms a
-    # step, more than their measured steps left for them: every one of those runs predicted 16-52% slow.
     factor = max(0.0, 1.0 + (at["paid"] - at["predicted"]) / at["latency"])  # the latency part never below nothing
     return dataclasses.replace(model, comm_cost={"world_size": size, "factor": factor, "paid_s": at["paid"],
                                                  "predicted_s": at["predicted"], "latency_s": at["latency"],
