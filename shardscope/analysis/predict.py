@@ -23,6 +23,7 @@ from shardscope.analysis.predict_fit import (
     reference_compute, ring_steps, bus_factor,
 )
 from shardscope.analysis import predict_comm_cost as comm_cost
+from shardscope.analysis import predict_in_step as in_step
 from shardscope.analysis.predict_schedule import simulate
 from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
@@ -194,12 +195,20 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         if derived and w.world_size > 1:
             notes.append("timed from another type's fit: " + ", ".join(
                 f"{k} ({model.collectives[k].source})" for k in derived))
-    timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap)
+    gloo_probed = device is None and probed is not None and model is not None and model.backend == "gloo"
+    exact = None  # gloo, probed, the collective job run: its figures price the blocking calls of exact bytes
+    if gloo_probed and model.in_step:  # type: ignore[union-attr]
+        exact = in_step.comm_fn(model.in_step, comm, model.collectives)  # type: ignore[union-attr]
+        if w.world_size > 1 and (w.tp > 1 or w.traits.norm_allreduce):
+            notes.append(in_step.NOTE)
+    timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap, exact)
     step, exposed = timing.step_s + rest, timing.exposed_comm_s
     latency = None  # gloo, probed: the part of the exposed communication that is the calls' latency, not their bytes
-    if device is None and probed is not None and model is not None and model.backend == "gloo":
+    if gloo_probed:
+        assert model is not None
         latency = simulate(w, comp["forward"], comp["backward"], comp["optimizer"],
-                           _comm_fn(model.collectives, latency_only=True), overlap).exposed_comm_s
+                           _comm_fn(model.collectives, latency_only=True), overlap,
+                           (lambda kind, nbytes, n: 0.0) if exact else None).exposed_comm_s
         if model.comm_cost:
             extra = comm_cost.extra_s(model, w.world_size, exposed, latency)
             step, exposed = step + extra, exposed + extra
@@ -284,7 +293,9 @@ def predict_comparison(c: Comparison, model: MachineModel | None, device: Device
         "assumptions": assumptions(model, device) + ([
             "compute and framework overhead per run measured by a one-rank probe at the predicted world size "
             "(predict_probe.py), not carried over from the calibration"] if probes and device is None else [])
-            + ([comm_cost.assumption(model)] if probes and device is None and model and model.comm_cost else []),
+            + ([comm_cost.assumption(model)] if probes and device is None and model and model.comm_cost else [])
+            + ([in_step.NOTE] if probes and device is None and model and model.backend == "gloo" and model.in_step
+               else []),
         "families": {k: v for k, v in FAMILY_TEXT.items()},
         "calibration": model.to_dict() if model else None,
         "fit_error": model.fit_error if model else None,

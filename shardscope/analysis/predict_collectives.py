@@ -34,6 +34,9 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a col
 # moved 1.9-3.3x between jobs with 5, 1.3-1.9x with 15 (RESULTS.md); the job takes ~12 s instead of ~7 s.
 REPEATS, WARMUP = 15, 2
 ROUNDS, BURST_MATMULS, BURST_DIM = 4, 4, 256  # CPU: rounds per timed loop; the compute burst before each call
+# Small all-reduces: 32 rounds a loop (stop 44). With 4, five jobs within 30 minutes timed a 64 KiB all-reduce at
+# 0.80-3.36 ms, while a steady loop of 32 rounds moved 1.19-1.66 ms over 3 minutes (RESULTS.md); ~8 s more a job.
+SMALL_ROUNDS, SMALL_BYTES = 32, 64 << 10
 
 
 def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) -> list[tuple[str, float, float, int]]:
@@ -75,10 +78,10 @@ def _one(dist: Any, torch: Any, kind: str, nbytes: int, world: int, device: Any,
     return lambda: dist.reduce_scatter_tensor(part, full, group=group)
 
 
-def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
-    """What ``call`` adds to a CPU loop of compute, per call: REPEATS times, ROUNDS rounds of [burst; call]
-    and ROUNDS of [burst] alone (which goes first alternates), their difference over ROUNDS. Every rank runs
-    the same rounds, so each call meets peers that just computed, as in a step."""
+def in_step_seconds(dist: Any, torch: Any, call: Any, rounds: int = ROUNDS) -> list[float]:
+    """What ``call`` adds to a CPU loop of compute, per call: REPEATS times, ``rounds`` rounds of [burst; call]
+    and ``rounds`` of [burst] alone (which goes first alternates), their difference over ``rounds``. Every rank
+    runs the same rounds, so each call meets peers that just computed, as in a step."""
     import time
 
     a = torch.randn(BURST_DIM, BURST_DIM)
@@ -86,7 +89,7 @@ def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
     def loop(with_call: bool) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for _ in range(BURST_MATMULS):
                 torch.mm(a, a)
             if with_call:
@@ -101,15 +104,22 @@ def in_step_seconds(dist: Any, torch: Any, call: Any) -> list[float]:
         x = loop(first)
         y = loop(not first)
         with_call, alone = (x, y) if first else (y, x)
-        out.append((with_call - alone) / ROUNDS)
+        out.append((with_call - alone) / rounds)
     return out
+
+
+def _rounds(kind: str, nbytes: int) -> int:
+    """Rounds per timed loop: SMALL_ROUNDS for the all-reduces of the sizes tensor parallelism's and the norm's
+    blocking calls take (``predict_in_step`` prices those calls from these figures alone), ROUNDS elsewhere."""
+    return SMALL_ROUNDS if kind == "all_reduce" and nbytes <= SMALL_BYTES else ROUNDS
 
 
 def _calls(everyone: list[Any]) -> list[tuple[str, float, float, int]]:
     """(type, bytes, seconds, group) per timed call from every rank's (type, bytes, seconds, how, group) list: a
     "barrier" call is its fastest rank's time; where "in_step" figures exist (CPU), those are taken instead,
-    each the median over ranks and at least the median barrier-timed fastest time of its type, size and group (a
-    subgroup's, timed in-step only, is dropped when its median is not above 0)."""
+    each the median over ranks and at least the median barrier-timed fastest time of its type, size and group
+    (not the small all-reduces', timed in long loops: ``_rounds``); a call whose figure is not above 0 (a
+    subgroup's lost in the noise, with no barrier-timed floor) is dropped."""
     import statistics
 
     rows = everyone[0]
@@ -120,7 +130,10 @@ def _calls(everyone: list[Any]) -> list[tuple[str, float, float, int]]:
         return fastest
     keys = {(k, b, g) for k, b, _, g in fastest}
     floors = {key: statistics.median(t for k, b, t, g in fastest if (k, b, g) == key) for key in keys}
-    out = [(k, b, max(t, floors.get((k, b, g), 0.0)), g) for k, b, t, g in in_step]
+    # The long loops of small all-reduces stand on their own: a barrier-timed median of 3.7 ms for a 4 KiB call
+    # (a job of stop 44, where its in-step loops gave 1.3-1.5 ms in the jobs around it) is no floor for them.
+    out = [(k, b, t if _rounds(k, int(b)) == SMALL_ROUNDS else max(t, floors.get((k, b, g), 0.0)), g)
+           for k, b, t, g in in_step]
     return [c for c in out if c[2] > 0]  # a subgroup's call lost in the noise (no barrier-timed floor) is dropped
 
 
@@ -149,7 +162,8 @@ def main(out_path: str, backend: str) -> None:
                 if i >= WARMUP:
                     mine.append((kind, float(size), time.perf_counter() - t0, "barrier", world))
             if device.type == "cpu":
-                mine += [(kind, float(size), x, "in_step", world) for x in in_step_seconds(dist, torch, call)]
+                mine += [(kind, float(size), x, "in_step", world)
+                         for x in in_step_seconds(dist, torch, call, _rounds(kind, size))]
     if device.type == "cpu":
         # Groups smaller than the world (a tensor-parallel pair, the data-parallel replicas of a 2-D mesh), all of
         # them at once as in a step: on a CPU with fewer cores than ranks a pair's call waits for cores the other
@@ -160,7 +174,7 @@ def main(out_path: str, backend: str) -> None:
                 for size in SIZES:
                     call = _one(dist, torch, kind, size, size_of_group, device, sub)
                     mine += [(kind, float(size), x, "in_step", size_of_group)
-                             for x in in_step_seconds(dist, torch, call)]
+                             for x in in_step_seconds(dist, torch, call, _rounds(kind, size))]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

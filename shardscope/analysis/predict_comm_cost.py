@@ -18,12 +18,15 @@ excess is put on the latency part of their communication (each call's latency x 
 the bandwidth): a blocking call on gloo costs a step a wake-up and a wait for the slower rank whatever its size,
 while the fit's bandwidth is already what a call of its size adds to a loop of compute (``predict_collectives``).
 The factor is ``1 + excess / latency part``; ``predict`` adds ``(factor - 1) x`` the latency part of a probed
-run's exposed communication at the same world size and says so in the run's notes. Stop 42 multiplied the
-whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made the large all-gathers
-of fsdp-impls' 768-wide model cost more than their measured steps left for them (every FSDP run there 16-52%
-slow). Nothing is taken from the runs being predicted. The factor is measured at one world size, the one most
-of the calibration's runs ran at (the others are named as left out); runs at another world size get none (not
-measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200, RESULTS stop 38).
+run's exposed communication at the same world size and says so in the run's notes. Where the collective job
+ran, the blocking calls of exact bytes (tensor-parallel activations, the gradient norm) are priced at its in-step
+figures and have no latency part (``predict_in_step``), in the calibration's runs and in the predicted ones.
+Stop 42 multiplied the whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made
+the large all-gathers of fsdp-impls' 768-wide model cost more than their measured steps left for them (every FSDP
+run there 16-52% slow). Nothing is taken from the runs being predicted. The factor is measured at one world
+size, the one most of the calibration's runs ran at (the others are named as left out); runs at another world
+size get none (not measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200,
+RESULTS stop 38).
 
 Parent side, torch-free: the probes are ``predict_probe.probe_runs`` subprocesses.
 """

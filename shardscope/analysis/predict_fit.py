@@ -37,6 +37,7 @@ from typing import Any
 
 from shardscope.analysis import fold
 from shardscope.profiling import memory_model
+from shardscope.analysis.predict_in_step import table as in_step_table
 from shardscope.analysis.predict_comm_fit import (  # noqa: F401  (predict_fit.X for callers)
     DERIVABLE, CollectiveFit, bus_factor, fit_collectives, rel_rms, ring_steps, solve,
 )
@@ -90,6 +91,7 @@ class MachineModel:
     fit_error: dict[str, Any] = field(default_factory=dict)
     fwd_flops: list[float] = field(default_factory=list)  # per rank per step, of the runs the compute was fitted on
     comm_cost: dict[str, Any] = field(default_factory=dict)  # predict_comm_cost: real steps' communication / the fit's
+    in_step: dict[str, Any] = field(default_factory=dict)  # gloo: the collective job's figures per size (predict_in_step)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -342,4 +344,6 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
         runs=[f"{os.path.basename(os.path.normpath(r.out_dir))}/{r.name}" for r in usable],
         families=sorted(families), notes=notes, fwd_flops=sorted({r.work.fwd_flops for r in reference}))  # type: ignore[union-attr]
     model.fit_error = {"collectives": {k: f.rel_rms_error for k, f in fits.items() if f.source == "measured"}}
+    if backend == "gloo" and collectives:
+        model.in_step = in_step_table(collectives)
     return model

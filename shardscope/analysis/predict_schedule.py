@@ -74,8 +74,9 @@ class StepTiming:
 class _Sim:
     """The compute thread and the channels; in the first pass (``comm`` None) it only sums op weights."""
 
-    def __init__(self, comm: CommTime | None, scale: dict[str, float], overlap: bool) -> None:
-        self.comm, self.scale, self.overlap = comm, scale, overlap
+    def __init__(self, comm: CommTime | None, scale: dict[str, float], overlap: bool,
+                 exact_comm: CommTime | None = None) -> None:
+        self.comm, self.scale, self.overlap, self.exact_comm = comm, scale, overlap, exact_comm
         self.weights: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -120,7 +121,7 @@ class _Sim:
             return
         self.bytes[kind] += size
         self.calls[kind] += 1
-        seconds = self.comm(kind, size, group)
+        seconds = (self.exact_comm if exact and self.exact_comm else self.comm)(kind, size, group)
         # On GPUs gathers and reductions run on separate streams; gloo runs a group's collectives one at a time.
         channel = ("gather" if kind == "all_gather" else "reduce") if self.overlap else "gloo"
         begin = max(self.t, self.free[channel])
@@ -277,10 +278,13 @@ def _program(w: Work, sim: _Sim, fwd_s: float, bwd_s: float, opt_s: float) -> No
         sim.blocking("all_gather", 1.0, dp)
 
 
-def simulate(w: Work, fwd_s: float, bwd_s: float, opt_s: float, comm: CommTime, overlap: bool) -> StepTiming:
+def simulate(w: Work, fwd_s: float, bwd_s: float, opt_s: float, comm: CommTime, overlap: bool,
+             exact_comm: CommTime | None = None) -> StepTiming:
     """Play one optimizer step of ``w`` with these compute times (per rank, whole step; ``bwd_s`` includes any
     recomputation) and ``comm(type, bytes, group)`` per collective. ``overlap``: collectives can run beside
-    compute on their own streams (NCCL); False on gloo, where only DDP's reducer works asynchronously."""
+    compute on their own streams (NCCL); False on gloo, where only DDP's reducer works asynchronously.
+    ``exact_comm``: the price of the calls of exact bytes (tensor-parallel activations, the gradient norm) when
+    not ``comm``'s (``predict_in_step``)."""
     first = _Sim(None, {}, overlap)
     _program(w, first, fwd_s, bwd_s, opt_s)
     scale = {}
@@ -289,7 +293,7 @@ def simulate(w: Work, fwd_s: float, bwd_s: float, opt_s: float, comm: CommTime, 
         if kind == "all_reduce":
             target -= sum(w.tp_layer_bytes) * sum(1 for u in w.units if u[0] != "root") * w.accum
         scale[kind] = max(0.0, target) / weight if weight else 0.0
-    sim = _Sim(comm, scale, overlap)
+    sim = _Sim(comm, scale, overlap, exact_comm)
     _program(w, sim, fwd_s, bwd_s, opt_s)
     sim._close()
     exposed = {p: max(0.0, sim.wall[p] - sim.computed[p]) for p in PHASES}
