@@ -74,6 +74,7 @@ def test_blocking_tp_calls_pay_the_jobs_figure_and_not_the_latency_factor():
         assert got["exposed_comm_s"] == pytest.approx(flat * calls["all_reduce"])
         assert got["comm_latency_s"] == 0.0  # none of it carries the factor
         assert predict_in_step.NOTE in got["notes"]
+        assert not any("collective latency x" in n for n in got["notes"])  # no factor claimed where none applies
         old = predict.predict_run(c, c.run(name), without_job, probed=PROBED)
         assert old["comm_latency_s"] > 0 and old["exposed_comm_s"] > old["comm_s"]  # the factor's share on top
     # a replicated run (no norm all-reduce, no tensor parallelism) is priced as before

@@ -209,7 +209,7 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         latency = simulate(w, comp["forward"], comp["backward"], comp["optimizer"],
                            _comm_fn(model.collectives, latency_only=True), overlap,
                            (lambda kind, nbytes, n: 0.0) if exact else None).exposed_comm_s
-        if model.comm_cost:
+        if model.comm_cost and (latency > 0 or not exact):  # every call priced by the job: no factor to speak of
             extra = comm_cost.extra_s(model, w.world_size, exposed, latency)
             step, exposed = step + extra, exposed + extra
             notes.append(comm_cost.note(model, w.world_size, extra))
