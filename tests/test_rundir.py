@@ -172,6 +172,7 @@ def test_listings_find_what_is_there(tmp_path):
     assert [os.path.basename(p) for p in files.tb_files()] == ["rank0.123.pt.trace.json", "rank1.9.pt.trace.json"]
     assert [os.path.basename(p) for p in files.tb_files(1)] == ["rank1.9.pt.trace.json"]
     assert [os.path.basename(p) for p in files.tb_partials(1)] == ["rank1.9.pt.trace.json.tmp"]
+    assert [os.path.basename(p) for p in files.trace_partials()] == ["rank1.9.pt.trace.json.tmp"]
     assert len(files.trace_files()) == 6
     os.makedirs(out.plots)
     (tmp_path / "plots" / "loss.png").write_text("")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -49,8 +50,8 @@ class _Supervisor(supervision.RunSupervision):
                                           launch=SimpleNamespace(startup_timeout_s=startup_s, nnodes=1,
                                                                  node_rank=0, grace_period_s=0.0))
         self.states = {"r": SimpleNamespace(world_size=2, start={})}
-        self.rundir = SimpleNamespace(run=lambda name: SimpleNamespace(rank_spares=lambda: [],
-                                                                       stall_request=str(tmp_path / "req")))
+        self.rundir = SimpleNamespace(run=lambda name: SimpleNamespace(
+            rank_spares=lambda: [], trace_partials=lambda: [], stall_request=str(tmp_path / "req")))
         self._active: dict = {}
         self.emitted: list = []
 
@@ -99,3 +100,27 @@ def test_the_verdict_keeps_the_limit_found_even_once_a_late_record_arrives(tmp_p
     sup._poll(active)
     assert active.started  # the late record was read after the stall was found
     assert sup.emitted[-1].error.startswith("stalled: no progress for 300 s (launch.startup_timeout_s")
+
+
+def test_a_settled_run_leaves_no_spare_and_no_half_written_trace_of_a_killed_rank(tmp_path):
+    """A rank killed while torch's handler wrote its trace (its peer failed first: a full disk) leaves
+    ``traces/tb/<file>.tmp``; settling the run removes it with the ranks' spares (CI, stop 44)."""
+    from shardscope.core.rundir import RunFiles
+
+    files = RunFiles(str(tmp_path / "r"))
+    os.makedirs(files.tb)
+    os.makedirs(files.metrics)
+    partial = os.path.join(files.tb, "rank0.1795827580636920948.pt.trace.json.tmp")
+    kept = os.path.join(files.tb, "rank1.17958.pt.trace.json")
+    spare = files.rank_file(1) + ".spare"
+    for path in (partial, kept, spare):
+        open(path, "w").close()
+    assert files.trace_partials() == [partial] and files.rank_spares() == [spare]
+    sup = _Supervisor(tmp_path, stall_s=240.0, startup_s=300.0)
+    sup.rundir = SimpleNamespace(run=lambda name: files)
+    active = supervision._Active("r", _Proc(), _Quiet(), _Quiet(), last_progress=time.monotonic())
+    sup._active["r"] = active
+    active.stop_reason = "stopped"
+    sup._settle(active, 0)
+    assert not os.path.exists(partial) and not os.path.exists(spare) and os.path.exists(kept)
+    assert sup.emitted[-1].status == state.STOPPED

@@ -181,6 +181,11 @@ class RunFiles:
         """Half-written temporary traces torch's handler left for ``rank`` (``<file>.tmp``)."""
         return glob.glob(os.path.join(self.tb, tb_worker(rank) + ".*" + PARTIAL_SUFFIX))
 
+    def trace_partials(self) -> list[str]:
+        """Every rank's half-written temporary traces (``traces/tb/*.tmp``): a rank killed while torch's handler
+        wrote its trace (its peer failed first) leaves one that no one else removes."""
+        return sorted(glob.glob(os.path.join(self.tb, "*" + PARTIAL_SUFFIX)))
+
     def trace_files(self) -> list[str]:
         """Every file under ``traces/`` (TensorBoard's included), sorted."""
         return sorted(glob.glob(os.path.join(self.traces, "**", "*.*"), recursive=True))

@@ -157,9 +157,11 @@ class RunSupervision:
 
     def _settle(self, active: _Active, code: int | None) -> None:
         del self._active[active.name]
-        for spare in self.rundir.run(active.name).rank_spares():  # a killed rank could not free its own
+        files = self.rundir.run(active.name)
+        # a killed rank could free neither its spare nor a trace torch's handler was half-way through writing
+        for leftover in files.rank_spares() + files.trace_partials():
             try:
-                os.remove(spare)
+                os.remove(leftover)
             except OSError:
                 pass
         limit = active.stalled_after or self._stall_limit(active)
