@@ -20,6 +20,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from typing import Any, Callable
@@ -58,16 +59,14 @@ def seconds(tab: Table, kind: str, nbytes: float, n: int, busbw_Bps: float | Non
         if busbw_Bps:
             return last_s + (nbytes - last_b) * bus_factor(kind, n) / busbw_Bps
         return last_s * nbytes / last_b
-    for (b0, s0), (b1, s1) in zip(points, points[1:]):
-        if b0 <= nbytes <= b1:
-            if s0 <= 0 or s1 <= 0:
-                return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
-            w = math.log(nbytes / b0) / math.log(b1 / b0)
-            return math.exp(math.log(s0) + w * (math.log(s1) - math.log(s0)))
-    return points[-1][1]  # not reached: the sizes are sorted
+    (b0, s0), (b1, s1) = points[bisect.bisect_left(sizes, nbytes) - 1:][:2]  # every figure > 0: the job drops the rest
+    return math.exp(math.log(s0) + math.log(nbytes / b0) / math.log(b1 / b0) * math.log(s1 / s0))
 
 
-def comm_fn(tab: Table, fallback: Callable[[str, float, int], float], fits: dict[str, Any]) -> Callable[[str, float, int], float]:
+CommTime = Callable[[str, float, int], float]
+
+
+def comm_fn(tab: Table, fallback: CommTime, fits: dict[str, Any]) -> CommTime:
     """A ``CommTime`` for blocking calls: the job's figure at the call's size, else ``fallback`` (the fit)."""
     def priced(kind: str, nbytes: float, n: int) -> float:
         """One blocking call's seconds (the job's in-step figure, else the fit's)."""
