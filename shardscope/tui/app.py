@@ -161,11 +161,12 @@ class ShardscopeApp(App):
         for run in self.board.to_analyse:
             state = self.board.states.get(run)
             if state is not None and state.run_dir:
-                self._analyse(run, state.run_dir)
+                seq = self.board.analysis_seq[run] = self.board.analysis_seq.get(run, -1) + 1
+                self._analyse(run, state.run_dir, seq)
         self.board.to_analyse.clear()
 
     @work(thread=True, group="comm")
-    def _analyse(self, run: str, run_dir: str) -> None:
+    def _analyse(self, run: str, run_dir: str, seq: int) -> None:
         # Trace files can be large: read them off the UI thread, post the result.
         from shardscope.profiling.traces import analyse_run
 
@@ -173,11 +174,15 @@ class ShardscopeApp(App):
             analysis = analyse_run(run_dir)
         except (OSError, ValueError, KeyError) as err:
             analysis = {"unreadable": [str(err)]}
-        self.post_message(CommAnalysed(run, analysis))
+        self.post_message(CommAnalysed(run, analysis, seq))
 
     def on_comm_analysed(self, message: CommAnalysed) -> None:
         """Keep a run's communication analysis for the communication panel (with the reason when it has
         no figures: profiling off, ended before its window, no traces)."""
+        if message.seq is not None:  # one of the app's own: drop it if a newer one was applied already
+            if message.seq < self.board.analysis_applied.get(message.run, -1):
+                return
+            self.board.analysis_applied[message.run] = message.seq
         analysis = message.analysis
         state = self.board.states.get(message.run)
         if not analysis.get("collectives") and self.comparison is not None and state is not None:

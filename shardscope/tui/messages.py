@@ -24,9 +24,11 @@ class RunSelected(Message):
 
 
 class CommAnalysed(Message):
-    """A run's traces were analysed (posted from a worker thread)."""
+    """A run's traces were analysed (posted from a worker thread). ``seq`` orders the app's own analyses of
+    one run: workers run side by side, and an older one finishing last must not replace a newer result."""
 
-    def __init__(self, run: str, analysis: dict) -> None:
+    def __init__(self, run: str, analysis: dict, seq: int | None = None) -> None:
         super().__init__()
         self.run = run
         self.analysis = analysis
+        self.seq = seq
