@@ -244,9 +244,11 @@ def main() -> int:
     parser.add_argument("--save", default="", help="also write every step's time to SAVE.<strategy>.json")
     args = parser.parse_args()
     if args.inner:
+        from shardscope.engines import stack_room
         from shardscope.engines.worker import exit_now  # skip finalization: see its docstring
 
-        inner(args.inner, args.pairs, args.warmup, args.profile_steps)
+        # Both loops with room on CPython's frame stack, as a rank's loop runs (engines/stack_room.py).
+        stack_room.call(inner, args.inner, args.pairs, args.warmup, args.profile_steps)
         exit_now(0)
     return outer(args)
 

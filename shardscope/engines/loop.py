@@ -41,6 +41,7 @@ from shardscope.engines.step_clock import CudaStepClock, StepClock, step_clock
 from shardscope.engines.comm_count import CountWindow, instrumentation, instrumentation_spent
 from shardscope.engines.capture import ProfilerWindow
 from shardscope.engines.module_probe import ModuleProbe
+from shardscope.engines import stack_room
 from shardscope.core.events import PHASE_MARKERS
 
 
@@ -113,7 +114,14 @@ def _sync(device: torch.device) -> None:
 def train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopConfig,
           micro_batches: Callable[[int], list[Batch]], writer: events.RecordWriter) -> int:
     """Train for ``settings.steps`` steps, writing step/memory/layers/trace records; return the
-    number of steps completed. Exceptions propagate (the worker records them)."""
+    number of steps completed. Exceptions propagate (the worker records them). The steps run with room on
+    CPython's frame stack (``stack_room``): how deep the caller is (a forked rank or a new interpreter) must not
+    decide what a step costs."""
+    return stack_room.call(_train, prep, ctx, settings, cfg, micro_batches, writer)
+
+
+def _train(prep: Prepared, ctx: RankContext, settings: TrainSettings, cfg: LoopConfig,
+           micro_batches: Callable[[int], list[Batch]], writer: events.RecordWriter) -> int:
     trainer = Trainer(prep, ctx, settings, cfg, micro_batches, writer)
     for step in range(settings.steps):
         if trainer.step(step):
