@@ -12,10 +12,10 @@ ran 15-16 ms against 10 ms. A strategy's figure must not depend on such luck.
 
 ``call`` runs a function inside a frame that reserves ``ROOM_SLOTS`` unused slots of operand stack (a code object
 whose declared stack size is that much larger than it needs: CPython sizes a frame from it and never touches the
-unused part). The frame does not fit the current chunk, so CPython maps a chunk for it of at least twice its
-size (a power of two, ``push_chunk``), and the calls made inside it are placed in what is left of that chunk:
-about ``ROOM_SLOTS`` slots (512 KiB on a 64-bit machine), hundreds of frames deeper than any training step
-goes, with no chunk boundary to cross. Pages the calls do not reach are never touched. Written by hand: no
+unused part). The frame does not fit the current chunk, so CPython maps a chunk for it: the smallest power of
+two that holds the frame and 1,000 slots more (``push_chunk``), 1 MiB for this one on a 64-bit machine. The calls
+made inside it are placed in what is left of that chunk, about ``ROOM_SLOTS`` slots (512 KiB), hundreds of frames
+deeper than any training step goes, with no chunk boundary to cross. Pages the calls do not reach are never touched. Written by hand: no
 library or interpreter option sets the data stack's chunk size.
 """
 

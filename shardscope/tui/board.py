@@ -54,8 +54,8 @@ class Board:
     records: int = 0  # records folded so far (the benchmark checks none are dropped)
     analyses: dict[str, dict] = field(default_factory=dict)  # run -> profiling.traces.analyse_run result
     to_analyse: set[str] = field(default_factory=set)  # runs whose traces may have changed
-    analysis_seq: dict[str, int] = field(default_factory=dict)  # run -> newest analysis asked for / applied
-    analysis_applied: dict[str, int] = field(default_factory=dict)
+    analysis_seq: dict[str, int] = field(default_factory=dict)  # run -> sequence of the newest analysis asked for
+    analysis_applied: dict[str, int] = field(default_factory=dict)  # run -> sequence of the newest one applied
     # What changed since the last redraw.
     dirty_runs: set[str] = field(default_factory=set)
     dirty_consoles: set[str] = field(default_factory=set)
