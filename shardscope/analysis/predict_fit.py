@@ -188,7 +188,8 @@ def _comm_fn(fits: dict[str, CollectiveFit], latency_only: bool = False) -> Any:
         fit = fits.get(kind)
         if fit is None:
             raise NotPredicted(f"no {kind} timing: the calibration measured no collective of any type "
-                               "(world size 1, or no traces: profile.enabled = false)")
+                               "(world size 1, or no profiled steps: profile.enabled = false, or "
+                               "profile.start_step at or past the last step)")
         return fit.latency_seconds(n) if latency_only else fit.seconds(nbytes, n)
     return seconds
 

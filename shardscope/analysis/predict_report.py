@@ -15,15 +15,19 @@ from shardscope.analysis import predict
 from shardscope.analysis.predict_work import NotPredicted
 
 
-def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None) -> dict[str, Any]:
-    """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "runs": {name: row + measured_tokens_per_s
-    (or measured_samples_per_s: an image model's), measured_step_time_s, measured_spread, error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``.
+def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None,
+            model: Any = None, probes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predicted beside measured for every run of ``c``: ``{"calibrated_on", "probed", "runs": {name: row +
+    measured_tokens_per_s (or measured_samples_per_s: an image model's), measured_step_time_s, measured_spread,
+    error, calibration_run}, "assumptions", "fit_error"}`` or ``{"why": reason}``.
     ``measured_spread``: the run's own step-to-step spread (half-IQR / median of its timed rates, as ``diff``'s
-    noise; None below 4 timed steps): an error inside it is the machine's noise as much as the model's."""
+    noise; None below 4 timed steps): an error inside it is the machine's noise as much as the model's.
+    ``model`` (fitted on ``calibrate_dirs``) and ``probes`` (``predict_probe.probe_runs`` of ``c``): as
+    ``predict --probe`` makes them, in place of a fit here."""
     baseline = c.baseline or (c.runs[0].name if c.runs else "")
     try:
         if calibrate_dirs:
-            model = predict.calibrate(list(calibrate_dirs))
+            model = model or predict.calibrate(list(calibrate_dirs))
             source = ", ".join(calibrate_dirs)
         else:
             model = predict.calibrate([out_dir], only=[baseline])
@@ -35,7 +39,7 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
     runs: dict[str, Any] = {}
     for run in c.runs:
         try:
-            row = predict.predict_run(c, run, model)
+            row = predict.predict_run(c, run, model, probed=(probes or {}).get(run.name))
         except (KeyError, ValueError, ZeroDivisionError) as err:
             row = {"name": run.name, "strategy": run.strategy, "why": f"{err!r}", "notes": []}
         st = states.get(run.name)
@@ -49,8 +53,20 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
         row["error"] = got / rate - 1 if got and rate else None
         row["calibration_run"] = not calibrate_dirs and run.name == baseline
         runs[run.name] = row
-    return {"calibrated_on": source, "runs": runs, "assumptions": predict.assumptions(model),
-            "fit_error": model.fit_error}
+    return {"calibrated_on": source, "probed": bool(probes), "runs": runs,
+            "assumptions": predict.assumptions(model) + ([PROBED] if probes else []), "fit_error": model.fit_error}
+
+
+PROBED = ("compute and framework overhead per run measured by a one-rank probe of the run (predict_probe.py), not "
+          "carried over from the calibration: the prediction whose error benchmarks/predict_accuracy.py measures")
+
+
+def _how(sec: dict[str, Any]) -> str:
+    """How each run's compute was had: probed, or carried over from the calibration per FLOP."""
+    if sec.get("probed"):
+        return ", each run's compute measured by a one-rank probe"
+    return (", each run's compute carried over from the calibration per FLOP (`shardscope report DIR --calibrate "
+            "CAL --probe` measures it, the prediction whose error benchmarks/RESULTS.md gives)")
 
 
 def _rate(v: Any) -> str:
@@ -89,7 +105,7 @@ def markdown(sec: dict[str, Any]) -> str:
     out = ["## Predicted beside measured\n"]
     if sec.get("why"):
         return "\n".join(out + [f"Not predicted: {sec['why']}.\n"])
-    out.append(f"Calibrated on {sec['calibrated_on']} (`shardscope predict` explains the model). "
+    out.append(f"Calibrated on {sec['calibrated_on']}{_how(sec)} (`shardscope predict` explains the model). "
                f"The error is predicted / measured median {_unit(sec)} - 1; beside it, the run's own spread (half the "
                f"interquartile range of its steps' {_unit(sec)} over their median): an error inside it is this machine's "
                "noise as much as the model's.\n")
@@ -127,7 +143,7 @@ def plain_lines(sec: dict[str, Any]) -> list[str]:
         return []
     if sec.get("why"):
         return [f"not predicted: {sec['why']}"]
-    lines = [f"calibrated on {sec['calibrated_on']}; error = predicted / measured median {_unit(sec)} - 1"]
+    lines = [f"calibrated on {sec['calibrated_on']}{_how(sec)}; error = predicted / measured median {_unit(sec)} - 1"]
     for name, r in sec["runs"].items():
         if not _readable(r):
             lines.append(f"{name}: {UNREADABLE}")

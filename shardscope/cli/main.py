@@ -25,7 +25,7 @@ from shardscope.cli.common import (  # noqa: F401  (EXIT_USAGE: importable from 
     tolerance_options,
 )
 from shardscope.cli.explainview import explain_cmd
-from shardscope.cli.predictview import predict_cmd
+from shardscope.cli.predictview import checked_calibrations, predict_cmd, print_beside, repredict
 from shardscope.cli.recommendview import parse_device_memory, recommend_cmd
 from shardscope.cli.report_commands import diff_cmd, estimate_cmd, presets_cmd, report_cmd, slurm_cmd
 from shardscope.cli.whyview import why_cmd
@@ -117,11 +117,16 @@ def records_secret_cmd(path: str) -> None:
               help="With --headless: afterwards, gate this comparison against a stored one (as `shardscope diff`).")
 @click.option("--device-memory", default=None, help="With --headless: the recommendation says which runs would "
               "not fit this device memory (e.g. 80GiB) and from which world size they would.")
+@click.option("--calibrate", "calibrate_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="With --headless: the report sets each run beside its prediction from this finished comparison "
+              "of this machine (as `shardscope predict --calibrate`) instead of from the baseline run. Repeatable.")
+@click.option("--probe", is_flag=True, help="With --calibrate: each run's compute measured by a one-rank probe "
+              "(as `shardscope predict --probe`) instead of carried over per FLOP.")
 @tolerance_options
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
             records_endpoint: str | None, rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
-            loss_tol: float, speed_tol: float, mem_tol: float) -> None:
+            calibrate_dirs: tuple[str, ...], probe: bool, loss_tol: float, speed_tol: float, mem_tol: float) -> None:
     """Run a comparison: every run of the preset, one after another, as real torchrun jobs."""
     limit = parse_device_memory(device_memory)
     if slurm_task:
@@ -145,6 +150,12 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if against and not (headless and RunDir(against).holds_comparison()):
         fail_usage(f"--against {against}: " + ("needs --headless" if not headless else
                                                f"not a shardscope run directory (no {COMPARISON})"))
+    if calibrate_dirs and not headless:
+        fail_usage(f"--calibrate {' '.join(calibrate_dirs)}: needs --headless (after a run in the app: "
+                   "`shardscope report DIR --calibrate CAL`)")
+    if probe and not calibrate_dirs:
+        fail_usage("--probe needs --calibrate DIR (a finished comparison of this machine)")
+    calibrations = checked_calibrations(calibrate_dirs) if calibrate_dirs else []
     from shardscope.orchestrator.preflight import check_space, claim_out_dir
 
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
@@ -164,6 +175,9 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     terminate_on((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.default_int_handler)
     code = headless_run.run_headless(session, limit)
     summary = headless_run.load_summary(out)
+    if calibrations and summary is not None and comparison.launch.node_rank == 0:
+        summary = repredict(out, calibrations, probe) or summary
+        print_beside(summary)
     if check_parity and summary is not None:  # a verdict line per run, whatever the others' status
         code = max(code, headless_run.check_parity(summary))
     if against and summary is not None:

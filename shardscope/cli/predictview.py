@@ -35,6 +35,71 @@ def load_for(preset: str, overrides: list[str], backend: str | None, what_if: bo
     return config.load_preset(preset, overrides, host=host)
 
 
+def checked_calibrations(dirs: tuple[str, ...] | list[str]) -> list[str]:
+    """``--calibrate DIR`` of ``run`` and ``report``: each a finished comparison this machine can be calibrated on
+    (as ``predict --calibrate`` reads them); exits 2 with one line otherwise. Returns the directories."""
+    from shardscope.analysis import predict
+    from shardscope.analysis.predict_work import NotPredicted
+
+    try:
+        predict.calibrate(list(dirs))
+    except NotPredicted as err:
+        _fail(f"--calibrate {' '.join(dirs)}: cannot calibrate on it: {err}")
+    except (OSError, ValueError) as err:
+        _fail(f"--calibrate: not a finished shardscope run directory ({err})")
+    return list(dirs)
+
+
+def probed(comparison: config.Comparison, dirs: list[str], model: Any) -> tuple[Any, dict[str, Any]]:
+    """``--probe``: each run of ``comparison`` probed (a one-rank subprocess each, progress on stderr), and on CPU
+    ``model`` given what the calibration's own real steps paid for their collectives. Returns (model, probes)."""
+    from shardscope.analysis import predict
+    from shardscope.analysis.predict_probe import probe_runs
+
+    probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True), device=model.device)
+    if model.backend == "gloo":
+        from shardscope.analysis import predict_comm_cost
+
+        model = predict_comm_cost.measure(model, dirs, probe_runs, predict.predict_run,
+                                          progress=lambda text: click.echo(f"calibration: {text}", err=True))
+    return model, probes
+
+
+def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, Any] | None:
+    """Set each run of the finished comparison ``out_dir`` beside its prediction from the calibration ``dirs``
+    (instead of from its own baseline run; with ``probe``, each run's compute probed as ``predict --probe``
+    does): rewrite summary.json's ``prediction`` and report.md, return the summary (None when the directory has
+    no summary). Not remembered: ``report DIR`` alone calibrates on the baseline again."""
+    from shardscope.analysis import fold, predict, predict_report
+    from shardscope.analysis.report import render_markdown
+    from shardscope.core.rundir import RunDir, load_summary
+
+    try:
+        comparison = fold.load_comparison(out_dir)
+        summary = load_summary(out_dir)
+    except (OSError, ValueError):
+        return None
+    model, probes = predict.calibrate(dirs), None
+    if probe:
+        model, probes = probed(comparison, dirs, model)
+    summary["prediction"] = predict_report.section(comparison, fold.replay_states(out_dir), out_dir, dirs, model, probes)
+    config.dump_json(RunDir(out_dir).summary, summary)
+    markdown = render_markdown(summary)
+    config.write_atomic(RunDir(out_dir).report, lambda fh: fh.write(markdown))  # never through a link out of it
+    return summary
+
+
+def print_beside(summary: dict[str, Any]) -> None:
+    """Print summary.json's predicted-beside-measured section as short lines (as the app's report screen)."""
+    from shardscope.analysis import predict_report
+
+    lines = predict_report.plain_lines(summary.get("prediction") or {})
+    if lines:
+        click.echo("predicted beside measured")
+    for line in lines:
+        click.echo(f"  {line}")
+
+
 def _ms(seconds: Any) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
 
@@ -200,15 +265,7 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         model = _with_collectives(list(calibrate_dirs), model.backend, timed)
     probes = None
     if probe and model is not None and spec is None:
-        from shardscope.analysis.predict_probe import probe_runs
-
-        probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True),
-                            device=model.device)
-        if model.backend == "gloo":  # what the calibration's own real steps paid for their collectives
-            from shardscope.analysis import predict_comm_cost
-
-            model = predict_comm_cost.measure(model, list(calibrate_dirs), probe_runs, predict.predict_run,
-                                              progress=lambda text: click.echo(f"calibration: {text}", err=True))
+        model, probes = probed(comparison, list(calibrate_dirs), model)
     result = predict.predict_comparison(comparison, model, spec, probes)
     if collectives and model is not None and spec is None:
         _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)

@@ -61,16 +61,25 @@ def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir
 
 @click.command("report")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def report_cmd(out_dir: str) -> None:
+@click.option("--calibrate", "calibrate_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Predict each run from this finished comparison of this machine (as `shardscope predict "
+              "--calibrate`), not from the comparison's own baseline run, beside what it measured. Repeatable.")
+@click.option("--probe", is_flag=True, help="With --calibrate: measure each run's compute in a one-rank probe "
+              "(as `shardscope predict --probe`; a subprocess per run) instead of carrying it over per FLOP.")
+def report_cmd(out_dir: str, calibrate_dirs: tuple[str, ...], probe: bool) -> None:
     """Regenerate summary.json, report.md and plots from a run directory alone (exit 1 when the full report
     fails: the core summary is then written and the failure named in one line)."""
     from shardscope.analysis import fold
     from shardscope.analysis.report import write_reports
+    from shardscope.cli.predictview import checked_calibrations, print_beside, repredict
 
     try:
         comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError) as err:
         fail_usage(f"{out_dir}: not a shardscope run directory ({COMPARISON}: {err})")
+    if probe and not calibrate_dirs:
+        fail_usage("--probe needs --calibrate DIR (a finished comparison of this machine; DIR itself will do)")
+    calibrations = checked_calibrations(calibrate_dirs) if calibrate_dirs else []
     try:
         held = RunDir(out_dir).lock()
     except OSError as err:
@@ -92,6 +101,8 @@ def report_cmd(out_dir: str) -> None:
     paths = write_reports(out_dir, comparison, states)
     for label, path in sorted(paths.items()):
         click.echo(f"{label}: {path}")
+    if calibrations and not paths.failed:
+        print_beside(repredict(out_dir, calibrations, probe) or {})
     if paths.failed:  # write_reports named it on stderr; a report that failed is a failed command
         sys.exit(EXIT_FAILED)
 
