@@ -21,7 +21,7 @@ import click
 from shardscope import config
 import shardscope.cli.headless_run as headless_run
 from shardscope.cli.common import (  # noqa: F401  (EXIT_USAGE: importable from cli as before)
-    EXIT_OK, EXIT_USAGE, fail_usage, gate, launch_overrides, resolve, say_adjustments, terminate_on,
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail_usage, gate, launch_overrides, resolve, say_adjustments, terminate_on,
     tolerance_options,
 )
 from shardscope.cli.explainview import explain_cmd
@@ -176,8 +176,12 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     code = headless_run.run_headless(session, limit)
     summary = headless_run.load_summary(out)
     if calibrations and summary is not None and comparison.launch.node_rank == 0:
-        summary = repredict(out, calibrations, probe) or summary
-        print_beside(summary)
+        try:
+            summary = repredict(out, calibrations, probe) or summary
+            print_beside(summary)
+        except KeyboardInterrupt:  # summary.json and report.md are replaced whole or not at all
+            click.echo("interrupted: the report keeps its prediction from the baseline run", err=True)
+            code = max(code, EXIT_FAILED)
     if check_parity and summary is not None:  # a verdict line per run, whatever the others' status
         code = max(code, headless_run.check_parity(summary))
     if against and summary is not None:

@@ -79,9 +79,16 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
         summary = load_summary(out_dir)
     except (OSError, ValueError):
         return None
-    model, probes = predict.calibrate(dirs), None
+    model, probes = None, None  # the section fits (and says why it cannot) when no model is given
     if probe:
-        model, probes = probed(comparison, dirs, model)
+        from shardscope.analysis.predict_work import NotPredicted
+
+        try:
+            model = predict.calibrate(dirs)
+        except (NotPredicted, OSError, ValueError):  # the directories changed since they were checked
+            model = None
+        if model is not None:
+            model, probes = probed(comparison, dirs, model)
     summary["prediction"] = predict_report.section(comparison, fold.replay_states(out_dir), out_dir, dirs, model, probes)
     config.dump_json(RunDir(out_dir).summary, summary)
     markdown = render_markdown(summary)
