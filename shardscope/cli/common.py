@@ -25,6 +25,16 @@ def fail_usage(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+def rewrite_summary(out_dir: str, summary: dict[str, Any]) -> None:
+    """Write ``summary`` as ``out_dir``'s summary.json and report.md again (after a section was recomputed)."""
+    from shardscope.analysis.report import render_markdown
+    from shardscope.core.rundir import RunDir
+
+    config.dump_json(RunDir(out_dir).summary, summary)
+    markdown = render_markdown(summary)
+    config.write_atomic(RunDir(out_dir).report, lambda fh: fh.write(markdown))  # never through a link out of it
+
+
 def say_adjustments(comparison: config.Comparison, err: bool = False) -> None:
     """Print, one line each, what loading the preset changed for the user (e.g. the global batch)."""
     for line in comparison.adjustments:

@@ -71,8 +71,8 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
     does): rewrite summary.json's ``prediction`` and report.md, return the summary (None when the directory has
     no summary). Not remembered: ``report DIR`` alone calibrates on the baseline again."""
     from shardscope.analysis import fold, predict, predict_report
-    from shardscope.analysis.report import render_markdown
-    from shardscope.core.rundir import RunDir, load_summary
+    from shardscope.cli.common import rewrite_summary
+    from shardscope.core.rundir import load_summary
 
     try:
         comparison = fold.load_comparison(out_dir)
@@ -90,9 +90,7 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
         if model is not None:
             model, probes = probed(comparison, dirs, model)
     summary["prediction"] = predict_report.section(comparison, fold.replay_states(out_dir), out_dir, dirs, model, probes)
-    config.dump_json(RunDir(out_dir).summary, summary)
-    markdown = render_markdown(summary)
-    config.write_atomic(RunDir(out_dir).report, lambda fh: fh.write(markdown))  # never through a link out of it
+    rewrite_summary(out_dir, summary)
     return summary
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from shardscope.core.rundir import RunDir, load_summary
+from shardscope.core.rundir import load_summary
 from shardscope.core.sizes import parse_size
 
 
@@ -35,10 +35,9 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
     """Recompute a finished run directory's recommendation against ``device_memory_bytes`` (which runs
     would not fit, and from which world size the memory model says they would), write it into
     summary.json and report.md, and return the summary (None when the directory has no summary)."""
-    from shardscope.config import dump_json, write_atomic
     from shardscope.analysis import fold
     from shardscope.analysis import recommend
-    from shardscope.analysis.report import render_markdown
+    from shardscope.cli.common import rewrite_summary
 
     try:
         comparison = fold.load_comparison(out_dir)
@@ -47,9 +46,7 @@ def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
         return None
     summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary,
                                                   device_memory_bytes)
-    dump_json(RunDir(out_dir).summary, summary)
-    markdown = render_markdown(summary)
-    write_atomic(RunDir(out_dir).report, lambda fh: fh.write(markdown))  # never through a link out of the directory
+    rewrite_summary(out_dir, summary)
     return summary
 
 
