@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 from shardscope.core import batch_follow
@@ -27,12 +28,13 @@ from shardscope.core.numbers import json_ready
 from shardscope.presets.checks import (  # noqa: F401
     LAYOUT_CHECKS, HostInfo, cpu_has_fp16_isa, cpu_host, validate,
 )
+from shardscope.presets.inputs import check_inputs
 from shardscope.presets.files import PRESET_DIR, ConfigError, preset_path, read_preset  # noqa: F401
 from shardscope.presets.overrides import (  # noqa: F401
     _set_dotted, apply_override, build_comparison, list_presets, parse_override,
 )
 from shardscope.presets.schema import (  # noqa: F401
-    DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, Comparison,
+    DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS, PRECISIONS, Comparison,
     DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
     resolved_world_size,
 )
@@ -63,15 +65,41 @@ def load_preset(
             for key, value in cpu_sizes.items():
                 _set_dotted(raw, key, value, src)
             raw["size_profile"] = "cpu"
+    _absolute_paths(raw, path.parent)  # relative to the preset file's folder...
     as_preset_set = dict(raw)
     for item in overrides:
         apply_override(raw, item, src)
+    _absolute_paths(raw, Path.cwd())  # ...and those given with --set, to the current directory
     notes = batch_follow.follow_world_size(as_preset_set, raw, [parse_override(i)[0] for i in overrides])
     try:
         comparison = dataclasses.replace(build_comparison(raw, src), adjustments=notes)
-        return validate(comparison, host=host)
+        return validate(check_inputs(comparison), host=host)
     except ConfigError as err:
         raise ConfigError(_blame_override(str(err), src, overrides)) from None
+
+
+def _absolute_paths(raw: dict[str, Any], base: Path) -> None:
+    """Make the preset's file paths (``schema.PATH_KEYS`` and a ``model.entry`` file) absolute against ``base``, in
+    place, so that every rank and every later command reads the same file whatever its working directory."""
+    def absolute(text: str) -> str:
+        expanded = os.path.expanduser(text)
+        return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))
+
+    for table, key in PATH_KEYS:
+        section = raw.get(table)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            section[key] = absolute(section[key])
+    model = raw.get("model")
+    entry = model.get("entry") if isinstance(model, dict) else None
+    if isinstance(entry, str) and looks_like_file_entry(entry):
+        file, _, attr = entry.rpartition(":")
+        model["entry"] = f"{absolute(file)}:{attr}"
+
+
+def looks_like_file_entry(entry: str) -> bool:
+    """True when a ``model.entry`` names a file (``./mymodel.py:build``), not a module (``pkg.mod:build``)."""
+    file = entry.rpartition(":")[0]
+    return file.endswith(".py") or "/" in file or file.startswith("~")
 
 
 def cpu_overrides(name_or_path: str) -> dict[str, Any]:

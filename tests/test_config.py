@@ -49,7 +49,7 @@ def test_user_file_by_path(tmp_path):
     ("runs.ddp.fault='rank=1,step=2,kind=explode'", "kind must be one of raise, exit, hang"),
     ("baseline='zzz'", "--set baseline='zzz': not a run; runs: ddp, fsdp2"),
     ("runs.zzz.steps=1", "no run named 'zzz'"),
-    ("model.kind='cnn'", "--set model.kind='cnn': allowed: transformer, hf, vit"),
+    ("model.kind='cnn'", "--set model.kind='cnn': allowed: transformer, hf, vit, module"),
     ("data.kind='text'", "data.path = '': no such text file"),
     ("launch.device='tpu'", "--set launch.device='tpu': allowed: auto, cpu, cuda"),
     ("lr=nan", "--set lr=nan: must be a finite number"),

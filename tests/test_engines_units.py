@@ -75,13 +75,6 @@ def test_rank_slice_rejects_indivisible_batch() -> None:
         data.rank_slice((torch.zeros(6, 4), torch.zeros(6, 4)), 4, 0, 1)
 
 
-def test_text_source_needs_byte_vocab(tmp_path: Path) -> None:
-    path = tmp_path / "x.txt"
-    path.write_text("hello world " * 10)
-    with pytest.raises(ValueError, match="vocab_size = 128 must be >= 256"):
-        data.make_source(comparison(data=DataSpec(kind="text", path=str(path))))
-
-
 def test_model_forward_shapes_and_layers() -> None:
     model = build_model(TINY, seed=1)
     assert isinstance(model, Transformer) and len(model.layers) == 2

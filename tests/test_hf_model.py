@@ -40,23 +40,46 @@ def test_seed_decides_the_weights_and_global_rng_is_untouched():
     assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_weights_dir_loads_real_weights_and_drops_extra_layers(tmp_path):
+def _model_dir(tmp_path, layers=3, seed=5):
+    """A model directory of qwen2-tiny's config with ``layers`` layers and its weights (tied: saved once)."""
+    import json
+
     from safetensors.torch import save_file
 
-    deep = build_model(ModelSpec(**{**TINY.__dict__, "hf_layers": 3}), seed=5)
-    state = {k: v.contiguous() for k, v in deep.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    from shardscope.core.hf_archs import ARCHS
+
+    deep = build_model(ModelSpec(**{**TINY.__dict__, "hf_layers": layers}), seed=seed)
+    (tmp_path / "config.json").write_text(json.dumps({**ARCHS["qwen2-tiny"], "num_hidden_layers": layers}))
+    state = {k: v.contiguous() for k, v in deep.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp_path / "model.safetensors"))
-    loaded = build_model(ModelSpec(**{**TINY.__dict__, "weights_dir": str(tmp_path)}), seed=99)
+    return deep
+
+
+def test_model_dir_loads_real_weights_and_drops_extra_layers(tmp_path):
+    deep = _model_dir(tmp_path)
+    loaded = build_model(ModelSpec(kind="hf", path=str(tmp_path), hf_layers=2, seq_len=8), seed=99)
+    assert len(blocks_of(loaded)) == 2
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, deep.state_dict()[name]), name
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
-def test_weights_dir_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
-        build_model(ModelSpec(**{**TINY.__dict__, "weights_dir": str(tmp_path)}), seed=0)
+def test_a_config_alone_is_initialised_from_the_seed(tmp_path):
+    _model_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    a = build_model(ModelSpec(kind="hf", path=str(tmp_path / "config.json"), seq_len=8), seed=3)
+    b = build_model(ModelSpec(kind="hf", path=str(tmp_path), seq_len=8), seed=3)
+    assert len(blocks_of(a)) == 3  # hf_layers = 0: every layer of the config
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "part.safetensors"))
-    with pytest.raises(ValueError, match="missing .* weights"):
-        build_model(ModelSpec(**{**TINY.__dict__, "weights_dir": str(tmp_path)}), seed=0)
+    _model_dir(tmp_path)
+    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks .* weights"):
+        build_model(ModelSpec(kind="hf", path=str(tmp_path), seq_len=8), seed=0)
+    save_file({"model.norm.weight": torch.ones(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight has shape \\[32\\], the config gives \\[64\\]"):
+        build_model(ModelSpec(kind="hf", path=str(tmp_path), seq_len=8), seed=0)

@@ -115,7 +115,7 @@ def preset_text(world_size: int, precision: str) -> str:
     lines = [f'description = "layout matrix at {world_size} ranks, {precision}"', "steps = 4", "global_batch = 8",
              f"grad_accum = {2 if accum2 else 1}", f"parity = {'true' if parity else 'false'}", "lr = 3e-3", "warmup_steps = 1", "grad_clip = 1.0", f'precision = "{precision}"',
              f"world_size = {world_size}", "seed = 1234", "stall_timeout_s = 240", "",
-             "[model]", 'kind = "hf"', 'hf_arch = "qwen2-tiny"', "hf_layers = 2", "vocab_size = 512", "seq_len = 16",
+             "[model]", 'kind = "hf"', 'hf_arch = "qwen2-tiny"', "hf_layers = 2", "seq_len = 16",
              "", "[profile]", "enabled = true", "start_step = 2", "steps = 1", "count_collectives = true",
              "record_shapes = true"]
     sizes = run_world_sizes(world_size, precision)

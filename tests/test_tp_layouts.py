@@ -59,10 +59,16 @@ def test_autotp_needs_the_hf_model():
         _validate([RunSpec("a", "deepspeed-autotp", world_size=4)])
 
 
-def test_hf_vocab_must_fit_the_architecture():
-    hf = ModelSpec(kind="hf", hf_arch="qwen2-tiny", vocab_size=32000, seq_len=16)
-    with pytest.raises(ConfigError, match=r"model.vocab_size = 32000: must be <= qwen2-tiny's vocabulary \(512\)"):
-        _validate([RunSpec("d", "ddp")], model=hf)
+def test_hf_width_and_vocabulary_come_from_the_config():
+    """A key the model's kind does not use is refused, not echoed and ignored: a Hugging Face model's width and
+    vocabulary are its config's."""
+    with pytest.raises(ConfigError, match=r"--set model.vocab_size=1000: not used by model.kind = 'hf'; it uses: "
+                                          r"hf_arch, path, hf_layers, seq_len; the config sets width"):
+        config.load_preset("tp-verification", ["model.vocab_size=1000"])
+    with pytest.raises(ConfigError, match=r"--set model.d_model=128: not used by model.kind = 'hf'"):
+        config.load_preset("tp-verification", ["model.d_model=128"])
+    with pytest.raises(ConfigError, match=r"--set data.path=x: not used by data.kind = 'synthetic'"):
+        config.load_preset("smoke", ["data.path=x"])
 
 
 def test_plans_split_column_then_row():

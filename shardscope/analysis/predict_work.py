@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardscope import config
-from shardscope.core import registry
+from shardscope.core import model_facts, registry
 from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import comm_theory, memory_model
 
@@ -154,17 +154,13 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
 
 def unit_shares(c: Comparison, tp: int) -> list[tuple[str, float, int]]:
     """(unit, share of the step's FLOPs, parameter elements on a tensor-parallel rank), root first then the
-    blocks in order. A block's FLOPs per token: 6 x its parameters + 12 x heads x head dim x sequence; the
+    blocks in order. A block's FLOPs per token: 6 x its parameters + 12 x hidden x sequence of attention; the
     root's: 6 x its non-embedding parameters (final norm and head)."""
     m = c.model
     params = memory_model.model_params(m)
     numel = memory_model.unit_numels(params, tp)
     emb = memory_model.embedding_count(m)
-    if m.kind == "hf":
-        a = memory_model.ARCHS[m.hf_arch]
-        attn = 12.0 * a["hidden_size"] * m.seq_len
-    else:
-        attn = 12.0 * m.d_model * tokens_per_sample(m)
+    attn = 12.0 * model_facts.hidden_size(m) * tokens_per_sample(m)
     flops = {u: 6.0 * n * tp + (attn if u != "root" else 0.0) for u, n in numel.items()}
     flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - emb) + tied_head_flops(c)
     total = sum(flops.values()) or 1.0
@@ -175,7 +171,7 @@ def unit_shares(c: Comparison, tp: int) -> list[tuple[str, float, int]]:
 
 def tokens_per_sample(m: Any) -> int:
     """Tokens a sample carries through the blocks: its sequence, or an image's patches (a ViT has no class token)."""
-    return (m.image_size // m.patch_size) ** 2 if m.kind == "vit" else m.seq_len
+    return model_facts.tokens_per_sample(m)
 
 
 def vit_flops_per_patch(m: Any) -> float:
@@ -191,13 +187,13 @@ def vit_flops_per_patch(m: Any) -> float:
 
 
 def tied_head_flops(c: Comparison) -> float:
-    """Training FLOPs per token of an output layer that shares the embedding's weight (tied Hugging Face
-    models): ``flops_per_token`` leaves the embedding's parameters out, and with them this matmul."""
+    """Training FLOPs per token of an output layer that shares the embedding's weight (tied built-in Hugging Face
+    architectures): ``flops_per_token`` leaves the embedding's parameters out, and with them this matmul. A user's
+    model's counted FLOPs include it already."""
     m = c.model
-    if m.kind != "hf" or not memory_model.ARCHS[m.hf_arch].get("tie_word_embeddings", False):
+    if m.kind != "hf" or model_facts.is_described(m) or not model_facts.tied_embeddings(m):
         return 0.0
-    a = memory_model.ARCHS[m.hf_arch]
-    return 6.0 * a["vocab_size"] * a["hidden_size"]
+    return 6.0 * model_facts.vocab_size(m) * model_facts.hidden_size(m)
 
 
 def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int) -> tuple[float, float]:
@@ -207,15 +203,13 @@ def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int) -> tuple
         return (0.0, 0.0)
     m = c.model
     micro = max(1, c.global_batch // (dp * max(1, c.grad_accum)))
-    h = memory_model.ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
-    one = float(micro * m.seq_len * h * compute_bytes)
+    one = float(micro * m.seq_len * model_facts.hidden_size(m) * compute_bytes)
     return (2 * one, column_linears(c) * one)
 
 
 def column_linears(c: Comparison) -> int:
     """Column-parallel linears per layer (each all-reduces its input's gradient in backward)."""
-    params = memory_model.model_params(c.model)
-    return sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+    return comm_theory.column_linears(memory_model.model_params(c.model))
 
 
 def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
@@ -244,11 +238,11 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     tokens_per_step = c.global_batch * tokens_per_sample(c.model)
     tokens_per_rank = tokens_per_step / layout.dp
     ac = bool(run.activation_checkpointing)
-    layers = c.model.hf_layers if c.model.kind == "hf" else c.model.n_layers
+    layers = model_facts.layers(c.model)
     compute_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
     return Work(
         run=run.name, strategy=run.strategy, family=family_of(layout.shards, layout.tp), shards=layout.shards,
-        samples_per_step=c.global_batch if c.model.kind == "vit" else 0,
+        samples_per_step=c.global_batch if model_facts.inputs(c.model) == "images" else 0,
         world_size=ws,
         dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, c.grad_accum),
         activation_checkpointing=ac, tokens_per_step=tokens_per_step, tokens_per_rank=tokens_per_rank, layers=layers,

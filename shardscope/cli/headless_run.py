@@ -32,7 +32,7 @@ def print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
 
     from shardscope.presets.schema import resolved_options, resolved_precision, resolved_world_size
 
-    resolved = comparison.to_dict()
+    resolved = comparison.shown()
     for run, shown in zip(comparison.runs, resolved.get("runs", [])):  # what each run will use, not "inherit"
         shown.update(world_size=resolved_world_size(comparison, run), precision=resolved_precision(comparison, run),
                      options=resolved_options(run))

@@ -26,6 +26,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from shardscope.core import model_facts
+
 from shardscope.core.numbers import fmt_bytes
 from shardscope.core.rundir import RunDir
 
@@ -94,7 +96,7 @@ def estimate(comparison: Any, world_sizes: list[int], weight_bytes: int = 0) -> 
     prof = comparison.profile
     ranks = sum(world_sizes)
     profiled = prof.steps if prof.enabled and prof.start_step + prof.steps <= comparison.steps else 0
-    layers = max(1, int(getattr(comparison.model, "n_layers", 1) or 1))
+    layers = max(1, model_facts.layers(comparison.model))
     per_step = TRACE_BYTES_FLOOR_PER_STEP + TRACE_BYTES_PER_STEP_PER_LAYER * layers
     merged = profiled * len(world_sizes) * per_step  # the report's merged trace
     return SpaceEstimate(traces=profiled * ranks * per_step, records=comparison.steps * ranks * RECORD_BYTES_PER_STEP,

@@ -62,7 +62,11 @@ class StrategyInfo:
     needs_deepspeed: bool = False
     min_world_size: int = 1
     tp_option: str | None = None  # name of the option holding the tensor-parallel degree
-    models: tuple[str, ...] = ("transformer", "hf", "vit")
+    models: tuple[str, ...] = ("transformer", "hf", "vit", "module")
+    # What it needs of a user's model beyond its kind, each a ``<need>_refusal`` the model check fills in
+    # (engines/describe.py): "tp_plan" (a tensor-parallel plan it can apply), "autotp" (an architecture whose AutoTP
+    # parity with DDP is checked). A run whose model lacks one is left out before the start, with the reason.
+    model_needs: tuple[str, ...] = ()
     shards: str = "none"  # which model states it shards, for the memory model: none|optim|grads|all
     # "flat": each unit's elements split evenly; "flat-views": so, and the optimizer sees the original tensors'
     # slices of it (FSDP1 use_orig_params: no padding, no state for a tensor without a slice on the rank);
@@ -251,7 +255,6 @@ register(
         options={
             "reshard_after_forward": _BOOL_RESHARD,
         },
-        models=("transformer", "hf", "vit"),
         shards="all",
         comm_quirks=("root-kept", "reduces-per-micro-batch", "one-rank-collectives"),
     )
@@ -310,6 +313,7 @@ register(
         min_world_size=2,
         tp_option="tp",
         models=("hf",),
+        model_needs=("autotp",),
         shards="optim",  # at the default stage 1
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
         comm_quirks=("grads-all-reduced", "fp32-grad-comm"),
@@ -328,6 +332,7 @@ register(
         },
         min_world_size=2,
         tp_option="tp",
+        model_needs=("tp_plan",),
         shards="all",
         shard_layout="per-parameter",  # fully_shard over dp after TP: each local tensor chunked on dim 0
         comm_quirks=("root-kept",),  # engines/fsdp2.py shard_model: the root keeps torch's default

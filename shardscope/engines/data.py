@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardscope.core import model_facts
 from shardscope.engines.model import resolve
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), on CPU
@@ -71,9 +72,10 @@ def markov_batch(table: torch.Tensor, seed: int, step: int, batch: int, length: 
 
 
 def synthetic_source(comparison: Any) -> BatchSource:
-    """Return the Markov-chain token source for ``comparison`` (next-token targets)."""
+    """Return the Markov-chain token source for ``comparison`` over the model's whole vocabulary (next-token
+    targets)."""
     m, seed, n = comparison.model, comparison.seed, comparison.global_batch
-    table = markov_table(m.vocab_size, seed)
+    table = markov_table(model_facts.vocab_size(m), seed)
 
     def global_batch(step: int) -> Batch:
         tokens = markov_batch(table, seed, step, n, m.seq_len + 1)
@@ -83,31 +85,52 @@ def synthetic_source(comparison: Any) -> BatchSource:
 
 
 # ------------------------------------------------------------------------------------------------
-# A user's text file as byte-level tokens (vocab 256).
+# A user's tokens: a pre-tokenized file, a text file through its tokenizer (a token cache), or a text file's bytes.
 
 
-def text_source(comparison: Any) -> BatchSource:
-    """Return windows of the UTF-8 file ``data.path`` as byte tokens, positions drawn from (seed, s).
-
-    Raises ValueError when the model's vocabulary is under 256 or the file is shorter than one window.
-    """
-    m, seed, n, path = comparison.model, comparison.seed, comparison.global_batch, comparison.data.path
-    if m.vocab_size < 256:
-        raise ValueError(f"data.kind = 'text' uses byte tokens: model.vocab_size = {m.vocab_size} must be >= 256")
-    with open(path, "rb") as fh:
-        data = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).long()
+def windows_source(tokens: Any, comparison: Any) -> BatchSource:
+    """Windows of ``seq_len + 1`` of ``tokens`` (a 1-D torch tensor, or a numpy array memory-mapped from a token
+    file: only the windows' pages are read) at positions drawn from (seed, s): inputs and next-token targets."""
+    m, seed, n = comparison.model, comparison.seed, comparison.global_batch
     window = m.seq_len + 1
-    if data.numel() < window:
-        raise ValueError(f"data.path = {path!r}: {data.numel()} bytes, need at least seq_len + 1 = {window}")
     offsets = torch.arange(window)
+    length = int(tokens.shape[0])
 
     def global_batch(step: int) -> Batch:
         gen = torch.Generator().manual_seed(step_seed(seed, step))
-        starts = torch.randint(data.numel() - window + 1, (n,), generator=gen)
-        tokens = data[starts[:, None] + offsets]
-        return tokens[:, :-1], tokens[:, 1:]
+        starts = torch.randint(length - window + 1, (n,), generator=gen)
+        index = starts[:, None] + offsets
+        if isinstance(tokens, torch.Tensor):
+            batch = tokens[index].long()
+        else:  # numpy: uint16/uint32 ids widened to int64, which torch indexes
+            batch = torch.from_numpy(tokens[index.numpy()].astype("int64"))
+        return batch[:, :-1], batch[:, 1:]
 
     return BatchSource(global_batch, m.seq_len)
+
+
+def mapped_tokens(described: dict[str, Any]) -> Any:
+    """The token file the data check described (``core/token_files.py``), memory-mapped as a 1-D numpy array."""
+    import numpy as np
+
+    return np.memmap(described["path"], dtype=described["dtype"], mode="r", offset=int(described["offset"]),
+                     shape=(int(described["tokens"]),))
+
+
+def tokens_source(comparison: Any) -> BatchSource:
+    """Return windows of the user's token file (``data.kind = "tokens"``), as the data check described it."""
+    return windows_source(mapped_tokens(comparison.data.described), comparison)
+
+
+def text_source(comparison: Any) -> BatchSource:
+    """Return windows of the UTF-8 file ``data.path``: its tokens through ``data.tokenizer`` (the token cache the
+    data check wrote), else its bytes (vocab 256), positions drawn from (seed, s)."""
+    d = comparison.data
+    if d.tokenizer:
+        return windows_source(mapped_tokens(d.described), comparison)
+    with open(d.path, "rb") as fh:
+        data = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).long()
+    return windows_source(data, comparison)
 
 
 # data.kind -> "module:function(comparison) -> BatchSource". Imported lazily.
@@ -115,6 +138,7 @@ DATA_SOURCES: dict[str, str] = {
     "synthetic": "shardscope.engines.data:synthetic_source",
     "text": "shardscope.engines.data:text_source",
     "images": "shardscope.engines.images:image_source",
+    "tokens": "shardscope.engines.data:tokens_source",
 }
 
 

@@ -26,9 +26,9 @@ from shardscope.engines.global_grad import clip_coefficient, total_norm
 from shardscope.engines.parallelize import blocks_of, parallelize
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, kind: str) -> None:
-    """Shard ``model``'s linears over ``tp_mesh`` with the plan for ``kind``, in place."""
-    parallelize_module(model, tp_mesh, tp_plan.module_plan(kind))
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+    """Shard ``model``'s linears over ``tp_mesh`` with ``plan`` ({pattern: "colwise" | "rowwise"}), in place."""
+    parallelize_module(model, tp_mesh, tp_plan.styled(plan))
 
 
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
@@ -69,15 +69,15 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     names = tuple(getattr(ctx.mesh, "mesh_dim_names", None) or ())
     if names != ("dp", "tp") or ctx.tp_size != tp:
         raise ValueError(f"FSDP2 with tensor parallelism needs a ('dp', 'tp') mesh with tp = {tp}; got dims {names} and tp_size {ctx.tp_size}")
-    kind = tp_plan.kind_of(model)
+    plan = tp_plan.plan_of(model)
     mp = mixed_precision({}, settings.precision)
     reshard = bool(options.get("reshard_after_forward", True))
     sharded = parallelize(
         model, ctx, settings,
-        tensor_parallel=lambda m: apply_tp(m, ctx.mesh["tp"], kind),
+        tensor_parallel=lambda m: apply_tp(m, ctx.mesh["tp"], plan),
         data_parallel=lambda m: shard_model(m, dp_mesh(ctx), reshard_after_forward=reshard, mp=mp),
     )
-    notes = {"tp": tp, "dp": ctx.dp_size, "tp_plan": dict(tp_plan.TP_PLANS[kind]), "model_kind": kind,
+    notes = {"tp": tp, "dp": ctx.dp_size, "tp_plan": dict(plan),
              "param_dtype": str(mp.param_dtype or "float32"), "reshard_after_forward": reshard,
              "units": len(blocks_of(sharded)) + 1}
     prepared = fsdp2_prepared(sharded, settings, mp, notes)

@@ -123,6 +123,7 @@ MODEL_BUILDERS: dict[str, str] = {
     "transformer": "shardscope.engines.model:build_transformer",
     "hf": "shardscope.engines.hf_model:build_model",
     "vit": "shardscope.engines.vit:build_model",
+    "module": "shardscope.engines.user_module:build_model",
 }
 
 

@@ -19,9 +19,26 @@ from torch.utils.checkpoint import checkpoint
 from shardscope.engines.api import RankContext, TrainSettings
 
 
+BLOCKS_ATTR = "_shardscope_blocks"  # set by engines/user_module.py: the attribute path of a user module's blocks
+
+
 def blocks_of(model: nn.Module) -> nn.ModuleList:
-    """Return the model's repeated blocks: ``model.layers`` (or ``model.model.layers`` for Hugging
-    Face causal LMs). Raises TypeError when neither exists: a model must expose its blocks there."""
+    """Return the model's repeated blocks, the unit FSDP wraps, tensor parallelism splits and checkpointing
+    recomputes: a user module's declared ``model.blocks`` (noted on the instance), a Hugging Face model's
+    ``ModuleList`` of its ``_no_split_modules`` class (its decoder layers), else ``model.layers``.
+    Raises TypeError when none exists."""
+    path = getattr(model, BLOCKS_ATTR, "")
+    if path:
+        owner: Any = model
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        return owner
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    if no_split:
+        for _, module in model.named_modules():
+            if (isinstance(module, nn.ModuleList) and len(module)
+                    and all(type(b).__name__ in no_split for b in module)):
+                return module
     for owner in (model, getattr(model, "model", None)):
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList):

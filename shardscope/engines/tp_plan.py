@@ -57,6 +57,56 @@ def _matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names))
 
 
+TP_PLAN_ATTR = "_shardscope_tp_plan"  # a model's own plan, noted on the instance by its builder
+STYLES = {"colwise": COLWISE, "rowwise": ROWWISE}  # the styles of a model's own plan that shardscope applies
+
+
+def declared_plan(model: nn.Module) -> dict[str, str] | None:
+    """The plan a model declares itself, module paths from its root: a user's module's ``tp_plan`` attribute (noted
+    as ``TP_PLAN_ATTR``) or a Hugging Face model's own (``_tp_plan``: its config's ``base_model_tp_plan`` under the
+    base model's prefix); None when it declares none."""
+    plan = getattr(model, TP_PLAN_ATTR, None)
+    if plan is None:
+        plan = getattr(model, "_tp_plan", None)
+    return {str(k): str(v) for k, v in plan.items()} if plan else None
+
+
+def usable_plan(plan: dict[str, str] | None, module_names: list[str], linear_names: set[str]) -> tuple[dict[str, str], str]:
+    """(the plan's entries inside the blocks, "" or why shardscope cannot apply it).
+
+    Entries outside the blocks (embeddings, the output layer) are left out: those stay replicated, which is
+    always correct. Inside the blocks every style must be plain ``colwise`` or ``rowwise`` and every pattern must
+    name linears of the model."""
+    if not plan:
+        return {}, "the model declares no tensor-parallel plan"
+    inside = {p: s for p, s in plan.items() if "*" in p}
+    if not inside:
+        return {}, "the model's tensor-parallel plan splits nothing inside its blocks"
+    for pattern, style in inside.items():
+        if style not in STYLES:
+            return {}, (f"its tensor-parallel plan splits {pattern} as {style!r}; shardscope applies 'colwise' and "
+                        "'rowwise' only")
+        matched = [n for n in module_names if _matches(pattern, n)]
+        if not matched:
+            return {}, f"its tensor-parallel plan names {pattern}, which matches no module of the model"
+        if not all(n in linear_names for n in matched):
+            return {}, f"its tensor-parallel plan splits {pattern}, which is not an nn.Linear"
+    return inside, ""
+
+
+def plan_of(model: nn.Module) -> dict[str, str]:
+    """The plan to apply to ``model``: its own (``declared_plan``), else the built-in table whose patterns all match
+    (``TP_PLANS``). Raises ValueError naming why no plan applies."""
+    if getattr(model, TP_PLAN_ATTR, None) is not None:
+        names = [n for n, _ in model.named_modules()]
+        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        plan, why = usable_plan(declared_plan(model), names, linears)
+        if why:
+            raise ValueError(f"{type(model).__name__}: {why}")
+        return plan
+    return TP_PLANS[kind_of(model)]
+
+
 def kind_of(model: nn.Module) -> str:
     """Return the model kind whose plan matches every one of its patterns in ``model``.
 
@@ -70,13 +120,9 @@ def kind_of(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__}: no tensor-parallel plan fits; plans exist for {', '.join(TP_PLANS)}")
 
 
-def module_plan(kind: str) -> dict[str, Any]:
-    """Return ``{pattern: ParallelStyle}`` for ``parallelize_module``; raises KeyError for an unknown kind."""
+def styled(plan: dict[str, str]) -> dict[str, Any]:
+    """``{pattern: ParallelStyle}`` for ``parallelize_module`` from a plan of style names."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
-    try:
-        plan = TP_PLANS[kind]
-    except KeyError:
-        raise KeyError(f"no tensor-parallel plan for model kind {kind!r}; plans: {', '.join(TP_PLANS)}") from None
-    return {pattern: styles[style]() for pattern, style in plan.items()}
+    return {pattern: styles[STYLES.get(style, style)]() for pattern, style in plan.items()}

@@ -11,15 +11,15 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from shardscope.core import model_facts, registry
 from shardscope.core.record_wire import parse_endpoint
-from shardscope.core import registry
 from shardscope.presets.files import ConfigError
+from shardscope.presets.inputs import model_refusal
 from shardscope.presets.schema import (
-    DATA_KINDS, DEVICES, HF_ARCH_VALUES, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, START_METHODS, Comparison,
-    RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
+    DATA_KINDS, DEVICES, HF_ARCHS, MAX_NAME, MODEL_INPUTS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, START_METHODS,
+    TOKEN_DTYPES, Comparison, RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
 )
 
 
@@ -94,26 +94,28 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     _one_of(src, "on_nonfinite", c.on_nonfinite, ON_NONFINITE)
     m = c.model
     _one_of(src, "model.kind", m.kind, MODEL_KINDS)
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "hf_layers",
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len",
                 "image_size", "patch_size", "channels", "num_classes"):
         _positive(src, f"model.{key}", getattr(m, key))
+    _positive(src, "model.hf_layers", m.hf_layers, allow_zero=True)
     if m.kind == "transformer" and m.d_model % m.n_heads:
         raise ConfigError(f"{src}: model.n_heads = {m.n_heads}: must divide model.d_model = {m.d_model}")
-    if m.kind == "hf":
+    if m.kind == "hf" and not m.path:
         _one_of(src, "model.hf_arch", m.hf_arch, HF_ARCHS)
-        arch_vocab = HF_ARCH_VALUES[m.hf_arch]["vocab_size"]
-        if c.data.kind == "synthetic" and m.vocab_size > arch_vocab:  # synthetic tokens are drawn below model.vocab_size
-            raise ConfigError(f"{src}: model.vocab_size = {m.vocab_size}: must be <= {m.hf_arch}'s vocabulary ({arch_vocab})")
-        if m.weights_dir and not Path(m.weights_dir).is_dir():
-            raise ConfigError(f"{src}: model.weights_dir = {m.weights_dir!r}: no such directory")
+    if m.kind == "hf" and m.described and m.hf_layers > int(m.described.get("config_layers") or 0):
+        raise ConfigError(f"{src}: model.hf_layers = {m.hf_layers}: the config has "
+                          f"{m.described.get('config_layers')} decoder layers")
+    if m.kind == "module":
+        _one_of(src, "model.inputs", m.inputs, MODEL_INPUTS)
     if m.kind == "vit" and m.image_size % m.patch_size:
         raise ConfigError(f"{src}: model.patch_size = {m.patch_size}: must divide model.image_size = {m.image_size}")
     _one_of(src, "data.kind", c.data.kind, DATA_KINDS)
-    if c.data.kind == "text" and not Path(c.data.path).is_file():
-        raise ConfigError(f"{src}: data.path = {c.data.path!r}: no such text file")
-    if (c.data.kind == "images") != (m.kind == "vit"):
-        raise ConfigError(f"{src}: data.kind = {c.data.kind!r}: model.kind {m.kind!r} needs "
-                          f"{'images' if m.kind == 'vit' else 'synthetic or text'}")
+    if c.data.kind == "tokens":
+        _one_of(src, "data.dtype", c.data.dtype or "uint16", TOKEN_DTYPES)
+    takes = model_facts.inputs(m) if m.kind != "module" or m.inputs in MODEL_INPUTS else "tokens"
+    if (c.data.kind == "images") != (takes == "images"):
+        raise ConfigError(f"{src}: data.kind = {c.data.kind!r}: model.kind {m.kind!r} takes {takes}, so data.kind "
+                          f"must be {'images' if takes == 'images' else 'synthetic, text or tokens'}")
     _positive(src, "profile.steps", c.profile.steps, allow_zero=True)
     _positive(src, "profile.start_step", c.profile.start_step, allow_zero=True)
     _one_of(src, "launch.device", c.launch.device, DEVICES)
@@ -130,13 +132,32 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]
-    runs = [_validate_run(c, run, f"runs[{i}]", src, host) for i, run in enumerate(c.runs)]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ConfigError(f"{src}: runs: duplicate run name {sorted(dupes)[0]!r}; names must be unique")
     if c.baseline and c.baseline not in names:
         raise ConfigError(f"{src}: baseline = {c.baseline!r}: not a run; runs: {', '.join(names)}")
-    return dataclasses.replace(c, runs=runs, baseline=c.baseline or names[0])
+    baseline = c.baseline or names[0]
+    runs, notes = [], list(c.adjustments)
+    for i, run in enumerate(c.runs):
+        refusal = _refusal(c, run)
+        if refusal:  # this strategy cannot run the user's model: left out, with the reason; the others run
+            if run.name == baseline:
+                raise ConfigError(f"{src}: runs.{run.name}: the baseline cannot run this model: {run.strategy}: "
+                                  f"{refusal}; choose another baseline")
+            notes.append(f"run {run.name} left out: {run.strategy}: {refusal}")
+            continue
+        runs.append(_validate_run(c, run, f"runs[{i}]", src, host))
+    return dataclasses.replace(c, runs=runs, baseline=baseline, adjustments=notes)
+
+
+def _refusal(c: Comparison, run: RunSpec) -> str:
+    """Why the run's strategy cannot run the comparison's (described) model; "" when it can."""
+    try:
+        info = registry.get(run.strategy)
+    except KeyError:
+        return ""  # _validate_run names the unknown strategy
+    return model_refusal(c, info)
 
 
 def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostInfo | None) -> RunSpec:
@@ -227,13 +248,11 @@ def _check_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) -> str
     if c.model.kind == "transformer":
         if c.model.n_heads % tp or c.model.d_ff % tp:
             return f"tp = {tp} must divide model.n_heads = {c.model.n_heads} and model.d_ff = {c.model.d_ff}"
-    if c.model.kind == "hf":
-        from shardscope.core.hf_archs import ARCHS  # torch-free table
-
-        arch = ARCHS[c.model.hf_arch]
-        if arch["num_attention_heads"] % tp or arch["num_key_value_heads"] % tp:
-            return (f"tp = {tp} must divide {c.model.hf_arch}'s {arch['num_attention_heads']} query heads and "
-                    f"{arch['num_key_value_heads']} key/value heads")
+    if c.model.kind in ("hf", "module"):
+        heads, kv_heads = model_facts.heads(c.model)
+        if heads and (heads % tp or kv_heads % tp):
+            name = c.model.hf_arch if c.model.kind == "hf" and not c.model.path else "the model"
+            return f"tp = {tp} must divide {name}'s {heads} query heads and {kv_heads} key/value heads"
     return ""
 
 

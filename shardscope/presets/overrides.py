@@ -15,7 +15,16 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from shardscope.presets.files import PRESET_DIR, ConfigError
-from shardscope.presets.schema import Comparison, DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec
+from shardscope.presets.schema import (
+    DATA_KEYS, MODEL_KEYS, Comparison, DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec,
+)
+
+_INTERNAL = ("described",)  # filled in by the model and data checks, never by a preset
+# Why a key another kind uses means nothing here, said after the list of keys the kind does use.
+_KIND_HINTS = {
+    "hf": "the config sets width, depth, heads and vocabulary (model.hf_layers keeps its first N layers)",
+    "module": "your build function's own keys go in [model.args]",
+}
 
 
 def list_presets() -> list[tuple[str, str]]:
@@ -123,7 +132,9 @@ def _check_type(value: Any, hint: Any, key: str, src: str) -> Any:
 def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     """Turn a raw TOML table into a Comparison, checking keys and types (not cross-field rules)."""
     nested = {"model": ModelSpec, "data": DataSpec, "profile": ProfileSpec, "launch": LaunchSpec}
-    parts = {k: _build(cls, raw.get(k, {}), k, src) for k, cls in nested.items()}
+    parts = {k: _build(cls, raw.get(k, {}), k, src, skip=_INTERNAL) for k, cls in nested.items()}
+    _check_kind_keys(raw.get("model", {}), "model", parts["model"].kind, MODEL_KEYS, src)
+    _check_kind_keys(raw.get("data", {}), "data", parts["data"].kind, DATA_KEYS, src)
     runs_raw = raw.get("runs", [])
     if not isinstance(runs_raw, list) or not runs_raw:
         raise ConfigError(f"{src}: runs: a preset needs at least one [[runs]] table with name and strategy")
@@ -137,3 +148,16 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     comparison.source = src
     return comparison
 
+
+
+def _check_kind_keys(table: dict[str, Any], where: str, kind: str, uses: dict[str, tuple[str, ...]], src: str) -> None:
+    """Refuse a key of ``[model]`` or ``[data]`` that its kind does not use (it would be accepted and ignored); an
+    unknown kind is left to validation, which names the allowed ones."""
+    allowed = uses.get(kind)
+    if allowed is None:
+        return
+    for key in table:
+        if key not in allowed:
+            hint = f"; {_KIND_HINTS[kind]}" if where == "model" and kind in _KIND_HINTS else ""
+            raise ConfigError(f"{src}: {where}.{key}: not used by {where}.kind = {kind!r}; it uses: "
+                              f"{', '.join(k for k in allowed if k != 'kind') or '(no other key)'}{hint}")

@@ -16,13 +16,32 @@ from shardscope.core import registry
 from shardscope.core.hf_archs import ARCHS as HF_ARCH_VALUES
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-params", "fp16")
-MODEL_KINDS = ("transformer", "hf", "vit")
-DATA_KINDS = ("synthetic", "text", "images")
+MODEL_KINDS = ("transformer", "hf", "vit", "module")
+DATA_KINDS = ("synthetic", "text", "images", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")  # data.dtype of a raw token file (kind = "tokens")
+MODEL_INPUTS = ("tokens", "images")  # model.inputs of a user's module
 DEVICES = ("auto", "cpu", "cuda")
 START_METHODS = ("auto", "fork", "exec")  # launch.start_method: see LaunchSpec
 FAULT_KINDS = ("raise", "exit", "hang", "skip", "slow", "oom", "memlimit", "oomkill", "nospace", "netdrop")
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
+# The [model] keys each kind uses; any other key a preset or --set gives is an error naming these.
+MODEL_KEYS: dict[str, tuple[str, ...]] = {
+    "transformer": ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"),
+    "hf": ("kind", "hf_arch", "path", "hf_layers", "seq_len"),
+    "vit": ("kind", "d_model", "n_layers", "n_heads", "d_ff", "image_size", "patch_size", "channels", "num_classes"),
+    "module": ("kind", "entry", "blocks", "inputs", "args", "seq_len", "image_size", "channels", "num_classes"),
+}
+# The [data] keys each kind uses.
+DATA_KEYS: dict[str, tuple[str, ...]] = {
+    "synthetic": ("kind",),
+    "text": ("kind", "path", "tokenizer"),
+    "tokens": ("kind", "path", "dtype"),
+    "images": ("kind",),
+}
+# Keys holding a file's path: a relative path in a preset file is relative to that file's folder, one given
+# with --set to the current directory; both are made absolute when the preset loads.
+PATH_KEYS = (("model", "path"), ("data", "path"), ("data", "tokenizer"))
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MAX_NAME = 64  # characters of a comparison's or run's name (it names directories and files)
 
@@ -38,13 +57,20 @@ class ModelSpec:
     n_heads: int = 12
     d_ff: int = 3072
     seq_len: int = 256
-    hf_arch: str = "qwen2.5-0.5b"  # kind = "hf": built-in architecture values
-    hf_layers: int = 2  # kind = "hf": number of decoder layers kept
-    weights_dir: str = ""  # kind = "hf": local directory with real weights (never downloaded)
+    hf_arch: str = "qwen2.5-0.5b"  # kind = "hf" without path: a built-in architecture (hf_archs)
+    hf_layers: int = 0  # kind = "hf": the first N decoder layers; 0 = every layer of the config
+    path: str = ""  # kind = "hf": a local model directory or its config.json (+ *.safetensors beside it: real weights)
+    entry: str = ""  # kind = "module": "pkg.mod:build" or "./file.py:build", build(model_table, seed) -> nn.Module
+    blocks: str = ""  # kind = "module": attribute path of the ModuleList of blocks; "" = the only ModuleList
+    inputs: str = "tokens"  # kind = "module": what forward takes, "tokens" [b, s] or "images" [b, c, h, w]
+    args: dict[str, Any] = field(default_factory=dict)  # kind = "module": the user's own keys, handed to build
     image_size: int = 32  # kind = "vit"
     patch_size: int = 4
     channels: int = 3
     num_classes: int = 10
+    # What the model check found (core/model_check.py, from the real module on the meta device) for kinds whose
+    # shapes shardscope cannot know by itself (hf with a path, module). Never set by a preset.
+    described: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,7 +78,12 @@ class DataSpec:
     """Where tokens (or images) come from. The global batch at step s is a pure function of (seed, s)."""
 
     kind: str = "synthetic"
-    path: str = ""  # kind = "text": a UTF-8 text file, byte-level tokens
+    path: str = ""  # kind = "text": a UTF-8 text file; kind = "tokens": a pre-tokenized file (.bin, llm.c shard, .npy)
+    tokenizer: str = ""  # kind = "text": a tokenizer.json (the tokenizers library); "" = byte tokens
+    dtype: str = ""  # kind = "tokens": uint16 or uint32 for a raw .bin ("" = uint16, nanoGPT's); others say their own
+    # What the data check found (core/token_files.py): the file's format, dtype, token count, content hash. Never
+    # set by a preset.
+    described: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,16 +183,38 @@ class Comparison:
         """Return a JSON-ready dict (``from_dict`` reverses it)."""
         return dataclasses.asdict(self)
 
+    def shown(self) -> dict[str, Any]:
+        """The settings as a user reads them (``--dry-run``): ``[model]`` and ``[data]`` hold only the keys their
+        kind uses, and what the model and data checks found is summed up instead of listed tensor by tensor."""
+        out = self.to_dict()
+        for table, uses in (("model", MODEL_KEYS), ("data", DATA_KEYS)):
+            section = out[table]
+            found = section.pop("described", None)
+            kept = {k: v for k, v in section.items() if k in uses.get(section["kind"], tuple(section))}
+            if table == "model" and section["kind"] == "hf":
+                kept.pop("hf_arch" if section.get("path") else "path", None)
+            if found:
+                kept["checked"] = {k: v for k, v in found.items() if k not in ("params", "import_root")}
+            out[table] = kept
+        return out
+
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Comparison":
         """Rebuild a Comparison written by ``to_dict`` (no validation)."""
-        data = dict(data)
-        data["model"] = ModelSpec(**data.get("model", {}))
-        data["data"] = DataSpec(**data.get("data", {}))
-        data["profile"] = ProfileSpec(**data.get("profile", {}))
-        data["launch"] = LaunchSpec(**data.get("launch", {}))
-        data["runs"] = [RunSpec(**r) for r in data.get("runs", [])]
+        data = _known(Comparison, data)
+        data["model"] = ModelSpec(**_known(ModelSpec, data.get("model", {})))
+        data["data"] = DataSpec(**_known(DataSpec, data.get("data", {})))
+        data["profile"] = ProfileSpec(**_known(ProfileSpec, data.get("profile", {})))
+        data["launch"] = LaunchSpec(**_known(LaunchSpec, data.get("launch", {})))
+        data["runs"] = [RunSpec(**_known(RunSpec, r)) for r in data.get("runs", [])]
         return Comparison(**data)
+
+
+def _known(cls: type, table: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``table`` that ``cls`` has as fields: a key a newer or older shardscope wrote is left out (a run
+    directory written before ``model.weights_dir`` became ``model.path`` still reads)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in dict(table).items() if k in names}
 
 
 

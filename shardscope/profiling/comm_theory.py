@@ -33,7 +33,7 @@ import math
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
-from shardscope.core import registry
+from shardscope.core import model_facts, registry
 from shardscope.profiling.memory_model import (
     ARCHS,
     FLAT_VIEW_ALIGN,
@@ -60,10 +60,12 @@ def _pad(n: int, multiple: int) -> int:
 
 
 def buffer_bytes(comp: Comparison) -> int:
-    """Bytes of the model's buffers, which DDP broadcasts: the Hugging Face rotary embedding's
-    ``inv_freq`` and ``original_inv_freq`` (head_dim / 2 fp32 each, transformers 5); the built-in
-    transformer and the ViT have none."""
+    """Bytes of the model's buffers, which DDP broadcasts: a user's model's as the model check found them; a
+    built-in Hugging Face architecture's rotary embedding ``inv_freq`` and ``original_inv_freq`` (head_dim / 2 fp32
+    each, transformers 5); the built-in transformer and the ViT have none."""
     m = comp.model
+    if model_facts.is_described(m):
+        return int(model_facts.description(m).get("buffer_bytes") or 0)
     if m.kind != "hf":
         return 0
     a = ARCHS[m.hf_arch]
@@ -177,12 +179,10 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
     if layout.tp > 1:
         micro = max(1, comp.global_batch // (dp * accum))
         m = comp.model
-        h = ARCHS[m.hf_arch]["hidden_size"] if m.kind == "hf" else m.d_model
-        layers = m.hf_layers if m.kind == "hf" else m.n_layers
-        seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2
+        h, layers, seq = model_facts.hidden_size(m), model_facts.layers(m), model_facts.tokens_per_sample(m)
         # Forward: after attention's and the MLP's row-parallel output. Backward: the input gradient of
         # every column-parallel linear (q, k, v, gate, up... each a separate module) is a partial sum.
-        col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+        col = column_linears(params)
         per_layer = 2 + col
         parts["all_reduce"] = (parts.get("all_reduce", 0)
                                + per_layer * layers * micro * seq * h * compute_bytes * accum)
@@ -190,6 +190,11 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                      "(one per column-parallel linear)")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
             "reasons": reasons, "dp": dp, "tp": layout.tp, "shards": layout.shards}
+
+
+def column_linears(params: list) -> int:
+    """Column-parallel linears per block (each all-reduces its input's gradient in backward), in the first block."""
+    return sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and p.unit == "layers.0.")
 
 
 def _units(params: list, layout: Any) -> dict[str, int]:
@@ -200,7 +205,7 @@ def _units(params: list, layout: Any) -> dict[str, int]:
         out: dict[str, int] = {}
         for p in params:
             shape = tp_local(p, layout.tp)
-            key = next((k for k in units if k != "root" and k in p.name), "root")
+            key = p.unit
             rest = math.prod(shape[1:]) if len(shape) > 1 else 1
             out[key] = out.get(key, 0) + _pad(shape[0], layout.shard_size) * rest
         return out

@@ -19,13 +19,13 @@ compute dtype, with full recomputation when activation checkpointing is on.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec, resolved_options, resolved_precision, resolved_world_size
 from shardscope.core import registry
-from shardscope.core.hf_archs import ARCHS
+from shardscope.core import model_facts
+from shardscope.core.hf_archs import ARCHS  # noqa: F401  (memory_model.ARCHS: callers read the table through here)
 # The shapes live in param_shapes; callers read them through this module too.
 from shardscope.profiling.param_shapes import (  # noqa: F401
     PARAM_SHAPES,
@@ -46,7 +46,6 @@ PRECISION_BYTES = {  # precision policy -> (param held, grad, compute) bytes for
     "bf16-params": (4, 4, 2),
     "fp16": (4, 4, 2),
 }
-_LAYER = re.compile(r"layers\.\d+\.")
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 STEP_COUNTER_BYTES = 4  # torch AdamW keeps a float32 scalar "step" per parameter tensor
 MASTER_BYTES = 4
@@ -154,8 +153,7 @@ def unit_sizes(params: list[Param], tp: int = 1) -> dict[str, list[int]]:
     rest in a "root" unit."""
     units: dict[str, list[int]] = {}
     for p in params:
-        match = _LAYER.search(p.name)
-        units.setdefault(match.group(0) if match else "root", []).append(math.prod(tp_local(p, tp)))
+        units.setdefault(p.unit, []).append(math.prod(tp_local(p, tp)))
     return units
 
 
@@ -263,17 +261,11 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
     """
     m = c.model
     micro = max(1, c.global_batch // max(1, layout.dp * c.grad_accum))
+    if model_facts.is_described(m):
+        return described_activation_bytes(c, layout, micro)
     scale = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2] / 2
-    if m.kind == "hf":
-        a = ARCHS[m.hf_arch]
-        s, h, layers, vocab = m.seq_len, a["hidden_size"], m.hf_layers, a["vocab_size"]
-        ffn_ratio = a["intermediate_size"] / (4 * h)
-    elif m.kind == "vit":
-        s, h, layers, vocab = (m.image_size // m.patch_size) ** 2, m.d_model, m.n_layers, 0
-        ffn_ratio = m.d_ff / (4 * m.d_model)
-    else:
-        s, h, layers, vocab = m.seq_len, m.d_model, m.n_layers, m.vocab_size
-        ffn_ratio = m.d_ff / (4 * m.d_model)
+    s, h, layers = model_facts.tokens_per_sample(m), model_facts.hidden_size(m), model_facts.layers(m)
+    vocab, ffn_ratio = model_facts.vocab_size(m), model_facts.ffn_size(m) / (4 * h)
     sbh = s * micro * h
     if layout.activation_checkpointing:
         per_layer = 2 * sbh
@@ -282,6 +274,25 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
         per_layer = sbh * (10 + (5 + 19 * ffn_ratio) / layout.tp)
     logits = 2 * micro * s * vocab * 4 // max(1, layout.tp if vocab else 1) if vocab else 0
     return {"layers": int(per_layer * scale * layers), "logits": int(logits), "micro_batch": micro}
+
+
+def described_activation_bytes(c: Comparison, layout: Layout, micro: int) -> dict[str, int]:
+    """Activation memory of a user's model, from what the model check measured on the real module: the bytes
+    autograd saved for backward in one fp32 step at batch 1 (with per-block recomputation: each block's input and
+    what is saved outside the blocks), times the micro-batch, scaled to the compute dtype; under tensor parallelism
+    the blocks' sharded share (Korthikanti's 24 of 34 units, the MLP's part by its width) divided by tp. The
+    logits' output of the loss is counted apart, as logits and their gradient in fp32."""
+    d = model_facts.description(c.model)
+    scale = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2] / 4
+    logits = int(d.get("logits_bytes_per_sample") or 0)
+    saved = int(d.get("checkpointed_bytes_per_sample" if layout.activation_checkpointing else "saved_bytes_per_sample")
+                or 0)
+    layers = max(0, saved - logits) * micro * scale
+    h, ffn = model_facts.hidden_size(c.model), model_facts.ffn_size(c.model)
+    if layout.tp > 1 and not layout.activation_checkpointing:
+        ratio = ffn / (4 * h) if h and ffn else 1.0
+        layers *= (10 + (5 + 19 * ratio) / layout.tp) / (10 + 5 + 19 * ratio)
+    return {"layers": int(layers), "logits": 2 * logits * micro, "micro_batch": micro}
 
 
 def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """Parameter shapes of the comparison's models, tensor by tensor, as the engines build them.
 
 Pure Python (no torch): the memory model, the communication theory and FLOPs per token start from
-these shapes (the built-in transformer, a Hugging Face architecture from ``hf_archs``, the ViT), so
-sharding can be computed per tensor the way the strategies shard. ``memory_model`` re-exports them.
+these shapes, so sharding can be computed per tensor the way the strategies shard. shardscope's own models (the
+built-in transformer, a Hugging Face architecture from ``hf_archs``, the ViT) are computed here from the preset's
+keys; the user's (a Hugging Face config or directory, a module) come from the model check's description of the
+real module (``ModelSpec.described``: each tensor with its unit and its split under the model's own
+tensor-parallel plan). ``memory_model`` re-exports them.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import re
+
 from shardscope.config import ModelSpec
+from shardscope.core import model_facts
 from shardscope.core.hf_archs import ARCHS
 
 # Tensor-parallel split of each parameter: "col" splits dim 0 (and the bias), "row" splits dim 1
@@ -21,12 +27,17 @@ TP_SPLIT = {
 }
 
 
+_LAYER = re.compile(r"layers\.\d+\.")
+
+
 @dataclass(frozen=True)
 class Param:
-    """One parameter tensor: its name, shape and tensor-parallel split."""
+    """One parameter tensor: its name, shape, and (for a described model) its tensor-parallel split and unit."""
 
     name: str
     shape: tuple[int, ...]
+    split: str | None = None  # the model's own plan: "col", "row" or "" (replicated); None: by module name
+    block: str | None = None  # "layers.<i>." for the i-th block, "root" otherwise; None: from the name
 
     @property
     def numel(self) -> int:
@@ -36,12 +47,22 @@ class Param:
     @property
     def tp_split(self) -> str:
         """'col', 'row' or '' (replicated) under tensor parallelism."""
+        if self.split is not None:
+            return self.split
         parts = self.name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
         split = TP_SPLIT.get(module, "")
         if split == "row" and parts[-1] == "bias":
             return ""
         return split
+
+    @property
+    def unit(self) -> str:
+        """The sharding unit it belongs to: ``layers.<i>.`` (one per block) or ``root``."""
+        if self.block is not None:
+            return self.block
+        match = _LAYER.search(self.name)
+        return match.group(0) if match else "root"
 
 
 # --- parameter shapes per model kind ----------------------------------------------------------
@@ -65,14 +86,14 @@ def transformer_params(m: ModelSpec) -> list[Param]:
 
 
 def hf_params(m: ModelSpec) -> list[Param]:
-    """Shapes of a Qwen2-style causal LM from ``hf_archs`` with ``m.hf_layers`` decoder layers
+    """Shapes of a Qwen2-style causal LM from ``hf_archs`` with ``m.hf_layers`` decoder layers (0: all)
     (q/k/v with bias, o and the SwiGLU MLP without, RMSNorm weights, tied output embedding)."""
     a = ARCHS[m.hf_arch]
     h, inter, vocab = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
     heads, kv = a["num_attention_heads"], a["num_key_value_heads"]
     hd = h // heads
     out = [Param("model.embed_tokens.weight", (vocab, h))]
-    for i in range(m.hf_layers):
+    for i in range(model_facts.hf_layers(m)):
         p = f"model.layers.{i}."
         out += [Param(p + "self_attn.q_proj.weight", (heads * hd, h)), Param(p + "self_attn.q_proj.bias", (heads * hd,)),
                 Param(p + "self_attn.k_proj.weight", (kv * hd, h)), Param(p + "self_attn.k_proj.bias", (kv * hd,)),
@@ -103,11 +124,20 @@ def vit_params(m: ModelSpec) -> list[Param]:
     return out
 
 
+def described_params(m: ModelSpec) -> list[Param]:
+    """Shapes of a user's model as the model check found them on the real module (shared tensors once)."""
+    return [Param(str(name), tuple(int(x) for x in shape), str(split), str(unit))
+            for name, shape, unit, split in model_facts.description(m)["params"]]
+
+
 PARAM_SHAPES = {"transformer": transformer_params, "hf": hf_params, "vit": vit_params}
 
 
 def model_params(m: ModelSpec) -> list[Param]:
-    """Parameter tensors of the model a ``ModelSpec`` describes; raises ValueError for an unknown kind."""
+    """Parameter tensors of the model a ``ModelSpec`` describes; raises ValueError for an unknown kind or a user's
+    model without its description."""
+    if model_facts.is_described(m):
+        return described_params(m)
     fn = PARAM_SHAPES.get(m.kind)
     if fn is None:
         raise ValueError(f"model.kind = {m.kind!r}: allowed: {', '.join(PARAM_SHAPES)}")
@@ -121,16 +151,23 @@ def param_count(m: ModelSpec) -> int:
 
 def embedding_count(m: ModelSpec) -> int:
     """Parameter elements in embedding tables (left out of FLOPs per token)."""
+    if model_facts.is_described(m):
+        tables = set(model_facts.description(m).get("embeddings") or ())
+        return sum(p.numel for p in model_params(m) if p.name in tables)
     return sum(p.numel for p in model_params(m) if "emb" in p.name)
 
 
 def flops_per_token(m: ModelSpec) -> float | None:
-    """Training FLOPs per token, as torchtitan counts: 6 (N - N_emb) + 12 L H d_head T; None for images."""
+    """Training FLOPs per token, as torchtitan counts: 6 (N - N_emb) + 12 L H d_head T; None for images. A user's
+    model: what ``FlopCounterMode`` counted over one training step of the real module (forward, loss, backward)
+    per token, the output layer included."""
+    if model_facts.is_described(m):
+        d = model_facts.description(m)
+        per_sample, tokens = d.get("train_flops_per_sample"), model_facts.tokens_per_sample(m)
+        return float(per_sample) / tokens if per_sample and tokens and d.get("inputs") == "tokens" else None
     if m.kind == "vit":
         return None
-    if m.kind == "hf":
-        a = ARCHS[m.hf_arch]
-        layers, heads, hd, t = m.hf_layers, a["num_attention_heads"], a["hidden_size"] // a["num_attention_heads"], m.seq_len
-    else:
-        layers, heads, hd, t = m.n_layers, m.n_heads, m.d_model // m.n_heads, m.seq_len
+    layers, t = model_facts.layers(m), m.seq_len
+    heads = model_facts.heads(m)[0]
+    hd = model_facts.hidden_size(m) // heads
     return 6.0 * (param_count(m) - embedding_count(m)) + 12.0 * layers * heads * hd * t

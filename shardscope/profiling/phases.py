@@ -40,8 +40,8 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     None where the runtime's bucketing decides it (DDP, ZeRO).
     """
     from shardscope import config
-    from shardscope.core import registry
-    from shardscope.profiling import memory_model
+    from shardscope.core import model_facts, registry
+    from shardscope.profiling import comm_theory, memory_model
 
     by_type = dict(theory.get("by_type") or {})
     layout = memory_model.layout_for(c, run)
@@ -57,12 +57,10 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
         # As the theory counts them: 2 per layer in forward (row-parallel outputs), one per column-parallel
         # linear in backward (its input gradient is a partial sum).
         m = c.model
-        h, layers = ((memory_model.ARCHS[m.hf_arch]["hidden_size"], m.hf_layers) if m.kind == "hf"
-                     else (m.d_model, m.n_layers))
-        seq = m.seq_len if m.kind != "vit" else (m.image_size // m.patch_size) ** 2
+        h, layers, seq = model_facts.hidden_size(m), model_facts.layers(m), model_facts.tokens_per_sample(m)
         compute = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         micro = max(1, c.global_batch // (layout.dp * accum))
-        col = sum(1 for p in params if p.tp_split == "col" and len(p.shape) > 1 and "layers.0." in p.name)
+        col = comm_theory.column_linears(params)
         one = layers * micro * seq * h * compute * accum
         tp_bytes = min(by_type["all_reduce"], (2 + col) * one)
         rows.append(_row("forward", "all_reduce", 2 * layers * accum, tp_bytes * 2 / (2 + col),

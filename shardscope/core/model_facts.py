@@ -1,0 +1,122 @@
+"""What every room asks of a run's model, answered the same way for every kind (torch-free).
+
+A model's figures come from one of two places: shardscope's own models (the built-in transformer, the ViT, a
+built-in Hugging Face architecture in ``hf_archs``) are known from the preset's keys; the user's (a Hugging Face
+config or model directory, a module of their own) from the description the model check made of the real module
+on the meta device (``ModelSpec.described``, written by ``engines/describe.py``, kept in comparison.json). The
+functions here read whichever applies, so no caller branches on the kind for the vocabulary, the depth, the width
+or the attention heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardscope.core.hf_archs import ARCHS
+
+
+def is_described(m: Any) -> bool:
+    """True for a model whose shapes come from the model check: a Hugging Face model from a path, or a module."""
+    return m.kind == "module" or (m.kind == "hf" and bool(m.path))
+
+
+def description(m: Any) -> dict[str, Any]:
+    """The model check's description of ``m``; raises ValueError when a model that needs one has none (a
+    Comparison built by hand, or loaded without its check)."""
+    if not m.described:
+        where = m.path if m.kind == "hf" else m.entry
+        raise ValueError(f"model.kind = {m.kind!r} ({where}): not described; load it through config.load_preset, "
+                         "which runs the model check")
+    return m.described
+
+
+def _arch(m: Any) -> dict[str, Any]:
+    return ARCHS[m.hf_arch]
+
+
+def hf_layers(m: Any) -> int:
+    """Decoder layers a built-in Hugging Face architecture keeps: ``hf_layers``, or all of them for 0."""
+    return m.hf_layers or int(_arch(m)["num_hidden_layers"])
+
+
+def vocab_size(m: Any) -> int:
+    """Token ids the model takes (0 for an image model)."""
+    if is_described(m):
+        return int(description(m).get("vocab_size") or 0)
+    if m.kind == "hf":
+        return int(_arch(m)["vocab_size"])
+    return 0 if m.kind == "vit" else int(m.vocab_size)
+
+
+def inputs(m: Any) -> str:
+    """What the model's forward takes: "tokens" or "images"."""
+    if m.kind == "vit":
+        return "images"
+    return m.inputs if m.kind == "module" else "tokens"
+
+
+def layers(m: Any) -> int:
+    """The model's blocks: the units FSDP wraps and tensor parallelism splits."""
+    if is_described(m):
+        return int(description(m)["n_blocks"])
+    return hf_layers(m) if m.kind == "hf" else int(m.n_layers)
+
+
+def hidden_size(m: Any) -> int:
+    """Width of the residual stream (0 where the model check could not tell: a module without a config)."""
+    if is_described(m):
+        return int(description(m).get("hidden_size") or 0)
+    return int(_arch(m)["hidden_size"]) if m.kind == "hf" else int(m.d_model)
+
+
+def heads(m: Any) -> tuple[int, int]:
+    """(query heads, key/value heads); (0, 0) where unknown."""
+    if is_described(m):
+        d = description(m)
+        return int(d.get("heads") or 0), int(d.get("kv_heads") or d.get("heads") or 0)
+    if m.kind == "hf":
+        a = _arch(m)
+        return int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+    return int(m.n_heads), int(m.n_heads)
+
+
+def ffn_size(m: Any) -> int:
+    """Width of the feed-forward layer (0 where unknown)."""
+    if is_described(m):
+        return int(description(m).get("ffn_size") or 0)
+    return int(_arch(m)["intermediate_size"]) if m.kind == "hf" else int(m.d_ff)
+
+
+def tokens_per_sample(m: Any) -> int:
+    """Positions a sample carries through the blocks: its sequence, or an image's patches (a ViT has no class
+    token); a module taking images: the positions its description counted (0 when it could not tell)."""
+    if m.kind == "vit":
+        return (m.image_size // m.patch_size) ** 2
+    if inputs(m) == "images":
+        return int(description(m).get("tokens_per_sample") or 0)
+    return int(m.seq_len)
+
+
+def tied_embeddings(m: Any) -> bool:
+    """True when the output layer shares the input embedding's weight."""
+    if is_described(m):
+        return bool(description(m).get("tied"))
+    return m.kind == "hf" and bool(_arch(m).get("tie_word_embeddings", False))
+
+
+def label(m: Any) -> str:
+    """One line naming the model, for listings and the report's first lines."""
+    if is_described(m):
+        d = description(m)
+        params = d.get("param_count")
+        size = f", {params / 1e6:,.1f} M parameters" if isinstance(params, (int, float)) else ""
+        where = m.path if m.kind == "hf" else m.entry
+        weights = "its weights" if d.get("weights") else "random init from the seed"
+        return f"{d.get('family', m.kind)} from {where} ({d['n_blocks']} blocks{size}, {weights})"
+    if m.kind == "hf":
+        return f"Hugging Face {m.hf_arch} ({hf_layers(m)} layers, random init from the seed)"
+    if m.kind == "vit":
+        return (f"built-in ViT ({m.n_layers} layers, {m.d_model} wide, {m.image_size}px images in "
+                f"{m.patch_size}px patches, {m.num_classes} classes)")
+    return (f"built-in transformer ({m.n_layers} layers, {m.d_model} wide, {m.n_heads} heads, vocabulary "
+            f"{m.vocab_size}, sequence {m.seq_len})")

@@ -1,0 +1,296 @@
+"""The model check: a user's model described from the real module with fake tensors, before anything starts.
+
+``python -m shardscope.engines.describe`` reads ``{"model": <[model] table>, "seed": S}`` as JSON on standard
+input and prints one JSON object: ``{"described": {...}}`` or ``{"error": "one line"}``. The command line runs it
+once per model (``core/model_check.py``; it stays torch-free and never imports the user's code); the ranks build
+the same module for real.
+
+What it finds, with nothing allocated (torch's ``FakeTensorMode``: shapes and dtypes, no storage):
+- every parameter's name and shape (shared tensors once), the unit it belongs to (``layers.<i>.`` for the i-th
+  block, ``root`` otherwise), its tensor-parallel split from the model's own plan, the embeddings and tied names;
+- the blocks (a Hugging Face model's ``_no_split_modules`` class, a module's declared ``ModuleList``);
+- the model's own tensor-parallel plan, or why shardscope cannot apply it;
+- one training step at batch 1 (forward, the loop's loss, backward): the output's shape checked against what the
+  loop needs, FLOPs per sample counted by ``torch.utils.flop_counter.FlopCounterMode``, and the bytes of the
+  tensors autograd saves for backward (parameters left out), with and without per-block recomputation;
+- for a Hugging Face directory with ``*.safetensors``: every weight the config needs is in the checkpoint with the
+  config's shape (read from the files' headers, no tensor loaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardscope.config import ModelSpec
+from shardscope.engines import hf_model, tp_plan
+from shardscope.engines.parallelize import blocks_of
+from shardscope.engines.user_module import UserModelError, build_model as build_user_module, find_blocks
+
+# DeepSpeed AutoTP's parity with DDP, proven per Hugging Face model_type by tests/test_user_models.py; any other
+# architecture is refused before the start with that reason.
+AUTOTP_CHECKED = ("llama", "mistral", "qwen2")
+
+
+class DescribeError(ValueError):
+    """A model that cannot be described; ``str(err)`` is one line."""
+
+
+def _blocks_path(model: nn.Module, blocks: nn.ModuleList) -> str:
+    return next(name for name, m in model.named_modules() if m is blocks)
+
+
+def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
+    """The model for ``spec`` built under ``FakeTensorMode`` (``fake_mode()``): every tensor has its shape, dtype and
+    device but no storage, so a 7B model costs nothing. (Fake rather than meta tensors: transformers' mask code
+    takes a fake tensor for tracing and skips its data-dependent checks, which a meta tensor fails.)"""
+    if spec.kind == "hf":
+        config = hf_model.hf_config(spec)
+        return hf_model.causal_lm_class(config)(config)
+    return build_user_module(spec, seed)
+
+
+def fake_mode() -> Any:
+    """The fake-tensor mode the model is built and stepped in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _units(named: list[tuple[str, torch.Tensor]], blocks_path: str, n_blocks: int) -> dict[str, str]:
+    out = {}
+    for name, _ in named:
+        unit = "root"
+        if name.startswith(blocks_path + "."):
+            index = name[len(blocks_path) + 1:].split(".", 1)[0]
+            if index.isdigit() and int(index) < n_blocks:
+                unit = f"layers.{index}."
+        out[name] = unit
+    return out
+
+
+def _split(name: str, plan: dict[str, str]) -> str:
+    module, _, leaf = name.rpartition(".")
+    for pattern, style in plan.items():
+        if tp_plan._matches(pattern, module):
+            style = tp_plan.STYLES.get(style, style)
+            if style == tp_plan.ROWWISE:
+                return "" if leaf == "bias" else "row"
+            return "col"
+    return ""
+
+
+def _sample(spec: ModelSpec) -> tuple[torch.Tensor, str]:
+    if spec.kind == "module" and spec.inputs == "images":
+        return torch.zeros(1, spec.channels, spec.image_size, spec.image_size), "images"
+    return torch.zeros(1, spec.seq_len, dtype=torch.long), "tokens"
+
+
+class _Saved:
+    """Bytes of the tensors autograd saves for backward, each storage once, parameters left out; those saved
+    while no block runs are counted apart (they stay when blocks are recomputed)."""
+
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList) -> None:
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.total: dict[int, int] = {}
+        self.outside: dict[int, int] = {}
+        self.block_inputs = 0
+        self.depth = 0
+        self.handles = []
+        for block in blocks:
+            self.handles.append(block.register_forward_pre_hook(self._enter))
+            self.handles.append(block.register_forward_hook(self._leave))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.depth == 0:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                self.block_inputs += first.numel() * first.element_size()
+        self.depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.params:
+            self.total[key] = storage.nbytes()
+            if self.depth == 0:
+                self.outside[key] = storage.nbytes()
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> dict[str, Any]:
+    """One step at batch 1 with fake tensors: the output checked, FLOPs counted, saved bytes measured."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, kind = _sample(spec)
+    saved = _Saved(model, blocks)
+    try:
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = model(x)
+            if not isinstance(out, torch.Tensor):
+                raise DescribeError(f"forward returned a {type(out).__name__}; it must return the logits tensor")
+            if kind == "tokens" and (out.dim() != 3 or tuple(out.shape[:2]) != (1, spec.seq_len)):
+                raise DescribeError(f"forward(tokens [1, {spec.seq_len}]) returned shape {list(out.shape)}; it must "
+                                    f"return logits [1, {spec.seq_len}, vocab]")
+            if kind == "images" and (out.dim() != 2 or out.shape[0] != 1):
+                raise DescribeError(f"forward(images [1, {spec.channels}, {spec.image_size}, {spec.image_size}]) "
+                                    f"returned shape {list(out.shape)}; it must return logits [1, classes]")
+            if not out.is_floating_point():
+                raise DescribeError(f"forward returned {out.dtype} values; logits must be floating point")
+            target = torch.zeros(out.shape[:-1], dtype=torch.long)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1))
+            loss.backward()
+    finally:
+        saved.close()
+    classes = int(out.shape[-1])
+    return {
+        "vocab_size": classes if kind == "tokens" else 0,
+        "num_classes": classes if kind == "images" else 0,
+        "train_flops_per_sample": float(counter.get_total_flops()),
+        "saved_bytes_per_sample": sum(saved.total.values()),
+        # per-block recomputation keeps each block's input and what is saved outside the blocks
+        "checkpointed_bytes_per_sample": sum(saved.outside.values()) + saved.block_inputs,
+        "logits_bytes_per_sample": out.numel() * 4,
+    }
+
+
+def _hf_dims(model: nn.Module) -> dict[str, Any]:
+    cfg = model.config
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    return {
+        "model_type": str(cfg.model_type),
+        "config_layers": int(getattr(cfg, "num_hidden_layers", 0) or 0),
+        "hidden_size": hidden,
+        "heads": heads,
+        "kv_heads": int(getattr(cfg, "num_key_value_heads", 0) or heads),
+        "head_dim": int(getattr(cfg, "head_dim", 0) or (hidden // heads if heads else 0)),
+        "ffn_size": int(getattr(cfg, "intermediate_size", 0) or 0),
+    }
+
+
+def check_weights(model: nn.Module, spec: ModelSpec) -> dict[str, Any] | None:
+    """The checkpoint beside a Hugging Face config, checked against the model from its headers: None for a config
+    alone. Raises DescribeError naming a missing weight or a shape that differs from the config's."""
+    from safetensors import safe_open
+
+    files = hf_model.weight_files(spec.path)
+    if not files:
+        return None
+    wanted = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        if not os.path.isfile(path):
+            raise DescribeError(f"{hf_model.INDEX} lists {os.path.basename(path)}, which is not in the folder")
+        try:
+            with safe_open(path, framework="pt") as fh:
+                for name in fh.keys():
+                    if name in wanted:
+                        found[name] = tuple(fh.get_slice(name).get_shape())
+        except Exception as err:  # a damaged or foreign file: one line
+            raise DescribeError(f"{os.path.basename(path)}: not a readable safetensors file ({err})") from None
+    for name, shape in found.items():
+        if shape != wanted[name]:
+            raise DescribeError(f"weights do not match the config: {name} has shape {list(shape)} in the checkpoint, "
+                                f"{list(wanted[name])} from the config")
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(wanted) - set(found) - tied - hf_model.non_persistent(model))
+    if missing:
+        raise DescribeError(f"weights do not match the config: the checkpoint lacks {len(missing)} weights the model "
+                            f"needs, e.g. {missing[0]}")
+    return {"files": [os.path.basename(f) for f in files], "bytes": sum(os.path.getsize(f) for f in files)}
+
+
+def describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
+    """The description of the model ``spec`` names (see the module's docstring). Raises DescribeError,
+    UserModelError, OSError or ValueError with a one-line message."""
+    with fake_mode():
+        return _describe(spec, seed)
+
+
+def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
+    model = build_fake(spec, seed)
+    if spec.kind == "hf":
+        blocks = blocks_of(model)
+        blocks_path = _blocks_path(model, blocks)
+        dims = _hf_dims(model)
+        declared = tp_plan.declared_plan(model)
+    else:
+        blocks_path, blocks = find_blocks(model, spec.blocks)
+        dims = {}
+        declared = tp_plan.declared_plan(model)
+    named = list(model.named_parameters())
+    all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    kept = {n for n, _ in named}
+    modules = [n for n, _ in model.named_modules()]
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    plan, tp_refusal = tp_plan.usable_plan(declared, modules, linears)
+    units = _units(named, blocks_path, len(blocks))
+    embeddings = sorted(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)
+                        and f"{n}.weight" in kept)
+    params = [[n, list(p.shape), units[n], _split(n, plan)] for n, p in named]
+    step = training_step(model, spec, blocks)
+    out: dict[str, Any] = {
+        "family": type(model).__name__,
+        "params": params,
+        "param_count": sum(p.numel() for _, p in named),
+        "blocks": blocks_path,
+        "block_class": type(blocks[0]).__name__,
+        "n_blocks": len(blocks),
+        "embeddings": embeddings,
+        "tied": sorted(set(all_names) - kept),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "tp_plan": plan,
+        "tp_refusal": tp_refusal,
+        "inputs": "images" if spec.kind == "module" and spec.inputs == "images" else "tokens",
+        **dims,
+        **step,
+    }
+    if out["inputs"] == "tokens":
+        out["tokens_per_sample"] = spec.seq_len
+    if spec.kind == "hf":
+        out["autotp_refusal"] = ("" if dims["model_type"] in AUTOTP_CHECKED else
+                                 f"DeepSpeed AutoTP's parity with DDP is checked on {', '.join(AUTOTP_CHECKED)} only, "
+                                 f"not on {dims['model_type']}")
+        out["weights"] = check_weights(model, spec)
+    else:
+        out["autotp_refusal"] = "DeepSpeed AutoTP needs a Hugging Face model"
+        out["weights"] = None
+        out["import_root"] = os.getcwd()
+    return out
+
+
+def main() -> int:
+    """Read the request on standard input, print the description (or the error) as one JSON object."""
+    request = json.load(sys.stdin)
+    names = {f.name for f in dataclasses.fields(ModelSpec)}
+    spec = ModelSpec(**{k: v for k, v in request["model"].items() if k in names})
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the user's prints never reach the JSON
+            result: dict[str, Any] = {"described": describe(spec, int(request.get("seed", 0)))}
+    except (DescribeError, UserModelError) as err:
+        result = {"error": str(err)}
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, ImportError) as err:
+        text = str(err).strip().splitlines()
+        result = {"error": f"{type(err).__name__}: {text[0][:300] if text else ''}"}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
