@@ -219,7 +219,7 @@ def setting_diffs(old: Side, new: Side, old_run: str, new_run: str) -> list[dict
             if a.get(k) != b.get(k):
                 out.append({"key": k, "old": a.get(k), "new": b.get(k)})
     seen = {d["key"] for d in out}
-    ca, cb = _flatten(old.comparison.to_dict()), _flatten(new.comparison.to_dict())
+    ca, cb = _flatten(old.comparison.shown()), _flatten(new.comparison.shown())
     ra = _flatten(next(r for r in old.comparison.to_dict()["runs"] if r["name"] == old_run), "run")
     rb = _flatten(next(r for r in new.comparison.to_dict()["runs"] if r["name"] == new_run), "run")
     ca.update(ra)

@@ -237,6 +237,8 @@ def render_markdown(s: dict[str, Any]) -> str:
            f"Run directory `{s['out_dir']}`, written {s['created']}. Baseline: **{s['baseline']}**. "
            f"Shared: {s['shared']['steps']} steps, global batch {s['shared']['global_batch']}, grad accumulation "
            f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
+    if s["shared"].get("model_label"):
+        out.append(f"Model: {s['shared']['model_label']}. Data: {s['shared'].get('data_label', '?')}.\n")
     out.append("## Throughput and loss\n")
     rows = []
     unit = throughput_unit(s["runs"])

@@ -12,6 +12,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
+from shardscope.core import model_facts
 from shardscope.core.numbers import loss_difference, loss_differences, median_rate
 from shardscope.profiling.state import FINISHED, STOPPED, RunState
 
@@ -163,7 +164,8 @@ def build_summary(c: Comparison, states: dict[str, RunState], out_dir: str) -> d
         "loss_tolerance": c.loss_tolerance,
         "shared": {
             "steps": c.steps, "global_batch": c.global_batch, "grad_accum": c.grad_accum, "seed": c.seed,
-            "precision": c.precision, "model": c.to_dict()["model"], "data": c.to_dict()["data"],
+            "precision": c.precision, "model": c.shown()["model"], "data": c.shown()["data"],
+            "model_label": model_facts.label(c.model), "data_label": model_facts.data_label(c.data, c.model),
         },
         "all_ok": all(r["status"] == "ok" for r in runs),
         "runs": runs,

@@ -120,3 +120,20 @@ def label(m: Any) -> str:
                 f"{m.patch_size}px patches, {m.num_classes} classes)")
     return (f"built-in transformer ({m.n_layers} layers, {m.d_model} wide, {m.n_heads} heads, vocabulary "
             f"{m.vocab_size}, sequence {m.seq_len})")
+
+
+def data_label(d: Any, m: Any) -> str:
+    """One line naming the data a comparison reads (the file, its format and content hash where it is a file)."""
+    found = d.described or {}
+    digest = f", sha256 {str(found['sha256'])[:16]}…" if found.get("sha256") else ""
+    if d.kind == "tokens":
+        return f"tokens from {d.path} ({found.get('format', '?')}, {int(found.get('tokens', 0)):,} tokens{digest})"
+    if d.kind == "text" and d.tokenizer:
+        text_digest = f", sha256 {str(found['text_sha256'])[:16]}…" if found.get("text_sha256") else ""
+        return (f"text from {d.path}{text_digest} through {d.tokenizer} ({int(found.get('tokens', 0)):,} tokens, "
+                f"vocabulary {found.get('tokenizer_vocab', '?')})")
+    if d.kind == "text":
+        return f"bytes of {d.path} ({int(found.get('tokens', 0)):,} bytes{digest})"
+    if d.kind == "images":
+        return "synthetic images (a fixed pattern per class plus noise)"
+    return f"synthetic tokens (a fixed Markov chain over the model's {vocab_size(m):,} ids)"

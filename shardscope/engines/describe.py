@@ -35,9 +35,10 @@ from shardscope.engines import hf_model, tp_plan
 from shardscope.engines.parallelize import blocks_of
 from shardscope.engines.user_module import UserModelError, build_model as build_user_module, find_blocks
 
-# DeepSpeed AutoTP's parity with DDP, proven per Hugging Face model_type by tests/test_user_models.py; any other
+# DeepSpeed AutoTP's parity with DDP and its exact memory and communication counts, proven per Hugging Face
+# model_type by tests/test_user_models.py (Llama, Gemma 2) and tests/test_layout_matrix.py (Qwen2); any other
 # architecture is refused before the start with that reason.
-AUTOTP_CHECKED = ("llama", "mistral", "qwen2")
+AUTOTP_CHECKED = ("llama", "gemma2", "qwen2")
 
 
 class DescribeError(ValueError):
@@ -103,6 +104,7 @@ class _Saved:
         self.total: dict[int, int] = {}
         self.outside: dict[int, int] = {}
         self.block_inputs = 0
+        self.width = 0  # the last dimension of the first block's input: the residual stream's width
         self.depth = 0
         self.handles = []
         for block in blocks:
@@ -114,6 +116,7 @@ class _Saved:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None:
                 self.block_inputs += first.numel() * first.element_size()
+                self.width = self.width or int(first.shape[-1])
         self.depth += 1
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -133,14 +136,40 @@ class _Saved:
             h.remove()
 
 
-def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> dict[str, Any]:
-    """One step at batch 1 with fake tensors: the output checked, FLOPs counted, saved bytes measured."""
+def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of attention's two matmuls (QK^T and the weights times V), for every query head (grouped key/value
+    heads are shared, not fewer matmuls), causal masking not subtracted: as torch counts its other SDPA kernels."""
+    b, heads, s_q, d = query_shape[0], query_shape[1], query_shape[-2], query_shape[-1]
+    return 2 * b * heads * s_q * key_shape[-2] * (d + value_shape[-1])
+
+
+def _attention_backward_flops(grad_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                              **kwargs: Any) -> int:
+    """Backward of attention: four matmuls of the forward's sizes (dV, dP, dQ, dK), twice its FLOPs."""
+    return 2 * _attention_flops(query_shape, key_shape, value_shape)
+
+
+def flop_counter() -> Any:
+    """torch's ``FlopCounterMode``, also counting the CPU flash-attention kernel SDPA dispatches to on CPU (torch
+    2.13 counts the CUDA kernels only; without this a model's attention FLOPs would be missing)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    aten = torch.ops.aten
+    mapping = {}
+    for name, fn in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
+                     ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops)):
+        op = getattr(aten, name, None)
+        if op is not None:
+            mapping[op] = fn  # the overload packet: FlopCounterMode looks ops up by packet
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> dict[str, Any]:
+    """One step at batch 1 with fake tensors: the output checked, FLOPs counted, saved bytes measured."""
     x, kind = _sample(spec)
     saved = _Saved(model, blocks)
     try:
-        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with flop_counter() as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             out = model(x)
             if not isinstance(out, torch.Tensor):
                 raise DescribeError(f"forward returned a {type(out).__name__}; it must return the logits tensor")
@@ -166,6 +195,7 @@ def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> d
         # per-block recomputation keeps each block's input and what is saved outside the blocks
         "checkpointed_bytes_per_sample": sum(saved.outside.values()) + saved.block_inputs,
         "logits_bytes_per_sample": out.numel() * 4,
+        "block_width": saved.width,
     }
 
 
@@ -216,6 +246,21 @@ def check_weights(model: nn.Module, spec: ModelSpec) -> dict[str, Any] | None:
     return {"files": [os.path.basename(f) for f in files], "bytes": sum(os.path.getsize(f) for f in files)}
 
 
+def autotp_refusal(model_type: str, tied: bool, tp_refusal: str) -> str:
+    """Why DeepSpeed AutoTP cannot be compared on this architecture ("" when it can). AutoTP follows the model's own
+    tensor-parallel plan (DeepSpeed 0.19 rejects one with other styles than column and row splits) and, in training,
+    splits an untied output layer by vocabulary and gathers the logits, which the memory model and the
+    communication theory do not count."""
+    if tp_refusal:
+        return f"DeepSpeed AutoTP follows the model's own tensor-parallel plan, and {tp_refusal}"
+    if not tied:
+        return ("DeepSpeed AutoTP splits an untied output layer (lm_head) by vocabulary and gathers the logits, which "
+                "shardscope's memory model and communication theory do not count; models with tied embeddings only")
+    if model_type not in AUTOTP_CHECKED:
+        return f"DeepSpeed AutoTP is checked on {', '.join(AUTOTP_CHECKED)}, not on {model_type}"
+    return ""
+
+
 def describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
     """The description of the model ``spec`` names (see the module's docstring). Raises DescribeError,
     UserModelError, OSError or ValueError with a one-line message."""
@@ -232,7 +277,7 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
         declared = tp_plan.declared_plan(model)
     else:
         blocks_path, blocks = find_blocks(model, spec.blocks)
-        dims = {}
+        dims = {}  # a module has no config: its width is what its blocks take (the training step finds it)
         declared = tp_plan.declared_plan(model)
     named = list(model.named_parameters())
     all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -240,6 +285,7 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
     modules = [n for n, _ in model.named_modules()]
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plan, tp_refusal = tp_plan.usable_plan(declared, modules, linears)
+    tp_refusal = tp_refusal.replace("the model declares", "this model declares")
     units = _units(named, blocks_path, len(blocks))
     embeddings = sorted(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)
                         and f"{n}.weight" in kept)
@@ -256,17 +302,16 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
         "tied": sorted(set(all_names) - kept),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "tp_plan": plan,
-        "tp_refusal": tp_refusal,
+        "tp_plan_refusal": tp_refusal,
         "inputs": "images" if spec.kind == "module" and spec.inputs == "images" else "tokens",
         **dims,
         **step,
     }
+    out["hidden_size"] = out.get("hidden_size") or out["block_width"]
     if out["inputs"] == "tokens":
         out["tokens_per_sample"] = spec.seq_len
     if spec.kind == "hf":
-        out["autotp_refusal"] = ("" if dims["model_type"] in AUTOTP_CHECKED else
-                                 f"DeepSpeed AutoTP's parity with DDP is checked on {', '.join(AUTOTP_CHECKED)} only, "
-                                 f"not on {dims['model_type']}")
+        out["autotp_refusal"] = autotp_refusal(dims["model_type"], bool(out["tied"]), tp_refusal)
         out["weights"] = check_weights(model, spec)
     else:
         out["autotp_refusal"] = "DeepSpeed AutoTP needs a Hugging Face model"

@@ -47,8 +47,8 @@ def hf_config(spec: Any) -> Any:
     """Return the ``transformers`` config for ``spec``: its values with ``num_hidden_layers`` cut to
     ``hf_layers`` (0 keeps them all).
 
-    Attention runs through SDPA (no flash-attention build needed on CPU); the KV cache is off
-    (training). Raises KeyError for an unknown ``hf_arch``, ValueError for a config transformers does not know.
+    Attention runs through SDPA where the architecture supports it (no flash-attention build needed on CPU), else
+    eager; the KV cache is off (training). Raises KeyError for an unknown ``hf_arch``, ValueError for a config transformers does not know.
     """
     from transformers import AutoConfig
 
@@ -63,7 +63,8 @@ def hf_config(spec: Any) -> Any:
         raise ValueError("config has no model_type")
     config = AutoConfig.for_model(model_type, **values)
     config.use_cache = False
-    config._attn_implementation = "sdpa"
+    # SDPA where the architecture has it (no flash-attention build needed on CPU), else transformers' eager attention
+    config._attn_implementation = "sdpa" if getattr(causal_lm_base(config), "_supports_sdpa", False) else "eager"
     return config
 
 

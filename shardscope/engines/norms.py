@@ -2,7 +2,8 @@
 
 Names are normalised so every strategy reports the same layer keys: wrapper prefixes
 (``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_orig_mod.``) are dropped,
-blocks are keyed ``layers.<i>``, everything else by its top-level module (``tok_emb``, ``lm_head``).
+blocks are keyed ``<list>.<i>`` (``layers.3``, a user's ``blocks.3``), everything else by its top-level module
+(``tok_emb``, ``lm_head``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ def strip_wrappers(name: str) -> str:
 def layer_key(name: str) -> str:
     """Return the layer a parameter called ``name`` belongs to."""
     parts = [p for p in name.split(".") if p not in _WRAPPERS]
-    if len(parts) >= 2 and parts[0] == "layers":
-        return f"layers.{parts[1]}"
-    if len(parts) >= 3 and parts[0] == "model" and parts[1] == "layers":  # Hugging Face layout
-        return f"layers.{parts[2]}"
+    for i, part in enumerate(parts[1:], start=1):  # the first index into a ModuleList: the block
+        if part.isdigit():  # layers.3, model.layers.3 (Hugging Face), blocks.3 (a user's module)
+            return f"{parts[i - 1]}.{part}"
     return parts[0] if parts else name
 
 
