@@ -31,8 +31,8 @@ FAMILIES = ["llama", "mistral", "qwen3", "gemma2", "phi3", "olmo2"]
 MODULE = f"{DATA / 'module' / 'mymodel.py'}:build"
 
 
-def _preset(tmp: Path, model: list[str], data_lines: list[str] = (), top: list[str] = ()) -> Path:
-    path = tmp / "p.toml"
+def _preset(tmp: Path, model: list[str], data_lines: list[str] = (), top: list[str] = (), name: str = "p") -> Path:
+    path = tmp / f"{name}.toml"
     path.write_text("\n".join(["steps = 3", "global_batch = 4", "world_size = 2", *top, "", "[model]", *model, "",
                                *data_lines, "", "[[runs]]", 'name = "ddp"', 'strategy = "ddp"', "",
                                "[[runs]]", 'name = "fsdp2"', 'strategy = "fsdp2"']) + "\n", encoding="utf-8")
@@ -146,9 +146,9 @@ def test_bad_models_are_one_line_before_anything_starts(tmp_path):
     hf = _preset(tmp_path, ['kind = "hf"', f'path = "{DATA / "llama"}"', "seq_len = 16"])
     line = _usage_error(tmp_path, hf, f'model.path="{tmp_path / "nowhere"}"')
     assert line.startswith("shardscope: error: --set model.path=") and "no such file or directory" in line, line
-    missing = _preset(tmp_path, ['kind = "hf"', f'path = "{tmp_path / "nowhere"}"', "seq_len = 16"])
+    missing = _preset(tmp_path, ['kind = "hf"', f'path = "{tmp_path / "nowhere"}"', "seq_len = 16"], name="missing")
     line = _usage_error(tmp_path, missing)
-    assert f"p.toml: model.path = '{tmp_path / 'nowhere'}': no such file or directory" in line, line
+    assert f"missing.toml: model.path = '{tmp_path / 'nowhere'}': no such file or directory" in line, line
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "not-a-model", "hidden_size": 8}))

@@ -54,6 +54,9 @@ def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
     device but no storage, so a 7B model costs nothing. (Fake rather than meta tensors: transformers' mask code
     takes a fake tensor for tracing and skips its data-dependent checks, which a meta tensor fails.)"""
     if spec.kind == "hf":
+        depth = int(hf_model.config_values(spec).get("num_hidden_layers") or 0)
+        if spec.hf_layers > depth:
+            raise DescribeError(f"model.hf_layers = {spec.hf_layers}: the config has {depth} decoder layers")
         config = hf_model.hf_config(spec)
         return hf_model.causal_lm_class(config)(config)
     return build_user_module(spec, seed)

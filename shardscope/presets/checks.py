@@ -102,9 +102,6 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
         raise ConfigError(f"{src}: model.n_heads = {m.n_heads}: must divide model.d_model = {m.d_model}")
     if m.kind == "hf" and not m.path:
         _one_of(src, "model.hf_arch", m.hf_arch, HF_ARCHS)
-    if m.kind == "hf" and m.described and m.hf_layers > int(m.described.get("config_layers") or 0):
-        raise ConfigError(f"{src}: model.hf_layers = {m.hf_layers}: the config has "
-                          f"{m.described.get('config_layers')} decoder layers")
     if m.kind == "module":
         _one_of(src, "model.inputs", m.inputs, MODEL_INPUTS)
     if m.kind == "vit" and m.image_size % m.patch_size:
