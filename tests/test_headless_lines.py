@@ -64,31 +64,11 @@ def test_explain_uses_the_sizes_a_run_here_would_use():
 
 @pytest.mark.skipif(_has_gpu(), reason="a GPU machine uses the presets' full sizes")
 def test_presets_lists_what_a_run_here_uses():
-    """Without a GPU each preset's [cpu_overrides] are listed beside its full-size description."""
+    """Without a GPU each preset's [cpu_overrides] apply: the model and data column shows what a run here uses."""
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "presets"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
-    assert "here (no GPU: its [cpu_overrides])" in proc.stdout, proc.stdout
+    assert "model; data (here, no GPU: its [cpu_overrides] applied)" in proc.stdout, proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.startswith("│ ddp-vs-fsdp"))
-    assert "d_model 256" in row and "n_layers 2" in row, row
-    assert "as described" in next(line for line in proc.stdout.splitlines() if line.startswith("│ smoke"))
-
-
-def test_live_table_names_rss_as_rss():
-    """On CPU the live table's memory column is the process's RSS and says so; a GPU run makes it 'peak mem'."""
-    import io
-
-    from rich.console import Console
-
-    from shardscope.cli.headless import HeadlessView
-    from shardscope.profiling.state import RunState
-
-    def header(states: dict) -> list[str]:
-        view = HeadlessView(Console(file=io.StringIO(), width=200), list(states))
-        view.states = states
-        return [c.header for c in view.table().columns]
-
-    cpu = RunState(name="ddp", strategy="ddp", peak_mem_bytes=1 << 20, start={0: {"device": "cpu"}})
-    assert "peak RSS" in header({"ddp": cpu}) and "peak mem" not in header({"ddp": cpu})
-    gpu = RunState(name="fsdp2", strategy="fsdp2", peak_mem_bytes=1 << 20, start={0: {"device": "cuda:0"}})
-    assert "peak mem" in header({"ddp": cpu, "fsdp2": gpu})
+    assert "transformer 2×256" in row and "synthetic tokens" in row, row
+    assert "qwen2-tiny, 2 layers" in next(line for line in proc.stdout.splitlines() if line.startswith("│ parity"))

@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 REPLAY = Path(__file__).parent / "data" / "replay-smoke"
+USER = Path(__file__).parent / "data" / "user"
 
 EXCEPTIONS = {
     "shardscope": "opens the interactive app; tests/test_tui_app.py and test_tui_e2e.py drive it",
@@ -62,7 +63,28 @@ def scratch(tmp_path_factory):
     d = tmp_path_factory.mktemp("readme")
     shutil.copy(ROOT / "shardscope" / "presets" / "smoke.toml", d / "mine.toml")
     shutil.copytree(REPLAY, d / "runs" / "mine")
+    # "Your model and your data": the README's own preset files, and the files they name
+    for name, text in readme_presets().items():
+        (d / name).write_text(text, encoding="utf-8")
+    shutil.copytree(USER / "llama", d / "llama")
+    for name in ("train.bin", "corpus.txt", "tokenizer.json"):
+        shutil.copy(USER / name, d / name)
+    shutil.copy(USER / "module" / "mymodel.py", d / "mymodel.py")
     return d
+
+
+def readme_presets() -> dict[str, str]:
+    """The README's TOML blocks that start with ``# <name>.toml``, by file name."""
+    out = {}
+    for block in re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S):
+        first = block.splitlines()[0]
+        if first.startswith("# ") and first.endswith(".toml"):
+            out[first[2:]] = block
+    return out
+
+
+def test_the_readme_presets_are_there():
+    assert set(readme_presets()) == {"llama.toml", "mymodel.toml"}
 
 
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c not in EXCEPTIONS])

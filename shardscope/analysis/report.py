@@ -40,7 +40,7 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
     ``model_state_error`` (worst relative error over ranks). ``measured_peak_kind`` says what the
     measured peak is: the CUDA allocator's peak or the process's peak RSS on CPU.
     """
-    out: dict[str, Any] = {"runs": {}, "measured_peak_kind": ""}
+    out: dict[str, Any] = {"runs": {}, "measured_peak_kind": "", "activation_basis": memory_model.activation_basis(c)}
     for run in c.runs:
         st = states.get(run.name)
         if st is None:
@@ -236,9 +236,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     out = [f"# shardscope report: {s['preset']}\n", f"{s.get('description', '')}\n" if s.get("description") else "",
            f"Run directory `{s['out_dir']}`, written {s['created']}. Baseline: **{s['baseline']}**. "
            f"Shared: {s['shared']['steps']} steps, global batch {s['shared']['global_batch']}, grad accumulation "
-           f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n"]
-    if s["shared"].get("model_label"):
-        out.append(f"Model: {s['shared']['model_label']}. Data: {s['shared'].get('data_label', '?')}.\n")
+           f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n",
+           f"Model: {s['shared']['model_label']}. Data: {s['shared']['data_label']}.\n" if "data_label" in s["shared"] else ""]
     out.append("## Throughput and loss\n")
     rows = []
     unit = throughput_unit(s["runs"])
@@ -304,8 +303,8 @@ def _memory_md(m: dict[str, Any]) -> str:
             + _table(["run", "dp×tp (shards)", "params", "grads", "optimizer", "model states", "worst error",
                       "pred. activations+gathered", f"peak ({kind})"], rows)
             + "\nModel states are measured exactly from the tensors each rank holds (rank 0 shown; the error is the "
-              "worst over ranks). Activations are predicted with Korthikanti et al.'s formula; on CPU the measured "
-              "peak is the process's peak RSS, which also holds the Python runtime and libraries.\n"
+              f"worst over ranks). Predicted {m.get('activation_basis') or 'activations per Korthikanti et al.'}; on "
+              "CPU the measured peak is the process's peak RSS, which also holds the Python runtime and libraries.\n"
             + (f"\n{fixes}" if fixes else ""))
 
 

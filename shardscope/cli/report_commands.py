@@ -28,16 +28,23 @@ def presets_cmd() -> None:
         gpu = resolve_device("auto") == "cuda"
     except ConfigError:
         gpu = False
+    from shardscope.core import model_facts
+
     table = Table(title="built-in presets (shardscope run --preset NAME)")
-    table.add_column("name", style="bold")
-    table.add_column("description")
-    if not gpu:  # the descriptions give the full sizes; say what a run here really uses
-        table.add_column("here (no GPU: its \\[cpu_overrides])", style="dim")
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("the question it answers")
+    table.add_column("model; data (" + ("as written" if gpu else "here, no GPU: its \\[cpu_overrides] applied") + ")")
+    host = config.HostInfo("cuda" if gpu else "cpu", 1 << 16)
     for name, desc in config.list_presets():
-        shrink = config.cpu_overrides(name)
-        table.add_row(name, desc, *([", ".join(f"{k.removeprefix('model.')} {v}" for k, v in shrink.items())
-                                     or "as described"] if not gpu else []))
+        try:
+            c = config.load_preset(name, host=host)
+            what = model_facts.short_label(c.model, c.data)
+        except ConfigError as err:
+            what = f"does not load: {err}"
+        table.add_row(name, desc, what)
     Console().print(table)
+    click.echo("Your own model and data: a preset file with model.kind = \"hf\" (model.path) or \"module\" "
+               "(model.entry), data.kind = \"tokens\" or \"text\" (README: Your model and your data).")
 
 
 @click.command("diff")

@@ -137,3 +137,22 @@ def data_label(d: Any, m: Any) -> str:
     if d.kind == "images":
         return "synthetic images (a fixed pattern per class plus noise)"
     return f"synthetic tokens (a fixed Markov chain over the model's {vocab_size(m):,} ids)"
+
+
+def short_label(m: Any, d: Any) -> str:
+    """The model and data in a few words, for narrow tables (``shardscope presets``, the app's picker)."""
+    if is_described(m):
+        desc = description(m)
+        model = f"{desc.get('family', m.kind)}, {desc['n_blocks']} blocks"
+    elif m.kind == "hf":
+        model = f"{m.hf_arch}, {hf_layers(m)} layers"
+    elif m.kind == "vit":
+        model = f"ViT {m.n_layers}×{m.d_model}, {m.image_size}px"
+    else:
+        model = f"transformer {m.n_layers}×{m.d_model}, vocab {m.vocab_size:,}"
+    where = {"synthetic": "synthetic tokens", "images": "synthetic images"}.get(d.kind)
+    if where is None:
+        name = d.path.rsplit("/", 1)[-1]
+        where = f"{name} ({'tokenizer' if d.tokenizer else 'bytes'})" if d.kind == "text" else f"tokens of {name}"
+    seq = f", seq {m.seq_len}" if inputs(m) == "tokens" else ""
+    return f"{model}{seq}; {where}"

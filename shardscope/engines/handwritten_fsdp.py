@@ -159,8 +159,10 @@ def shard_model(model: nn.Module, group: Any, *, reshard_after_forward: bool, pa
     gather, free and reduce-scatter. Returns the units; the model is modified in place."""
     block_ids: set[int] = set()
     units: list[ShardedUnit] = []
-    for i, block in enumerate(blocks_of(model)):
-        named = [(f"layers.{i}.{n}", p) for n, p in block.named_parameters()]
+    blocks = blocks_of(model)
+    prefix = next(name for name, m in model.named_modules() if m is blocks)  # "layers", "model.layers", "blocks"
+    for i, block in enumerate(blocks):
+        named = [(f"{prefix}.{i}.{n}", p) for n, p in block.named_parameters()]
         block_ids.update(id(p) for _, p in named)
         unit = ShardedUnit(f"layers.{i}", named, group, param_dtype, reduce_dtype)
         _install_block_hooks(block, unit, reshard_after_forward)

@@ -128,7 +128,7 @@ def print_estimate(comparison: Comparison, world_size: int, device_memory_bytes:
     first = rows[0] if rows else None
     if first:
         console.print(f"{first['param_count']:,} parameters; micro-batch {first['micro_batch']} per rank at dp = "
-                      f"{first['dp']}; AdamW states in fp32; activations per Korthikanti et al. (fused attention).")
+                      f"{first['dp']}; AdamW states in fp32; {memory_model.activation_basis(comparison)}.")
     for r in rows:
         if r["note"]:
             console.print(f"[yellow]{r['run']}: {r['note']}[/]")

@@ -295,6 +295,14 @@ def described_activation_bytes(c: Comparison, layout: Layout, micro: int) -> dic
     return {"layers": int(layers), "logits": 2 * logits * micro, "micro_batch": micro}
 
 
+def activation_basis(c: Comparison) -> str:
+    """Where the activation figures come from, in words, for the report and ``estimate``."""
+    if model_facts.is_described(c.model):
+        return ("activations as the model check measured them: the bytes autograd saved in one step of the real "
+                "module (fake tensors, batch 1), times the micro-batch")
+    return "activations per Korthikanti et al.'s formula (fused attention)"
+
+
 def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> dict[str, Any]:
     """Predicted per-rank memory of one run: model states (rank 0), activations and their total.
 

@@ -18,6 +18,11 @@ class Knob:
     key: str
     label: str
     kind: str  # "int" | "choice"
+    models: tuple[str, ...] = ()  # the model kinds whose [model] table has this key; () = every preset
+
+    def applies(self, comparison: Comparison) -> bool:
+        """True when the preset's model uses this knob's key (a Hugging Face config sets its own width)."""
+        return not self.models or comparison.model.kind in self.models
 
     @property
     def field_id(self) -> str:
@@ -28,8 +33,8 @@ class Knob:
 KNOBS = (
     Knob("steps", "steps", "int"),
     Knob("world_size", "world size", "int"),
-    Knob("model.d_model", "model width (d_model)", "int"),
-    Knob("model.n_layers", "layers (n_layers)", "int"),
+    Knob("model.d_model", "model width (d_model)", "int", ("transformer", "vit")),
+    Knob("model.n_layers", "layers (n_layers)", "int", ("transformer", "vit")),
     Knob("precision", "precision", "choice"),
     Knob("baseline", "baseline run", "choice"),
 )
@@ -45,8 +50,15 @@ _ROUTES = (
 )
 
 
+NOT_USED = "(set by the model)"  # the text of a knob whose key the preset's model does not use
+
+
 def current_value(comparison: Comparison, key: str) -> str:
-    """Return the preset's value of a knob as the text shown in its field."""
+    """Return the preset's value of a knob as the text shown in its field (``NOT_USED`` for a key its model does not
+    use: a Hugging Face config's or a module's own width and depth)."""
+    knob = next((k for k in KNOBS if k.key == key), None)
+    if knob is not None and not knob.applies(comparison):
+        return NOT_USED
     target: object = comparison
     for part in key.split("."):
         target = getattr(target, part)
@@ -68,7 +80,7 @@ def overrides(base: Comparison, values: dict[str, str]) -> tuple[list[str], dict
     errors: dict[str, str] = {}
     for knob in KNOBS:
         text = values.get(knob.key, "").strip()
-        if text == current_value(base, knob.key):
+        if not knob.applies(base) or text == current_value(base, knob.key):
             continue
         if knob.kind == "int":
             if not re.fullmatch(r"-?\d+", text):

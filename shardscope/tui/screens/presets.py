@@ -6,6 +6,7 @@ Every change re-validates through ``config.load_preset`` with ``--set``-style ov
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -15,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
+from shardscope.core import model_facts
 from shardscope.config import Comparison, ConfigError, cpu_overrides, list_presets, load_preset, resolved_precision, \
     resolved_world_size
 from shardscope.tui.format import display_path
@@ -108,13 +110,18 @@ class PresetsScreen(Screen):
             sizes = ", ".join(f"{k.removeprefix('model.')} {v}" for k, v in cpu_overrides(name_or_path).items())
             shrunk = f"\n[yellow]No GPU here: its \\[cpu_overrides] shrink it ({sizes}); the runs and fields below " \
                      "are what will run.[/yellow]"
-        self.query_one("#preset-desc", Static).update(
-            f"[b]{base.name}[/b] — {base.description or '(no description)'}{shrunk}\n"
-            f"[dim]{display_path(base.source)}[/dim]")
+        what = Text.assemble(("model: ", "bold"), model_facts.label(base.model), ("\ndata: ", "bold"),
+                             model_facts.data_label(base.data, base.model),
+                             *[("\nnote: " + line, "yellow") for line in base.adjustments])
+        self.query_one("#preset-desc", Static).update(Text.assemble(
+            Text.from_markup(f"[b]{escape(base.name)}[/b] — "), base.description or "(no description)",
+            Text.from_markup(shrunk), "\n", what, "\n", (display_path(base.source), "dim")))
         for knob in KNOBS:
             value = current_value(base, knob.key)
             if knob.kind == "int":
-                self.query_one(f"#{knob.field_id}", Input).value = value
+                field = self.query_one(f"#{knob.field_id}", Input)
+                field.type = "integer" if knob.applies(base) else "text"
+                field.value, field.disabled = value, not knob.applies(base)
             else:
                 select = self.query_one(f"#{knob.field_id}", Select)
                 select.set_options([(c, c) for c in choices(base, knob.key)])
