@@ -46,10 +46,10 @@ from shardscope import config  # noqa: E402
 from shardscope.config import ConfigError  # noqa: E402
 from shardscope.cli.predictview import load_for  # noqa: E402
 from shardscope.presets.files import PRESET_DIR  # noqa: E402
-from shardscope.analysis import predict  # noqa: E402
-from shardscope.analysis.predict_collectives import measure  # noqa: E402
-from shardscope.analysis.predict_probe import probe_runs  # noqa: E402
-from shardscope.analysis import predict_comm_cost  # noqa: E402
+from shardscope.analysis.predict import predictor as predict  # noqa: E402
+from shardscope.analysis.predict.collectives import measure  # noqa: E402
+from shardscope.analysis.predict.probe import probe_runs  # noqa: E402
+from shardscope.analysis.predict import comm_cost as predict_comm_cost  # noqa: E402
 from shardscope.core.rundir import load_summary  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardscope.cli"]

@@ -14,7 +14,7 @@ def test_a_one_rank_probe_uses_a_real_group_of_one_and_a_larger_one_the_fake_gro
     """At world size 1 the run's own collectives on a group of one (DDP's reducer copying every gradient into its
     buckets and all-reducing them) cost time that no schedule places, so the probe runs them on a real gloo group
     of one; at 2 ranks it stands in for the others with the fake group, whose collectives return at once."""
-    from shardscope.analysis.predict_probe import probe_runs
+    from shardscope.analysis.predict.probe import probe_runs
     from shardscope.engines.compute_probe import probe_backend
 
     assert (probe_backend(1, "cpu"), probe_backend(1, "cuda"), probe_backend(2, "cpu")) == ("gloo", "nccl", "fake")

@@ -269,8 +269,8 @@ def test_the_predicted_schedule_makes_the_calls_a_real_step_makes(matrix, world_
     micro-batch and two): DDP's buckets, FSDP's per-unit gathers, ZeRO-3's coalesced buckets, the tensor-parallel
     activation all-reduces, the norm's all-reduces."""
     from shardscope.analysis import fold
-    from shardscope.analysis.predict_schedule import simulate
-    from shardscope.analysis.predict_work import work_of
+    from shardscope.analysis.predict.schedule import simulate
+    from shardscope.analysis.predict.work import work_of
 
     out = matrix(world_size, precision)
     c = fold.load_comparison(out)

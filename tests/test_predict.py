@@ -10,11 +10,11 @@ import pytest
 
 from shardscope import config
 from shardscope.config import RunSpec
-from shardscope.analysis import predict, predict_fit
-from shardscope.analysis.predict_devices import device_spec
-from shardscope.analysis.predict_fit import CalibrationRun, CollectiveFit, reference_compute, solve
-from shardscope.analysis.predict_schedule import simulate
-from shardscope.analysis.predict_work import work_of
+from shardscope.analysis.predict import predictor as predict, fit as predict_fit
+from shardscope.analysis.predict.devices import device_spec
+from shardscope.analysis.predict.fit import CalibrationRun, CollectiveFit, reference_compute, solve
+from shardscope.analysis.predict.schedule import simulate
+from shardscope.analysis.predict.work import work_of
 
 CPU = config.HostInfo("cpu", 64, "test")
 COLLECTIVES = {k: CollectiveFit(k, 40e-6, bw, 2, 0, 0, None, "measured")
@@ -298,7 +298,7 @@ def test_no_phase_split_means_no_calibration():
 
 
 def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_says_why():
-    from shardscope.analysis.predict_probe import core_phases
+    from shardscope.analysis.predict.probe import core_phases
 
     model = _model()  # 8 cores: 2 ranks get a core each, so the probe's seconds are the ranks'
     c = config.load_preset("fsdp-impls", host=CPU)
@@ -340,7 +340,7 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
 
 
 def test_timed_collectives_on_cpu_are_in_step_costs_floored_at_the_barrier_timed_call():
-    from shardscope.analysis.predict_collectives import _calls
+    from shardscope.analysis.predict.collectives import _calls
 
     rank0 = [("all_gather", 1e3, 0.5e-3, "barrier", 4), ("all_gather", 1e3, 0.7e-3, "barrier", 4),
              ("all_gather", 1e3, 2.0e-3, "in_step", 4), ("all_gather", 1e3, 0.1e-3, "in_step", 4),

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from shardscope import config
-from shardscope.analysis import predict, predict_comm_cost
+from shardscope.analysis.predict import predictor as predict, comm_cost as predict_comm_cost
 
 from test_predict import CPU, _model, smoke
 
@@ -74,7 +74,7 @@ def test_applied_to_the_exposed_communication_of_probed_runs_at_its_world_size_o
     assert predict.predict_run(c, c.run("ddp"), got)["step_time_s"] == pytest.approx(
         predict.predict_run(c, c.run("ddp"), model)["step_time_s"])
     text = predict.predict_comparison(c, got, probes={r.name: dict(PROBED) for r in c.runs})["assumptions"]
-    assert any(f"collective latency x{factor:.2f}" in a and "predict_comm_cost.py" in a for a in text)
+    assert any(f"collective latency x{factor:.2f}" in a and "predict/comm_cost.py" in a for a in text)
 
 
 def test_large_calls_pay_the_factor_on_their_latency_not_on_their_bytes(tmp_path):

@@ -9,10 +9,10 @@ import math
 import pytest
 
 from shardscope import config
-from shardscope.analysis import predict, predict_fit, predict_in_step
-from shardscope.analysis.predict_comm_fit import bus_factor
-from shardscope.analysis.predict_schedule import simulate
-from shardscope.analysis.predict_work import work_of
+from shardscope.analysis.predict import predictor as predict, fit as predict_fit, in_step as predict_in_step
+from shardscope.analysis.predict.comm_fit import bus_factor
+from shardscope.analysis.predict.schedule import simulate
+from shardscope.analysis.predict.work import work_of
 
 from test_predict import CPU, _comm, _model, _runs, smoke
 
@@ -84,7 +84,7 @@ def test_blocking_tp_calls_pay_the_jobs_figure_and_not_the_latency_factor():
 
 
 def test_the_jobs_small_all_reduces_run_long_loops_and_are_not_floored_at_the_barrier_timed_call():
-    from shardscope.analysis import predict_collectives as pc
+    from shardscope.analysis.predict import collectives as pc
 
     assert pc._rounds("all_reduce", 65536) == pc.SMALL_ROUNDS > pc.ROUNDS
     assert pc._rounds("all_reduce", 1 << 20) == pc._rounds("all_gather", 4096) == pc.ROUNDS

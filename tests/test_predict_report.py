@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardscope.analysis import predict_report
+from shardscope.analysis.predict import report as predict_report
 
 
 def _row(**over):

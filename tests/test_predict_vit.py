@@ -9,8 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardscope import config
-from shardscope.analysis import predict, predict_fit, predict_report
-from shardscope.analysis.predict_work import tokens_per_sample, vit_flops_per_patch, work_of
+from shardscope.analysis.predict import predictor as predict, fit as predict_fit, report as predict_report
+from shardscope.analysis.predict.work import tokens_per_sample, vit_flops_per_patch, work_of
 from shardscope.engines.vit import ViT
 
 from test_predict import CPU, _runs, smoke

@@ -10,8 +10,8 @@ import pytest
 from shardscope import config
 from shardscope.core import registry
 from shardscope.config import ConfigError, ModelSpec, ProfileSpec, RunSpec
-from shardscope.analysis import why, why_probe, why_variants
-from shardscope.analysis.why import Plan
+from shardscope.analysis.why import verdict as why, probe as why_probe, variants as why_variants
+from shardscope.analysis.why.verdict import Plan
 
 F32 = {"precision": {"policy": "fp32", "param": "float32", "compute": "float32", "reduce": "float32",
                      "master": "float32", "loss_scaling": "false"}}

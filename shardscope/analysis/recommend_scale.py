@@ -11,8 +11,8 @@ from typing import Any
 from shardscope.config import Comparison
 from shardscope.core import batch_follow
 from shardscope.core.numbers import fmt_bytes
-from shardscope.analysis import predict
-from shardscope.analysis.predict_devices import DeviceSpec
+from shardscope.analysis.predict import predictor as predict
+from shardscope.analysis.predict.devices import DeviceSpec
 
 
 def comparison_at(c: Comparison, world_size: int) -> tuple[Comparison, list[str]]:

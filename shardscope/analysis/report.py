@@ -1,9 +1,8 @@
 """Reports of a comparison from its run directory alone: summary.json, report.md, plots, merged trace.
 
-``write_reports(out_dir)`` is the one entry point: the orchestrator calls it when a comparison
-ends and ``shardscope report DIR`` calls it again later. It reads ``comparison.json``, replays every
-``<run>/metrics/rank*.jsonl`` through the same fold the live views use, analyses the traces, and
-writes everything. It never imports torch (the orchestrator is torch-free); trace analysis is JSON.
+``write_reports(out_dir)`` is the one entry point: the orchestrator calls it when a comparison ends and
+``shardscope report DIR`` calls it again later. It reads ``comparison.json``, replays every ``<run>/metrics/rank*.jsonl``
+through the fold the live views use, analyses the traces, writes everything. Never torch; trace analysis is JSON.
 """
 
 from __future__ import annotations
@@ -13,11 +12,12 @@ import sys
 from typing import Any
 
 from shardscope.config import Comparison, dump_json, write_atomic
-from shardscope.analysis import fold
 from shardscope.profiling.state import RunState
 from shardscope.core.outspace import describe, disk_error
 from shardscope.core.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
-from shardscope.analysis import divergence, explain_report, plots, predict_report, recommend, straggler_report, summary, why
+from shardscope.analysis import divergence, explain_report, fold, plots, recommend, straggler_report, summary
+from shardscope.analysis.predict import report as predict_report
+from shardscope.analysis.why import verdict as why
 from shardscope.profiling import framework_fixes, memory_model, traces
 from shardscope.core.numbers import fmt_bytes, fmt_sig, median_rate, not_measured
 from shardscope.analysis.summary import throughput_unit

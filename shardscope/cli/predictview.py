@@ -38,8 +38,8 @@ def load_for(preset: str, overrides: list[str], backend: str | None, what_if: bo
 def checked_calibrations(dirs: tuple[str, ...] | list[str]) -> list[str]:
     """``--calibrate DIR`` of ``run`` and ``report``: each a finished comparison this machine can be calibrated on
     (as ``predict --calibrate`` reads them); exits 2 with one line otherwise. Returns the directories."""
-    from shardscope.analysis import predict
-    from shardscope.analysis.predict_work import NotPredicted
+    from shardscope.analysis.predict import predictor as predict
+    from shardscope.analysis.predict.work import NotPredicted
 
     try:
         predict.calibrate(list(dirs))
@@ -53,12 +53,12 @@ def checked_calibrations(dirs: tuple[str, ...] | list[str]) -> list[str]:
 def probed(comparison: config.Comparison, dirs: list[str], model: Any) -> tuple[Any, dict[str, Any]]:
     """``--probe``: each run of ``comparison`` probed (a one-rank subprocess each, progress on stderr), and on CPU
     ``model`` given what the calibration's own real steps paid for their collectives. Returns (model, probes)."""
-    from shardscope.analysis import predict
-    from shardscope.analysis.predict_probe import probe_runs
+    from shardscope.analysis.predict import predictor as predict
+    from shardscope.analysis.predict.probe import probe_runs
 
     probes = probe_runs(comparison, progress=lambda text: click.echo(text, err=True), device=model.device)
     if model.backend == "gloo":
-        from shardscope.analysis import predict_comm_cost
+        from shardscope.analysis.predict import comm_cost as predict_comm_cost
 
         model = predict_comm_cost.measure(model, dirs, probe_runs, predict.predict_run,
                                           progress=lambda text: click.echo(f"calibration: {text}", err=True))
@@ -70,7 +70,8 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
     (instead of from its own baseline run; with ``probe``, each run's compute probed as ``predict --probe``
     does): rewrite summary.json's ``prediction`` and report.md, return the summary (None when the directory has
     no summary). Not remembered: ``report DIR`` alone calibrates on the baseline again."""
-    from shardscope.analysis import fold, predict, predict_report
+    from shardscope.analysis import fold
+    from shardscope.analysis.predict import predictor as predict, report as predict_report
     from shardscope.cli.common import rewrite_summary
     from shardscope.core.rundir import load_summary
 
@@ -81,7 +82,7 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
         return None
     model, probes = None, None  # the section fits (and says why it cannot) when no model is given
     if probe:
-        from shardscope.analysis.predict_work import NotPredicted
+        from shardscope.analysis.predict.work import NotPredicted
 
         try:
             model = predict.calibrate(dirs)
@@ -96,7 +97,7 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
 
 def print_beside(summary: dict[str, Any]) -> None:
     """Print summary.json's predicted-beside-measured section as short lines (as the app's report screen)."""
-    from shardscope.analysis import predict_report
+    from shardscope.analysis.predict import report as predict_report
 
     lines = predict_report.plain_lines(summary.get("prediction") or {})
     if lines:
@@ -113,7 +114,7 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
     """Print ``predict.predict_comparison``'s dict: the runs table, notes, assumptions and the calibration's fit."""
     from rich.table import Table
 
-    from shardscope.analysis import predict
+    from shardscope.analysis.predict import predictor as predict
 
     what_if = result["what_if"]
     title = (f"WHAT-IF on {result['device']} GPUs (not measured here): {result['preset']}" if what_if
@@ -194,8 +195,8 @@ def _latencies(f: dict[str, Any]) -> str:
 
 def _with_collectives(dirs: list[str], backend: str, world_size: int) -> Any:
     """The machine model refitted with collectives timed by a short torchrun job; exits 1 when the job fails."""
-    from shardscope.analysis import predict
-    from shardscope.analysis.predict_collectives import measure
+    from shardscope.analysis.predict import predictor as predict
+    from shardscope.analysis.predict.collectives import measure
 
     click.echo(f"timing collectives at {world_size} ranks ({backend}) ...", err=True)
     try:
@@ -210,7 +211,7 @@ def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Compari
                               backend: str, timed: int, probes: dict[str, Any] | None) -> None:
     """Runs whose ranks differ from the ``timed`` world size (tensor parallelism's dp x tp) predicted again with
     collectives timed at their own world size, in place in ``result["runs"]``."""
-    from shardscope.analysis import predict
+    from shardscope.analysis.predict import predictor as predict
 
     by_name = {run.name: run for run in comparison.runs}
     rows = result["runs"]
@@ -241,9 +242,9 @@ def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Compari
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
                 device: str | None, collectives: bool, probe: bool, as_json: bool) -> None:
     """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
-    from shardscope.analysis import predict
-    from shardscope.analysis.predict_devices import DEVICES, device_spec
-    from shardscope.analysis.predict_work import NotPredicted
+    from shardscope.analysis.predict import predictor as predict
+    from shardscope.analysis.predict.devices import DEVICES, device_spec
+    from shardscope.analysis.predict.work import NotPredicted
 
     if world_size is not None and world_size < 1:
         _fail(f"--world-size {world_size}: must be >= 1")

@@ -65,8 +65,8 @@ def print_at_scale(out_dir: str, world_size: int, device: str | None, limit: int
     """Print the recommendation predicted at ``world_size`` ranks (``analysis.recommend_scale``); exits 2 with one
     line when ``device`` is unknown and says why when the comparison cannot calibrate a prediction."""
     from shardscope.analysis import recommend_scale
-    from shardscope.analysis.predict_devices import DEVICES, device_spec
-    from shardscope.analysis.predict_work import NotPredicted
+    from shardscope.analysis.predict.devices import DEVICES, device_spec
+    from shardscope.analysis.predict.work import NotPredicted
 
     if device and device.strip().upper() not in DEVICES:
         _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")

@@ -4,7 +4,7 @@ Prints what it will run and an estimate first (``--dry-run`` stops there), one l
 and ends, then a rich table (per re-run: max and mean |Δloss| to the baseline, per-layer gradient-norm gap),
 the cause and where the two runs first differ module by module. ``--json`` prints the result as JSON (progress
 on stderr). Exit 0: explained, or nothing to explain; 1: not explained, not reproduced or a re-run failed;
-2: bad input. The analysis is ``analysis/why.py``, the re-runs ``orchestrator/why_runs.py``; no torch here.
+2: bad input. The analysis is ``analysis/why/verdict.py``, the re-runs ``orchestrator/why_runs.py``; no torch here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import click
 
 from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, terminate_on
 from shardscope.core.numbers import json_ready
-from shardscope.analysis import why
-from shardscope.analysis.why import WhyError
+from shardscope.analysis.why import verdict as why
+from shardscope.analysis.why.verdict import WhyError
 
 GOOD = ("explained", "nothing to explain")
 

@@ -1,6 +1,6 @@
 """Runs ``shardscope why``'s rounds as real comparisons and writes its result.
 
-Each round is a comparison of its own under ``DIR/why/<run>/round<k>/`` (``analysis/why_variants.py`` builds
+Each round is a comparison of its own under ``DIR/why/<run>/round<k>/`` (``analysis/why/variants.py`` builds
 it), run by a ``Session`` like any other: round 1 holds the baseline and the run as they are (module probe on)
 and one variant per suspect; round 2, only when no single change closes the gap, the baseline and pairs. The
 rounds load ``DIR/init.safetensors`` (linked, else copied; without it the first run writes the same weights from
@@ -20,8 +20,8 @@ from shardscope import config
 from shardscope.config import ConfigError, dump_json
 from shardscope.orchestrator.preflight import claim_out_dir
 from shardscope.profiling import state
-from shardscope.analysis import why, why_variants
-from shardscope.analysis.why import Plan, WhyError
+from shardscope.analysis.why import verdict as why, variants as why_variants
+from shardscope.analysis.why.verdict import Plan, WhyError
 from shardscope.core.rundir import RunDir, read_json_or_none
 
 Progress = Callable[[str], None]

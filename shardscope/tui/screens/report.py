@@ -17,7 +17,8 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from shardscope.core.numbers import fmt_sig, median_rate
-from shardscope.analysis import predict_report, recommend
+from shardscope.analysis import recommend
+from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.core.rundir import SUMMARY, RunDir, read_summary
 from shardscope.tui.board import Board

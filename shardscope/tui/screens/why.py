@@ -18,8 +18,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown, Static
 
 from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
-from shardscope.analysis import why
-from shardscope.analysis.why import WhyError
+from shardscope.analysis.why import verdict as why
+from shardscope.analysis.why.verdict import WhyError
 
 
 class WhyProgress(Message):

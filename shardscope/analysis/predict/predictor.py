@@ -17,15 +17,15 @@ from typing import Any
 
 from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import memory_model
-from shardscope.analysis.predict_devices import ADAMW_BYTES_PER_ELEMENT, ASSUMED_MFU, DeviceSpec
-from shardscope.analysis.predict_fit import (
+from shardscope.analysis.predict.devices import ADAMW_BYTES_PER_ELEMENT, ASSUMED_MFU, DeviceSpec
+from shardscope.analysis.predict.fit import (
     PHASE_KEYS, MachineModel, _comm_fn, _compute_bytes, about_this_machine, fit, slowdown, read_calibration,
     reference_compute, ring_steps, bus_factor,
 )
-from shardscope.analysis import predict_comm_cost as comm_cost
-from shardscope.analysis import predict_in_step as in_step
-from shardscope.analysis.predict_schedule import simulate
-from shardscope.analysis.predict_work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
+from shardscope.analysis.predict import comm_cost
+from shardscope.analysis.predict import in_step
+from shardscope.analysis.predict.schedule import simulate
+from shardscope.analysis.predict.work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
 FIGURES = ("tokens_per_s", "samples_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
 
@@ -262,7 +262,7 @@ def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) ->
         out.append(f"WHAT-IF on {device.name} GPUs, not measured on this machine: compute from FLOPs at a fraction "
                    "of the datasheet peak, the optimizer at HBM bandwidth, collectives at the table's NVLink "
                    "(inside 8 GPUs) or InfiniBand bus bandwidth, NCCL overlap per schedule; framework overhead "
-                   "and host-side costs are not modelled (predict_devices.py lists the sources)")
+                   "and host-side costs are not modelled (predict/devices.py lists the sources)")
     if model is not None:
         fwd = model.coefficients.get("forward", {})
         if device is None and fwd.get("per_flop_s"):
@@ -271,7 +271,7 @@ def assumptions(model: MachineModel | None, device: DeviceSpec | None = None) ->
                        + ("; a core of its own" if model.backend == "gloo" else "")
                        + "), same per-FLOP speed at other model sizes unless two sizes were calibrated")
         out.append("a step's collectives move exactly the communication theory's bytes (comm_theory), placed and "
-                   "overlapped as each strategy's schedule does (predict_schedule.py)")
+                   "overlapped as each strategy's schedule does (predict/schedule.py)")
         if device is None:
             out.append("framework overhead (each strategy's compute beyond DDP's, per parameter tensor and phase) "
                        "measured on the calibration's runs of: " + (", ".join(sorted(model.overhead)) or "none"))
@@ -292,7 +292,7 @@ def predict_comparison(c: Comparison, model: MachineModel | None, device: Device
         "runs": [predict_run(c, run, model, device, probes.get(run.name)) for run in c.runs],
         "assumptions": assumptions(model, device) + ([
             "compute and framework overhead per run measured by a one-rank probe at the predicted world size "
-            "(predict_probe.py), not carried over from the calibration"] if probes and device is None else [])
+            "(predict/probe.py), not carried over from the calibration"] if probes and device is None else [])
             + ([comm_cost.assumption(model)] if probes and device is None and model and model.comm_cost else [])
             + ([in_step.NOTE] if probes and device is None and model and model.backend == "gloo" and model.in_step
                else []),

@@ -25,7 +25,7 @@ import math
 import statistics
 from typing import Any, Callable
 
-from shardscope.analysis.predict_comm_fit import bus_factor
+from shardscope.analysis.predict.comm_fit import bus_factor
 
 Table = dict[str, dict[str, list[list[float]]]]  # type -> group size (str, JSON) -> [[bytes, seconds]] by bytes
 
@@ -77,4 +77,4 @@ def comm_fn(tab: Table, fallback: CommTime, fits: dict[str, Any]) -> CommTime:
 
 
 NOTE = ("tensor-parallel and gradient-norm all-reduces (blocking, right after compute: the collective job's own "
-        "pattern) priced at the job's in-step time at their size, without the latency factor (predict_in_step.py)")
+        "pattern) priced at the job's in-step time at their size, without the latency factor (predict/in_step.py)")

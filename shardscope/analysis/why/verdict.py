@@ -17,9 +17,10 @@ from typing import Any
 
 from shardscope.config import Comparison
 from shardscope.core.numbers import fmt_sig, read_json
-from shardscope.analysis import divergence, fold, summary, why_probe
+from shardscope.analysis import divergence, fold, summary
+from shardscope.analysis.why import probe as why_probe
 from shardscope.profiling.state import OK
-from shardscope.analysis.why_variants import Variant, estimate_s, suspects, window
+from shardscope.analysis.why.variants import Variant, estimate_s, suspects, window
 from shardscope.core.rundir import SUMMARY, RunDir, load_summary
 
 

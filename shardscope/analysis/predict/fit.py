@@ -37,12 +37,12 @@ from typing import Any
 
 from shardscope.analysis import fold
 from shardscope.profiling import memory_model
-from shardscope.analysis.predict_in_step import table as in_step_table
-from shardscope.analysis.predict_comm_fit import (  # noqa: F401  (predict_fit.X for callers)
+from shardscope.analysis.predict.in_step import table as in_step_table
+from shardscope.analysis.predict.comm_fit import (  # noqa: F401  (predict_fit.X for callers)
     DERIVABLE, CollectiveFit, bus_factor, fit_collectives, rel_rms, ring_steps, solve,
 )
-from shardscope.analysis.predict_schedule import simulate
-from shardscope.analysis.predict_work import NotPredicted, REPLICATED, Work, work_of
+from shardscope.analysis.predict.schedule import simulate
+from shardscope.analysis.predict.work import NotPredicted, REPLICATED, Work, work_of
 from shardscope.profiling.trace_reading import load_rank_trace, rank_trace_paths
 from shardscope.core.rundir import RunDir
 

@@ -38,7 +38,7 @@ import os
 from typing import Any, Callable
 
 from shardscope.analysis import fold
-from shardscope.analysis.predict_fit import MachineModel
+from shardscope.analysis.predict.fit import MachineModel
 
 REPEATS = 3  # probes per calibration run: the sums stand against the probe's own scatter
 
@@ -122,6 +122,6 @@ def assumption(model: MachineModel) -> str:
             f"steps paid {cc['paid_s'] * 1e3:,.1f} ms for their collectives where the fit placed "
             f"{cc['predicted_s'] * 1e3:,.1f} ms, {cc.get('latency_s', 0.0) * 1e3:,.1f} ms of it the calls' latency, "
             f"summed over their probes (paid / fit, median per run: {per_run}); the difference is put on the latency "
-            "part, the bytes' part stays as fitted; none at other world sizes (predict_comm_cost.py)"
+            "part, the bytes' part stays as fitted; none at other world sizes (predict/comm_cost.py)"
             + "".join(f"; the calibration's runs at {n} ranks ({', '.join(runs)}) are left out: one factor is "
                       f"measured at one world size" for n, runs in cc.get("left_out", {}).items()))

@@ -5,7 +5,7 @@ Used when the calibration comparison lacks a collective type (a DDP-only compari
 or measured it at one size only (its latency not separable from its bandwidth), or to measure at the world
 size being predicted. The parent side (``measure``) is torch-free: it starts torchrun in a process group of
 its own, kills the group if it outlives ``timeout_s``, and reads the one JSON file rank 0 writes. The rank
-side (``python -m shardscope.analysis.predict_collectives OUT``) imports torch inside ``main``.
+side (``python -m shardscope.analysis.predict.collectives OUT``) imports torch inside ``main``.
 
 On a GPU each call is timed on every rank after a barrier; the call's cost is its fastest rank's time (a
 rank that arrives late makes the others wait inside the collective), as the traces are read in
@@ -49,7 +49,7 @@ def measure(world_size: int, backend: str = "gloo", timeout_s: float = 300.0) ->
     with tempfile.TemporaryDirectory(prefix="shardscope-collectives-") as tmp:
         out = os.path.join(tmp, "collectives.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               "-m", "shardscope.analysis.predict_collectives", out, backend]
+               "-m", "shardscope.analysis.predict.collectives", out, backend]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = run_bounded(cmd, timeout_s, env, merge_stderr=True)
         if proc is None:

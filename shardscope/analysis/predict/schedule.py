@@ -44,7 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardscope.analysis.predict_work import DDP_FIRST_BUCKET_BYTES, NORM_ALLREDUCE_BYTES, Work
+from shardscope.analysis.predict.work import DDP_FIRST_BUCKET_BYTES, NORM_ALLREDUCE_BYTES, Work
 
 PHASES = ("forward", "backward", "optimizer")
 CommTime = Callable[[str, float, int], float]  # (collective type, bytes, group size) -> seconds

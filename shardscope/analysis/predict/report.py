@@ -11,8 +11,8 @@ from typing import Any
 
 from shardscope.config import Comparison
 from shardscope.core.numbers import fmt_bytes, median_rate, relative_spread, timed_rates
-from shardscope.analysis import predict
-from shardscope.analysis.predict_work import NotPredicted
+from shardscope.analysis.predict import predictor as predict
+from shardscope.analysis.predict.work import NotPredicted
 
 
 def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs: list[str] | None = None,
@@ -57,7 +57,7 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
             "assumptions": predict.assumptions(model) + ([PROBED] if probes else []), "fit_error": model.fit_error}
 
 
-PROBED = ("compute and framework overhead per run measured by a one-rank probe of the run (predict_probe.py), not "
+PROBED = ("compute and framework overhead per run measured by a one-rank probe of the run (predict/probe.py), not "
           "carried over from the calibration: the prediction whose error benchmarks/predict_accuracy.py measures")
 
 
