@@ -217,3 +217,16 @@ def test_no_room_holds_more_than_a_quarter_of_the_code():
     total = sum(lines.values())
     big = {r: f"{n / total:.0%}" for r, n in lines.items() if n > total / 4}
     assert big == {}, big
+
+
+def test_a_prefix_shared_by_more_than_five_files_is_a_room():
+    """``analysis/predict_*.py`` grew to ten files before it became ``analysis/predict/``: a concern that has outgrown
+    a file-name prefix gets a room of its own (a folder whose ``__init__`` says what it owns)."""
+    crowded = {}
+    for folder, _, files in os.walk(PKG):
+        prefixes: dict[str, int] = defaultdict(int)
+        for f in files:
+            if f.endswith(".py") and not f.startswith("_") and "_" in f:
+                prefixes[f.split("_")[0]] += 1
+        crowded.update({f"{os.path.relpath(folder, PKG)}/{p}_*": n for p, n in prefixes.items() if n > 5})
+    assert crowded == {}, f"make these rooms: {crowded}"
