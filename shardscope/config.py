@@ -34,9 +34,9 @@ from shardscope.presets.overrides import (  # noqa: F401
     _set_dotted, apply_override, build_comparison, list_presets, parse_override,
 )
 from shardscope.presets.schema import (  # noqa: F401
-    DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS, PRECISIONS, Comparison,
+    CONTROL_STEPS, DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS, PRECISIONS, Comparison,
     DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
-    resolved_world_size,
+    resolved_world_size, with_control, control_runs,
 )
 from shardscope.core.rundir import PARTIAL_SUFFIX, RunDir
 
@@ -135,6 +135,10 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
     resolved["dp"] = resolved["world_size"] // resolved["tp"]
     comp = c.to_dict()
     comp.pop("runs")
+    if run.steps:  # the A/A control: fewer steps on the baseline's lr schedule, the same losses step by step
+        comp["steps"], comp["schedule_steps"] = run.steps, c.schedule_steps or c.steps
+    if run.control_of:
+        comp["profile"]["enabled"] = False
     out = RunDir(os.path.abspath(out_dir))
     return {
         "comparison": comp,

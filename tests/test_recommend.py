@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shardscope.analysis import recommend
 
 MiB = 2**20
@@ -19,10 +21,10 @@ def test_clear_winner_and_what_each_run_saves_and_costs():
     s = _summary(_run("ddp", 10000, 800), _run("fsdp", 7000, 500))
     rec = recommend.recommend(s, {"ddp": 0.02, "fsdp": 0.03}, "cuda")
     assert rec["fastest"] == "ddp" and rec["no_clear_difference"] == []
-    assert "fastest run: ddp (10,000 tokens/s, 1.43x fsdp)" in rec["lines"]
+    assert "fastest run: ddp (10,000 tokens/s, 1.43x fsdp, 1.36x-1.50x with the noise)" in rec["lines"]
     assert rec["runs"]["fsdp"]["mem_saved_bytes"] == 300 * MiB
-    assert "fsdp vs ddp: saves 300.0 MiB of allocator peak memory per rank, costs 30.0% throughput (7,000 vs 10,000 tokens/s)" \
-        in rec["lines"]
+    assert ("fsdp vs ddp: saves 300.0 MiB of allocator peak memory per rank, costs 30.0% throughput (0.70x, 0.67x-0.74x "
+            "with the noise) (7,000 vs 10,000 tokens/s)") in rec["lines"]
     assert rec["caveats"] == []
 
 
@@ -31,7 +33,7 @@ def test_tie_within_the_runs_own_spread_is_no_clear_difference():
     rec = recommend.recommend(s, {"ddp": 0.015, "fsdp": 0.01}, "cuda")
     assert rec["no_clear_difference"] == ["ddp", "fsdp"]
     assert any(line.startswith("no clear difference in throughput between ddp, fsdp") for line in rec["lines"])
-    assert "within the noise" in rec["lines"][-1]
+    assert "throughput not distinguishable on this machine now (0.98x, band ±2.5%" in rec["lines"][-1]
     # The same 2% gap with tighter spreads is a real difference.
     assert recommend.recommend(s, {"ddp": 0.005, "fsdp": 0.005}, "cuda")["no_clear_difference"] == []
 
@@ -72,7 +74,7 @@ def test_cpu_runs_say_gloo_timings_do_not_predict_gpus():
 def test_unknown_spread_is_said_not_guessed():
     s = _summary(_run("ddp", 10000, 800), _run("fsdp", 9900, 500))
     rec = recommend.recommend(s, {"ddp": None, "fsdp": None}, "cuda")
-    assert "spread not measured" in rec["lines"][0]
+    assert "not tested against noise (fewer than 4 timed steps and no A/A control)" in rec["lines"][0]
 
 
 def test_smallest_fitting_world_size_follows_the_memory_model():
@@ -159,7 +161,7 @@ def test_one_noise_rule_no_line_contradicts_another():
                 assert within_noise(ra, rb, spreads[a], spreads[b])
     for name in ("zero3", "zero2"):
         line = next(line for line in rec["lines"] if line.startswith(f"{name} vs ddp"))
-        assert ("within the noise" in line) == (name in group), (group, line)
+        assert ("not distinguishable" in line) == (name in group), (group, line)
     # Without a measured spread, a cost is said to be untested against the noise.
     rec = recommend.recommend(s, {"ddp": None, "zero3": 0.1, "zero2": 0.1}, "cuda")
     assert any(line.startswith("zero2 vs ddp") and "not tested against noise" in line for line in rec["lines"])
@@ -190,3 +192,53 @@ def test_a_comparison_at_another_world_size_keeps_each_ranks_micro_batch():
     assert (at8.world_size, at8.global_batch) == (8, c.global_batch * 8 // c.world_size)
     assert [r.name for r in at8.runs] == [r.name for r in c.runs] and "global_batch" in notes[0]
     assert comparison_at(c, c.world_size) == (c, [])
+
+
+def test_the_a_a_control_widens_the_band_and_is_not_ranked():
+    """Two identical comparisons on a shared machine ranked strategies differently: a gap is a verdict only outside
+    how far the A/A control (the baseline again) moved, and the control itself is never a candidate."""
+    runs = [_run("ddp", 10000, 800), _run("zero2", 9000, 500), _run("ddp.again", 8800, 800, control_of="ddp")]
+    s = {**_summary(*runs), "noise": {"between": {"measured": True, "control": "ddp.again", "baseline": "ddp",
+                                                  "steps": 10, "baseline_rate": 10000, "control_rate": 8800,
+                                                  "moved": 10000 / 8800 - 1}}}
+    rec = recommend.recommend(s, {"ddp": 0.01, "zero2": 0.01, "ddp.again": 0.01}, "cuda")
+    assert "ddp.again" not in rec["runs"] and rec["no_clear_difference"] == ["ddp", "zero2"]
+    line = next(x for x in rec["lines"] if x.startswith("zero2 vs ddp"))
+    assert "throughput not distinguishable on this machine now (0.90x, band ±13.6%: A/A moved 13.6%)" in line, line
+    assert rec["lines"][-1].startswith("A/A control: ddp run again moved 13.6%")
+    # The same gap with a quiet control is a verdict, with its interval.
+    s["noise"]["between"].update(control_rate=9900, moved=10000 / 9900 - 1)
+    rec = recommend.recommend(s, {"ddp": 0.01, "zero2": 0.01, "ddp.again": 0.01}, "cuda")
+    assert "costs 10.0% throughput (0.90x, 0.88x-0.92x with the noise)" in next(
+        x for x in rec["lines"] if x.startswith("zero2 vs ddp"))
+
+
+def test_runs_that_waited_for_cores_are_ranked_by_busy_cpu_time():
+    """The issue's case: DDP's ranks waited for a core 62% of the time and 'gained 38%' in wall clock while every
+    strategy's busy time was the same. On a contended CPU the ranking uses tokens per busy CPU second."""
+    runs = [_run("ddp", 13800, 300, peak_mem_kind="process RSS"), _run("fsdp2", 10000, 300, peak_mem_kind="process RSS"),
+            _run("ddp.again", 12000, 300, peak_mem_kind="process RSS", control_of="ddp")]
+    s = {**_summary(*runs), "noise": {
+        "between": {"measured": True, "control": "ddp.again", "baseline": "ddp", "steps": 10, "baseline_rate": 13800,
+                    "control_rate": 12000, "moved": 0.15},
+        "core_wait": {"ddp": 0.62, "fsdp2": 0.3, "ddp.again": 0.5}, "contended": ["ddp", "ddp.again", "fsdp2"],
+        "busy_per_token": {"ddp": 1.35e-4, "fsdp2": 1.36e-4, "ddp.again": 1.37e-4}}}
+    rec = recommend.recommend(s, {"ddp": 0.01, "fsdp2": 0.01, "ddp.again": 0.01}, "cpu")
+    assert rec["ranked_by"] == "tokens per busy CPU second"
+    assert rec["lines"][0].startswith("ranks waited for a core (ddp 62%, fsdp2 30% of the time")
+    assert rec["no_clear_difference"] == ["ddp", "fsdp2"]
+    assert "throughput per busy CPU second not distinguishable" in next(
+        x for x in rec["lines"] if x.startswith("fsdp2 vs ddp"))
+
+
+def test_the_verdict_rule():
+    from shardscope.core.numbers import speed_verdict
+
+    assert speed_verdict(80, 100, 0.01, 0.01, 0.3)["verdict"] == "tie"  # the A/A control moved 30%
+    v = speed_verdict(80, 100, 0.01, 0.01, 0.05)
+    assert v["verdict"] == "slower" and v["band"] == pytest.approx(1.05)
+    assert v["interval"] == pytest.approx([0.8 / 1.05, 0.8 * 1.05])
+    assert speed_verdict(130, 100, 0.2, 0.2, None)["verdict"] == "tie"  # the step spread alone: (1.2)(1.2) = 1.44
+    assert speed_verdict(150, 100, 0.2, 0.2, None)["verdict"] == "faster"
+    assert speed_verdict(150, 100, None, None, None)["verdict"] == "untested"
+    assert speed_verdict(150, 100, None, 0.1, 0.6)["verdict"] == "tie"  # no step spread, a 60% A/A move

@@ -74,7 +74,7 @@ def replay_updates(out_dir: str) -> list[Update]:
         updates.append(state.RunDefined(
             run=run.name, strategy=run.strategy,
             world_size=int(resolved.get("world_size") or run.world_size or comparison.world_size),
-            steps_total=comparison.steps,
+            steps_total=run.steps or comparison.steps,
             precision=resolved.get("precision") or run.precision or comparison.precision,
             options=resolved.get("options") or dict(run.options), run_dir=files.path,
         ))

@@ -6,14 +6,16 @@ fit; it returns the section written to summary.json as ``recommendation`` with t
 print. ``section(...)`` gathers those inputs from a comparison's run states. Every sentence is built
 from this run's numbers: the fastest run that fits, what each other run saves in memory per rank and
 costs in throughput against the baseline, which runs would not fit the named device memory, and
-"no clear difference" when runs differ by less than their own spread.
+"no clear difference" when runs differ by less than the noise: their own step-to-step spread or, larger, how far
+the A/A control moved (``numbers.speed_verdict``, the one rule).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardscope.core.numbers import fmt_bytes, relative_spread, timed_rates, within_noise
+from shardscope.analysis import noise
+from shardscope.core.numbers import fmt_bytes, move_of, relative_spread, speed_verdict, timed_rates
 
 GPU_CAVEAT = ("these runs used gloo on CPU: their timings do not predict GPU (NCCL) behaviour — the memory "
               "figures of model states carry over, the throughput ranking may not")
@@ -33,24 +35,79 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def _tied(rate: float, reference: float, spread: float | None, reference_spread: float | None) -> bool | None:
-    """The one noise rule (``numbers.within_noise``): True when ``rate`` is within the two runs'
-    spreads of ``reference``; None when a spread is not measured."""
-    return within_noise(rate, reference, spread, reference_spread)
+def _between(summary: dict[str, Any], busy: bool = False) -> float | None:
+    """How far the A/A control moved from its baseline (``noise.between``; on busy CPU time per token when ``busy``)."""
+    between = (summary.get("noise") or {}).get("between") or {}
+    if not between.get("measured"):
+        return None
+    if not busy:
+        return between.get("moved")
+    per_token = (summary.get("noise") or {}).get("busy_per_token") or {}
+    a, b = per_token.get(between.get("control")), per_token.get(between.get("baseline"))
+    return move_of(a, b) if a and b else None
+
+
+class _Measure:
+    """What runs are ranked by: median tokens/s, or on a CPU whose cores the runs waited for, tokens per busy CPU
+    second (``noise.busy_per_token``), which the wait does not distort."""
+
+    def __init__(self, summary: dict[str, Any], device: str, spreads: dict[str, float | None], usable: list[dict]):
+        noise = summary.get("noise") or {}
+        busy = noise.get("busy_per_token") or {}
+        self.contended = [n for n in noise.get("contended") or [] if n in {r["name"] for r in summary["runs"]}]
+        self.busy = bool(device == "cpu" and self.contended and usable and all(busy.get(r["name"]) for r in usable))
+        self.per_token = busy
+        self.spreads = spreads
+        self.between = _between(summary, self.busy)
+
+    def of(self, run: dict[str, Any]) -> float | None:
+        if self.busy:
+            b = self.per_token.get(run["name"])
+            return 1 / b if b else None
+        return _rate(run)
+
+    def verdict(self, run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+        """``numbers.speed_verdict`` of ``run`` against ``reference`` on this measure (busy time has no step spread)."""
+        spreads = (None, None) if self.busy else (self.spreads.get(run["name"]), self.spreads.get(reference["name"]))
+        return speed_verdict(self.of(run), self.of(reference), *spreads, self.between)
+
+
+def verdict_text(v: dict[str, Any], busy: bool = False) -> str:
+    """A verdict in words, with its interval or the reason it cannot tell."""
+    what = "throughput per busy CPU second" if busy else "throughput"
+    ratio = v["ratio"]
+    if v["verdict"] == "untested":
+        return f"{what} {ratio:.2f}x, not tested against noise (fewer than 4 timed steps and no A/A control)"
+    lo, hi = v["interval"]
+    if v["verdict"] == "tie":
+        moved = f"A/A moved {v['between']:.1%}" if v.get("between") is not None else "between-run noise not measured"
+        return (f"{what} not distinguishable on this machine now ({ratio:.2f}x, band ±{v['band'] - 1:.1%}: {moved})")
+    change = f"gains {_pct(ratio - 1)}" if ratio > 1 else f"costs {_pct(1 - ratio)}"
+    return f"{change} {what} ({ratio:.2f}x, {lo:.2f}x-{hi:.2f}x with the noise)"
+
+
+def _versus(v: dict[str, Any], name: str) -> str:
+    """The winner's margin over the runner-up: ``1.43x fsdp (1.30x-1.57x with the noise)``."""
+    if v["verdict"] == "untested":
+        return f"{v['ratio']:.2f}x {name} — not tested against noise (fewer than 4 timed steps and no A/A control)"
+    lo, hi = v["interval"]
+    return f"{v['ratio']:.2f}x {name}, {lo:.2f}x-{hi:.2f}x with the noise"
 
 
 def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device: str,
               device_memory_bytes: int | None = None,
               fits_at: dict[str, int | None] | None = None) -> dict[str, Any]:
-    """Return the recommendation section for ``summary`` (its ``runs`` and ``baseline``).
+    """Return the recommendation section for ``summary`` (its ``runs``, ``baseline`` and ``noise``).
 
     ``spreads``: each run's relative step-to-step spread of throughput (half-IQR / median; None when
     fewer than 4 timed steps). ``device``: "cpu" or "cuda" (a CPU comparison gets the gloo caveat).
     ``fits_at``: the smallest world size the memory model predicts each run fits ``device_memory_bytes``
-    at (None: at none up to 4096). Keys: ``fastest``, ``no_clear_difference``, ``runs`` (per run:
-    status, fits, saves, costs), ``lines`` (sentences, in order) and ``caveats``.
+    at (None: at none up to 4096). Every throughput verdict follows ``numbers.speed_verdict``, against the A/A
+    control's movement (summary.json's ``noise``); the control itself is not ranked. Keys: ``fastest``,
+    ``no_clear_difference``, ``ranked_by``, ``runs`` (per run: status, fits, saves, verdict), ``lines`` and
+    ``caveats``.
     """
-    runs = summary.get("runs", [])
+    runs = [r for r in summary.get("runs", []) if not r.get("control_of")]
     by_name = {r["name"]: r for r in runs}
     base = by_name.get(summary.get("baseline", ""))
     unit = "tokens/s" if any(r.get("median_tokens_per_s") for r in runs) else "samples/s"
@@ -63,34 +120,37 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             entry["fits"] = r["peak_mem_bytes"] <= device_memory_bytes
         per_run[r["name"]] = entry
     usable = [r for r in runs if r["status"] == "ok" and _rate(r) and per_run[r["name"]]["fits"] is not False]
+    measure = _Measure({**summary, "runs": runs}, device, spreads, usable)
     for r in runs:
         if r["status"] != "ok":
             lines.append(f"{r['name']} {r['status']}: left out of the recommendation"
                          + (f" ({str(r['error'])[:100]})" if r.get("error") else ""))
+    if measure.busy:
+        waits = (summary.get("noise") or {}).get("core_wait") or {}
+        lines.append("ranks waited for a core (" + ", ".join(f"{n} {waits[n]:.0%}" for n in measure.contended)
+                     + " of the time they were ready to run): wall-clock tokens/s measure this machine's load as much "
+                       "as the strategy, so runs are ranked by tokens per busy CPU second, which the wait does not "
+                       "distort; for wall-clock figures use fewer ranks or a quieter machine")
     fastest, tied = None, []
     if usable:
-        ranked = sorted(usable, key=_rate, reverse=True)
+        ranked = sorted(usable, key=measure.of, reverse=True)
         fastest = ranked[0]["name"]
-        top = _rate(ranked[0])
         # A run joins the group only when it is within the noise of every member already in it, so any
         # two runs named together are within each other's noise under the same rule the lines below use.
         for other in ranked[1:]:
             group = [ranked[0], *(by_name[n] for n in tied)]
-            if all(_tied(_rate(other), _rate(m), spreads.get(other["name"]), spreads.get(m["name"]))
-                   for m in group):
+            if all(measure.verdict(other, m)["verdict"] == "tie" for m in group):
                 tied.append(other["name"])
         fits_note = " that fits" if device_memory_bytes else ""
         if tied:
-            spread = max(spreads[n] or 0 for n in [fastest, *tied])
-            lines.append(f"no clear difference in throughput between {', '.join([fastest, *tied])}: they differ by "
-                         f"less than their own step-to-step spread (up to ±{_pct(spread)}); choose by memory")
+            lines.append(f"no clear difference in {'busy-time ' if measure.busy else ''}throughput between "
+                         f"{', '.join([fastest, *tied])}: not distinguishable on this machine now; choose by memory")
         else:
             second = ranked[1] if len(ranked) > 1 else None
-            why = (f", {top / _rate(second):.2f}x {second['name']}" if second else "")
-            unknown = second and _tied(_rate(second), top, spreads.get(second["name"]), spreads.get(fastest)) is None
-            lines.append(f"fastest run{fits_note}: {fastest} ({top:,.0f} {unit}{why})"
-                         + (" — spread not measured (fewer than 4 timed steps), so the margin is untested"
-                            if unknown else ""))
+            top = ranked[0]
+            how = f"{_rate(top):,.0f} {unit}" if not measure.busy else f"{measure.of(top):,.0f} tokens per busy CPU s"
+            versus = f", {_versus(measure.verdict(top, second), second['name'])}" if second else ""
+            lines.append(f"fastest run{fits_note}: {fastest} ({how}{versus})")
     elif runs:
         lines.append("no run finished ok" + (" within the device memory" if device_memory_bytes else "")
                      + ": nothing to recommend")
@@ -99,14 +159,11 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             if r is base or r["status"] != "ok" or not _rate(r):
                 continue
             entry = per_run[r["name"]]
-            ratio = _rate(r) / _rate(base)
-            entry["throughput_ratio"] = ratio
-            noisy = _tied(_rate(r), _rate(base), spreads.get(r["name"]), spreads.get(base["name"]))
-            entry["within_noise_of_baseline"] = noisy
-            cost = ("throughput within the noise" if noisy else (f"costs {_pct(1 - ratio)} throughput" if ratio < 1
-                                                                 else f"gains {_pct(ratio - 1)} throughput"))
-            if noisy is None:
-                cost += " (spread not measured: fewer than 4 timed steps, so not tested against noise)"
+            v = measure.verdict(r, base)
+            entry["throughput_ratio"] = _rate(r) / _rate(base)
+            entry["verdict"] = v
+            entry["within_noise_of_baseline"] = None if v["verdict"] == "untested" else v["verdict"] == "tie"
+            cost = verdict_text(v, measure.busy)
             saved = None
             states = _model_states(summary, r["name"]), _model_states(summary, base["name"])
             # A summary from before peak_mem_kind existed compared peaks: read it as it was written.
@@ -138,10 +195,12 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
                              f"{fmt_bytes(r['peak_mem_bytes'])} per rank at the measured batch; {scale}")
             elif entry["fits"] is None:
                 lines.append(f"{r['name']}: fit in {fmt_bytes(device_memory_bytes)} not measured (no peak memory)")
+    if summary.get("noise"):
+        lines.append(noise.line(summary["noise"]))
     caveats = [GPU_CAVEAT] if device == "cpu" else []
     return {"device": device, "device_memory_bytes": device_memory_bytes, "unit": unit, "fastest": fastest,
             "no_clear_difference": [fastest, *tied] if tied else [], "runs": per_run, "lines": lines,
-            "caveats": caveats}
+            "ranked_by": "tokens per busy CPU second" if measure.busy else unit, "caveats": caveats}
 
 
 def smallest_fitting_world_size(c: Any, run: Any, device_memory_bytes: int) -> int | None:

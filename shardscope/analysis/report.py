@@ -15,7 +15,7 @@ from shardscope.config import Comparison, dump_json, write_atomic
 from shardscope.profiling.state import RunState
 from shardscope.core.outspace import describe, disk_error
 from shardscope.core.rundir import CHROME_SUFFIX, MERGED_TRACE, PLOTS, REPORT, SUMMARY, TB, TRACES, RunDir, RunFiles
-from shardscope.analysis import divergence, explain_report, fold, plots, recommend, straggler_report, summary
+from shardscope.analysis import divergence, explain_report, fold, noise, plots, recommend, straggler_report, summary
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.why import verdict as why
 from shardscope.profiling import framework_fixes, memory_model, traces
@@ -178,6 +178,7 @@ def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what 
                        ("traces", lambda: traces_section(c, out_dir)),
                        ("stragglers", lambda: straggler_report.section(states, data["communication"]["runs"])),
                        ("explain", lambda: explain_report.section(c, data, out_dir)),
+                       ("noise", lambda: noise.section(c, states, data["stragglers"])),
                        ("recommendation", lambda: recommend.section(c, states, data)), ("prediction", lambda: predict_report.section(c, states, out_dir))):
         stage[0] = f"the {key} section"
         data[key] = build()

@@ -137,6 +137,7 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "precision": state.precision,
         "options": state.options,
         "tp": (spec and config.registry.get(spec.strategy).tp_degree(state.options)) or 1,
+        "control_of": (spec.control_of if spec is not None else "") or None,  # the A/A control of that run
         "fairness_flags": fairness_flags(c, state, base) if state is not base else [],
         "within_tolerance": (max_diff <= c.loss_tolerance) if max_diff is not None else None,
         "invalid_lines": state.invalid_lines,

@@ -135,6 +135,7 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
                              records_endpoint=records_endpoint)
     all_overrides = list(overrides) + flags
     comparison, dev = resolve(preset, all_overrides, flags)
+    comparison = config.with_control(comparison)  # the A/A control: the baseline again, last (between-run noise)
     from shardscope.orchestrator.session import Session, default_out_dir
 
     out = out_dir or default_out_dir(comparison.name)

@@ -136,6 +136,31 @@ def within_noise(rate: float, other: float, spread: float | None, other_spread: 
     return hi <= lo * factor
 
 
+def move_of(rate: float, other: float) -> float:
+    """How far apart two positive rates are, symmetric: the larger over the smaller, minus 1 (0.1 = 10% apart)."""
+    lo, hi = sorted((rate, other))
+    return hi / lo - 1 if lo > 0 else math.inf
+
+
+def speed_verdict(rate: float, reference: float, spread: float | None, reference_spread: float | None,
+                  between: float | None) -> dict[str, Any]:
+    """The one rule every throughput verdict uses (the answer, the recommendation, ``diff``, ``--against``, the app).
+
+    The band two rates may differ by and still be the same is the larger of the runs' own step-to-step wobble
+    (``noise_factor``) and ``1 + between``, how far a run moved when nothing about it changed (the A/A control, on
+    this machine, now). Returns ``verdict``: "faster" or "slower" (``rate`` against ``reference``) outside the band,
+    "tie" inside it, "untested" when neither noise was measured; ``ratio`` (rate / reference), ``band`` (the factor)
+    and ``interval`` (the ratio divided and multiplied by the band: where the true ratio may lie)."""
+    ratio = rate / reference if reference else math.inf
+    factors = [f for f in (noise_factor(spread, reference_spread), None if between is None else 1 + between) if f]
+    if not factors:
+        return {"verdict": "untested", "ratio": ratio, "band": None, "interval": None, "between": between}
+    band = max(factors)
+    verdict = "tie" if 1 / band <= ratio <= band else ("faster" if ratio > 1 else "slower")
+    return {"verdict": verdict, "ratio": ratio, "band": band, "interval": [ratio / band, ratio * band],
+            "between": between}
+
+
 def median_rate(points: Iterable[tuple[int, float]]) -> float | None:
     """Return the median throughput of (step, tokens/s or samples/s) points over ``timed_rates``
     (the lower and upper middle averaged for an even count); None without points. Callers pass the

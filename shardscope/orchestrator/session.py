@@ -220,7 +220,7 @@ class Session(RunSupervision, SessionEnds, Completion):
             run=run.name,
             strategy=run.strategy,
             world_size=config.resolved_world_size(self.comparison, run),
-            steps_total=self.comparison.steps,
+            steps_total=run.steps or self.comparison.steps,
             precision=config.resolved_precision(self.comparison, run),
             options=config.resolved_options(run),
             run_dir=self.rundir.run(run.name).path,

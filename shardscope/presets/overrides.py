@@ -20,6 +20,7 @@ from shardscope.presets.schema import (
 )
 
 _INTERNAL = ("described",)  # filled in by the model and data checks, never by a preset
+_RUN_INTERNAL = ("control_of", "steps")  # the A/A control's (schema.with_control), never a preset's
 # Why a key another kind uses means nothing here, said after the list of keys the kind does use.
 _KIND_HINTS = {
     "hf": "the config sets width, depth, heads and vocabulary (model.hf_layers keeps its first N layers)",
@@ -138,7 +139,7 @@ def build_comparison(raw: dict[str, Any], src: str) -> Comparison:
     runs_raw = raw.get("runs", [])
     if not isinstance(runs_raw, list) or not runs_raw:
         raise ConfigError(f"{src}: runs: a preset needs at least one [[runs]] table with name and strategy")
-    runs = [_build(RunSpec, r, f"runs[{i}]", src) for i, r in enumerate(runs_raw)]
+    runs = [_build(RunSpec, r, f"runs[{i}]", src, skip=_RUN_INTERNAL) for i, r in enumerate(runs_raw)]
     top = {k: v for k, v in raw.items() if k not in nested and k != "runs"}
     top.pop("source", None)
     comparison = _build(Comparison, top, "", src, skip=(*nested, "runs", "source", "adjustments"))

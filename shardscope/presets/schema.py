@@ -135,6 +135,10 @@ class RunSpec:
     fault: str = ""  # "rank=1,step=3,kind=raise|exit|hang" or "rank=1,step=3,kind=slow,ms=50" (tests)
     # shardscope why's re-runs: record every module's output and gradients on the steps up to this one (-1 = off)
     probe_step: int = -1
+    # Set by ``with_control``, never by a preset: the run this one repeats as the A/A control (between-run noise),
+    # and its own number of steps (0 = the comparison's)
+    control_of: str = ""
+    steps: int = 0
 
 
 @dataclass
@@ -165,6 +169,9 @@ class Comparison:
     straggler_threshold: float = 1.5  # a rank busy this many times its peers' median ...
     straggler_window: int = 5  # ... for this many steps in a row is named a straggler
     size_profile: str = "full"  # "cpu" when the preset's cpu_overrides were applied (no GPU found)
+    # An A/A control: the baseline run again, last, for CONTROL_STEPS steps, so that every verdict on throughput is
+    # held against how much a run moves when nothing about it changes, on this machine, now (``with_control``)
+    control: bool = True
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     profile: ProfileSpec = field(default_factory=ProfileSpec)
@@ -216,6 +223,37 @@ def _known(cls: type, table: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in dict(table).items() if k in names}
 
+
+
+CONTROL_STEPS = 10  # the A/A control's steps: 9 timed ones after the warm-up step
+CONTROL_MIN_STEPS = 5  # below this a comparison has too few timed steps for a throughput verdict: no control
+
+
+def control_name(baseline: str, taken: list[str]) -> str:
+    """The A/A control's run name: ``<baseline>.again`` (a name the comparison does not use, within MAX_NAME)."""
+    stem = f"{baseline[:MAX_NAME - 8]}.again"
+    name, k = stem, 2
+    while name in taken:
+        name, k = f"{stem}{k}", k + 1
+    return name
+
+
+def with_control(c: Comparison) -> Comparison:
+    """``c`` with its A/A control appended: the baseline run again, last, for ``CONTROL_STEPS`` steps on the same lr
+    schedule (so its losses equal the baseline's at every common step) with the profiler off. Unchanged when
+    ``c.control`` is off, with one run, with fewer than ``CONTROL_MIN_STEPS`` steps, or when it has a control."""
+    runs = [r for r in c.runs if not r.control_of]
+    if not c.control or len(runs) < 2 or c.steps < CONTROL_MIN_STEPS or len(runs) < len(c.runs):
+        return c
+    base = next((r for r in runs if r.name == c.baseline), runs[0])
+    control = dataclasses.replace(base, name=control_name(base.name, [r.name for r in c.runs]), control_of=base.name,
+                                  steps=min(c.steps, CONTROL_STEPS), fault="", probe_step=-1)
+    return dataclasses.replace(c, runs=[*c.runs, control])
+
+
+def control_runs(c: Comparison) -> list[RunSpec]:
+    """The A/A control runs of ``c`` (``with_control``)."""
+    return [r for r in c.runs if r.control_of]
 
 
 def resolved_world_size(comparison: Comparison, run: RunSpec) -> int:

@@ -28,7 +28,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from shardscope.config import Comparison, ConfigError, load_preset
+from shardscope.config import Comparison, ConfigError, load_preset, with_control
 from shardscope.orchestrator.preflight import check_space, claim_out_dir
 from shardscope.profiling.state import Update
 from shardscope.core.rundir import SCREENSHOT, RunDir
@@ -110,6 +110,7 @@ class ShardscopeApp(App):
             self.notify("A comparison is already open; quit to start another.", severity="warning")
             return
         factory = self.source_factory or sources.session_source
+        comparison = with_control(comparison)  # the A/A control: the baseline again, last (between-run noise)
         self.out_dir = self.out_dir or sources.default_out_dir(comparison.name)
         short = check_space(comparison, self.out_dir)  # as the headless command does: traces need room
         if short:

@@ -155,7 +155,7 @@ def round_comparison(c: Comparison, base: RunSpec, run: RunSpec, variants: list[
     return dataclasses.replace(
         c, name=name, description=f"shardscope why {run.name}: controlled re-runs against {base.name}",
         steps=steps, schedule_steps=c.schedule_steps or c.steps, parity=True, baseline=base.name, runs=runs,
-        profile=dataclasses.replace(c.profile, enabled=False), adjustments=[])
+        profile=dataclasses.replace(c.profile, enabled=False), adjustments=[], control=False)
 
 
 def run_cost(state: RunState | None) -> tuple[float | None, float | None]:
