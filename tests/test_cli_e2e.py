@@ -67,7 +67,15 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
     summary = load_summary(out)
     assert summary["preset"] == "smoke" and summary["baseline"] == "ddp"
     runs = {r["name"]: r for r in summary["runs"]}
-    assert set(runs) == {"ddp", "fsdp2"}
+    assert set(runs) == {"ddp", "fsdp2", "ddp.again"}
+    control = runs.pop("ddp.again")  # the A/A control: ddp again, last, 10 steps on ddp's lr schedule, no profiler
+    assert control["control_of"] == "ddp" and control["steps_completed"] == 10 and control["status"] == "ok"
+    again = losses(out, "ddp.again")
+    assert sorted(again) == list(range(10)) and all(again[s] == losses(out, "ddp")[s] for s in again)  # A/A: equal
+    assert not (out / "ddp.again" / "traces").exists() or not list((out / "ddp.again" / "traces").glob("*.json"))
+    between = summary["noise"]["between"]
+    assert between["measured"] and between["moved"] >= 0 and between["steps"] == 10, between
+    assert "A/A control: ddp run again moved" in proc.stdout and "answer" in proc.stdout
     for r in runs.values():
         assert r["status"] == "ok" and r["steps_completed"] == 12 and r["world_size"] == 2
         assert r["median_tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0
@@ -99,7 +107,8 @@ def test_smoke_ddp_vs_fsdp2_parity(tmp_path):
 
 
 def _check_explained_and_recommended(out, summary, stdout):
-    """The report and the headless output end with the recommendation; each run is explained with the
+    """The report leads with the answer and ends with the recommendation; so does the headless output; each run is
+    explained with the
     profiled step's collectives, which match the memory model's theory phase by phase."""
     from shardscope.cli.explainview import explain_dir
 
@@ -107,8 +116,14 @@ def _check_explained_and_recommended(out, summary, stdout):
     assert "## Each run explained" in report
     assert report.index("## Recommendation") > report.index("## Each run explained")
     assert report[report.index("## Recommendation"):].count("\n## ") == 0, "the recommendation is the last section"
-    assert "fastest run" in stdout[stdout.index("recommendation"):] or "no clear difference" in stdout
-    assert "gloo on CPU" in stdout.splitlines()[-2] + stdout.splitlines()[-1]
+    assert "fastest run" in stdout[stdout.index("answer"):] or "no clear difference" in stdout
+    assert "gloo on CPU" in " ".join(stdout[stdout.index("answer"):].split())
+    # The report leads with the answer, in one screen: speed, memory, loss and the machine's noise.
+    first = report[report.index("\n## ") + 1:]
+    assert first.startswith("## Answer\n"), first[:200]
+    section = first[:first.index("\n## ", 1)]
+    assert len(section.splitlines()) <= 20 and "speed: " in section and "memory: " in section and "loss: " in section
+    assert "A/A control: ddp run again moved" in section
     entry = summary["explain"]["fsdp2"]
     rows = {(r["phase"], r["type"]): r for r in entry["measured"]["rows"]}
     for r in entry["theory"]:

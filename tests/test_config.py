@@ -133,7 +133,8 @@ def test_dry_run_prints_torchrun_commands_and_launches_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run",
                            "--set", "launch.device='cpu'", "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("torch.distributed.run") == 2
+    assert proc.stdout.count("torch.distributed.run") == 3  # ddp, fsdp2 and the A/A control (ddp again)
+    assert "ddp.again/spec.json" in proc.stdout
     assert "--nproc-per-node 2" in proc.stdout and "--start-method fork --run-path" in proc.stdout  # CPU: forked ranks
     assert "shardscope/engines/rank.py" in proc.stdout
     assert not out.exists()

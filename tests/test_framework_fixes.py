@@ -10,7 +10,7 @@ from shardscope import config
 from shardscope.config import RunSpec
 from shardscope.core import registry
 from shardscope.profiling import framework_fixes, memory_model
-from shardscope.analysis import report
+from shardscope.analysis import markdown, report
 
 
 def _comparison(*runs: RunSpec) -> config.Comparison:
@@ -52,7 +52,7 @@ def test_report_states_both_figures_when_the_fix_is_on():
         section["runs"][run.name] = {"predicted": predicted, "measured": None, "per_rank": {},
                                      "model_state_error": None,
                                      "as_shipped": framework_fixes.as_shipped(c, run)}
-    text = report._memory_md(section)
+    text = markdown._memory_md(section)
     lines = [ln for ln in text.splitlines() if "reuse_fp32_partitions" in ln]
     assert len(lines) == 1 and lines[0].startswith("- fix:")
     with_fix = memory_model.predict_run(c, c.runs[1])["model_state_bytes"]

@@ -17,7 +17,7 @@ from shardscope.core import events, numbers
 from shardscope.config import ConfigError, HostInfo
 from shardscope.analysis import fold
 from shardscope.profiling import state
-from shardscope.analysis import report, summary
+from shardscope.analysis import markdown, report, summary
 
 HOST = HostInfo("cpu", 4, "2 CPU cores", True)
 CLI = [sys.executable, "-m", "shardscope.cli"]
@@ -165,7 +165,7 @@ def test_communication_not_measured_when_profiling_is_off(tmp_path):
     for run in c.runs:
         assert comm["runs"][run.name]["not_measured"] == "profiling off: profile.enabled = false"
         assert "collectives" not in comm["runs"][run.name]
-    text = report._comm_md(comm)
+    text = markdown._comm_md(comm)
     assert text.count("not measured (profiling off") == len(c.runs)
     assert "0.00" not in text and "0.000" not in text
 
@@ -289,7 +289,7 @@ def test_divergence_locator_names_the_first_nonfinite_layer():
 
 
 def test_comm_report_says_why_theory_departs_and_never_prints_unmeasured_zeros():
-    from shardscope.analysis.report import _comm_md
+    from shardscope.analysis.markdown import _comm_md
 
     run = {"collectives": {}, "per_step": {"step_time_s": 0.01, "compute_time_s": None},
            "comm_bytes_per_step": None,

@@ -222,7 +222,7 @@ def test_the_end_is_set_when_a_view_fails_and_stderr_is_a_broken_pipe(tmp_path, 
 
 def test_a_figure_that_is_not_zero_is_never_printed_as_zero():
     """148 B of an all-reduce per step is 0.000141 MiB: report.md says so instead of '0.000'."""
-    from shardscope.analysis.report import _num
+    from shardscope.analysis.markdown import _num
 
     assert _num(148 / 2**20, "{:,.3f}") == "1.41e-04"
     assert _num(0.4) == "0.4" and _num(0.0, "{:.3f}") == "0.000" and _num(None) == "-"

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardscope.config import Comparison
 from shardscope.core.numbers import (  # noqa: F401  (relative_spread: importable from diff as before)
-    common_steps, median_rate, noise_factor, relative_spread, timed_rates, within_noise,
+    common_steps, median_rate, relative_spread, speed_verdict, timed_rates,
 )
 from shardscope.analysis import fold
 from shardscope.profiling.state import OK, RunState
@@ -140,21 +140,30 @@ def _range(noise_range: list[float] | None) -> str:
     return f"{noise_range[0]:.2f}-{noise_range[1]:.2f}x" if noise_range else "not measured"
 
 
-def speed_diff(old: RunState, new: RunState) -> dict[str, Any]:
-    """Median throughput of each side, their ratio (new/old) and the noise range of that ratio: the two
-    runs' own relative spreads composed (``numbers.noise_factor`` f; a ratio within [1/f, f] is
-    indistinguishable from noise)."""
+def speed_diff(old: RunState, new: RunState, between: float | None = None) -> dict[str, Any]:
+    """Median throughput of each side, their ratio (new/old), the verdict of the one rule (``numbers.speed_verdict``:
+    the two runs' own spreads composed, or wider, how far either side's A/A control moved: ``between``) and its
+    noise range (a ratio within it is indistinguishable from noise)."""
     a, b = median_rate(old.throughput), median_rate(new.throughput)
     sa, sb = relative_spread(timed_rates(old.throughput)), relative_spread(timed_rates(new.throughput))
-    factor = noise_factor(sa, sb)
     out: dict[str, Any] = {"unit": new.unit, "old": a, "new": b, "ratio": b / a if a and b else None,
-                           "noise_range": [1 / factor, factor] if factor is not None else None,
-                           "spreads": [sa, sb]}
+                           "noise_range": None, "spreads": [sa, sb], "between": between, "verdict": None}
     if out["ratio"] is None:
         out["reason"] = "not measured: a side has no throughput"
-    elif out["noise_range"] is None:
-        out["reason"] = "noise range not measured: fewer than 4 timed steps on a side"
+        return out
+    v = speed_verdict(b, a, sb, sa, between)
+    out["verdict"] = v["verdict"]
+    if v["band"] is None:
+        out["reason"] = "noise range not measured: fewer than 4 timed steps on a side and no A/A control"
+    else:
+        out["noise_range"] = [1 / v["band"], v["band"]]
     return out
+
+
+def side_between(side: Side) -> float | None:
+    """How far a side's A/A control moved from its baseline (summary.json's ``noise``), None where not measured."""
+    between = ((side.summary or {}).get("noise") or {}).get("between") or {}
+    return between.get("moved") if between.get("measured") else None
 
 
 def mem_diff(old: RunState, new: RunState) -> dict[str, Any]:
@@ -242,7 +251,8 @@ def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Toleranc
     a, b = old.states[old_run], new.states[new_run]
     entry: dict[str, Any] = {
         "old_run": old_run, "new_run": new_run, "old_status": a.status, "new_status": b.status,
-        "loss": loss_diff(a.losses, b.losses, tol.loss), "speed": speed_diff(a, b), "memory": mem_diff(a, b),
+        "loss": loss_diff(a.losses, b.losses, tol.loss), "memory": mem_diff(a, b),
+        "speed": speed_diff(a, b, max((x for x in (side_between(old), side_between(new)) if x is not None), default=None)),
         "communication": comm_diff(old, new, old_run, new_run), "differs": setting_diffs(old, new, old_run, new_run),
     }
     label = old_run if old_run == new_run else f"{old_run}→{new_run}"
@@ -257,8 +267,7 @@ def compare_pair(old: Side, new: Side, old_run: str, new_run: str, tol: Toleranc
         failures.append(f"{label}: no common step with a loss to compare")
     speed = entry["speed"]
     if speed["ratio"] is not None:
-        sa, sb = speed["spreads"]
-        if speed["ratio"] < 1 - tol.speed and not within_noise(speed["new"], speed["old"], sb, sa):
+        if speed["ratio"] < 1 - tol.speed and speed["verdict"] in ("slower", "untested"):
             failures.append(f"{label}: throughput {speed['ratio']:.3f}x of old ({speed['new']:,.0f} vs "
                             f"{speed['old']:,.0f} {speed['unit']}), beyond {tol.speed:.0%} and the noise range "
                             f"{_range(speed['noise_range'])}")

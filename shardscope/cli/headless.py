@@ -171,7 +171,7 @@ def comparison_table(summary: dict[str, Any]) -> Table:
         if r.get("error"):
             flags = (flags + "; " if flags else "") + str(r["error"])[:80]
         table.add_row(
-            r["name"] + (" (baseline)" if r["name"] == base else ""), r.get("strategy", ""),
+            r["name"] + (" (baseline)" if r["name"] == base else " (A/A control)" if r.get("control_of") else ""), r.get("strategy", ""),
             str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
             str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
             fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),

@@ -20,15 +20,22 @@ def _fail(message: str) -> None:
 
 
 def print_recommendation(summary: dict[str, Any], console: Any) -> None:
-    """Print summary.json's ``recommendation`` section (nothing when it has none)."""
+    """Print the answer (``analysis.answer``: speed, memory, fit, loss, noise), then the recommendation's other
+    lines (each run against the baseline); nothing when the summary has no recommendation."""
+    from shardscope.analysis import answer
+
     rec = summary.get("recommendation")
     if not rec:
         return
-    console.print("[bold]recommendation[/]")
-    for line in rec["lines"]:
+    said = answer.lines(summary)
+    console.print("[bold]answer[/]")
+    for line in said:
         console.print(f"  {line}", highlight=False, markup=False)
-    for caveat in rec["caveats"]:
-        console.print(f"  [yellow]caveat:[/] {caveat}", highlight=False)
+    rest = [line for line in rec["lines"] if not any(line in s for s in said)]
+    if rest:
+        console.print("[bold]each run against the baseline[/]")
+        for line in rest:
+            console.print(f"  {line}", highlight=False, markup=False)
 
 
 def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:

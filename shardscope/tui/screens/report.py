@@ -17,7 +17,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from shardscope.core.numbers import fmt_sig, median_rate
-from shardscope.analysis import recommend
+from shardscope.analysis import answer
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.core.rundir import SUMMARY, RunDir, read_summary
@@ -56,7 +56,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
         speed = r.get("speedup")
         ratio = r.get("mem_ratio")
         rows.append((
-            str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else ""),
+            str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else " (A/A control)" if r.get("control_of") else ""),
             str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
             str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
             human_rate(r.get("median_tokens_per_s") or r.get("median_samples_per_s")), human_bytes(r.get("peak_mem_bytes")),
@@ -106,8 +106,8 @@ class ReportScreen(Screen):
         yield Static(id="title")
         with VerticalScroll(id="report-body"):
             yield Static(id="report-note")
+            yield Static(id="report-recommendation")  # the answer first, then the table it comes from
             yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
-            yield Static(id="report-recommendation")
             yield Static(id="report-prediction")
             yield Static(id="report-paths")
         yield Footer()
@@ -133,8 +133,11 @@ class ReportScreen(Screen):
         shown = self.query_one("#report-recommendation", Static)
         shown.display = bool(rec.get("lines"))  # no empty row where there is no recommendation
         if rec.get("lines"):
-            shown.update("\n[b]Recommendation[/b]\n"
-                         + "\n".join(escape(f"• {line}") for line in recommend.plain_lines(rec)) + "\n")
+            said = answer.lines(summary)
+            rest = [line for line in rec["lines"] if not any(line in s for s in said)]
+            shown.update("\n[b]Answer[/b]\n" + "\n".join(escape(f"• {line}") for line in said) + "\n"
+                         + ("\n[b]Each run against the baseline[/b]\n" + "\n".join(escape(f"• {line}") for line in rest)
+                            + "\n" if rest else ""))
         predicted = predict_report.plain_lines(summary.get("prediction") or {})
         shown = self.query_one("#report-prediction", Static)
         shown.display = bool(predicted)
