@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def start_nodes(out):
     """Start node 1 then node 0 (one rank each, ddp then fsdp2, long enough to be killed mid-run)."""
     common = ["run", "--preset", "smoke", "--headless", "--out", str(out), "--nnodes", "2",
-              "--rdzv-endpoint", f"127.0.0.1:{port_block(2)}", "--set", "steps=100000", "--set", "world_size=2",
+              "--rdzv-endpoint", f"127.0.0.1:{port_block(3)}", "--set", "steps=100000", "--set", "world_size=2",
               "--set", "profile.enabled=false", "--set", "launch.node_timeout_s=10"]
     nodes = {n: subprocess.Popen([*CLI, *common, "--node-rank", str(n)], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for n in (1, 0)}

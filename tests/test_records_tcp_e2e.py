@@ -34,8 +34,8 @@ def _records(path):
 
 
 def test_two_nodes_without_shared_files(tmp_path):
-    rdzv = port_block(3)
-    records = rdzv + 2  # the runs rendezvous on rdzv and rdzv + 1
+    rdzv = port_block(4)
+    records = rdzv + 3  # the runs rendezvous on rdzv and rdzv + 1, the A/A control (ddp again) on rdzv + 2
     common = ["run", "--preset", "smoke", "--headless", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
               "--records-endpoint", f"127.0.0.1:{records}", "--set", "steps=8", "--set", "world_size=2",
               "--set", "profile.enabled=false"]

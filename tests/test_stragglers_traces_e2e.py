@@ -106,7 +106,7 @@ def test_app_card_names_a_straggler_found_in_gpu_traces(run):
             # Every analysis the replay asked for has landed (a run's traces are analysed as they arrive and
             # again when it ends: one still running would replace the analysis posted below).
             await wait_for(pilot, lambda: app.board.finished is not None and {"ddp", "slow"} <= set(app.board.analyses)
-                           and len(app.screen.query(RunCard)) == 2
+                           and len(app.screen.query(RunCard)) == 3  # ddp, slow and the A/A control (ddp again)
                            and all(w.is_finished for w in app.workers if w.group == "comm")
                            and app.board.analysis_applied == app.board.analysis_seq)
             cards = {card.run: card for card in app.screen.query(RunCard)}

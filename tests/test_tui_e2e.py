@@ -27,14 +27,14 @@ async def test_smoke_preset_runs_from_the_app(tmp_path):
         await pilot.click("#launch")
         await wait_for(pilot, lambda: app.board.finished is not None, timeout=540)
         states = app.board.states
-        await wait_for(pilot, lambda: {n: s.status for n, s in states.items()} == {"ddp": "ok", "fsdp2": "ok"},
-                       timeout=30)
-        assert all(s.steps_completed == 12 and s.loss is not None for s in states.values())
-        await wait_for(pilot, lambda: [c.run for c in app.screen.query(RunCard)] == ["ddp", "fsdp2"]
+        await wait_for(pilot, lambda: {n: s.status for n, s in states.items()}
+                       == {"ddp": "ok", "fsdp2": "ok", "ddp.again": "ok"}, timeout=30)  # and the A/A control
+        assert all(s.steps_completed == (10 if n == "ddp.again" else 12) and s.loss is not None for n, s in states.items())
+        await wait_for(pilot, lambda: [c.run for c in app.screen.query(RunCard)] == ["ddp", "fsdp2", "ddp.again"]
                        and app.screen.loss_chart.redraws >= 1)
         await pilot.press("o")
         await wait_for(pilot, lambda: isinstance(app.screen, ReportScreen)
-                       and app.screen.query_one("#report-table").row_count == 2)
+                       and app.screen.query_one("#report-table").row_count == 3)
         await pilot.press("q")
         await pilot.pause(0.3)
     assert os.path.isfile(out / "summary.json")

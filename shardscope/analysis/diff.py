@@ -88,9 +88,10 @@ def parse_map(items: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
 
 def match_runs(old: Side, new: Side, pairs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """Return (matched (old, new) pairs, old-only names, new-only names). Explicit pairs first, then
-    runs with the same name. Raises DiffInputError when a mapped name is on neither side."""
-    old_names = [r.name for r in old.comparison.runs]
-    new_names = [r.name for r in new.comparison.runs]
+    runs with the same name; a side's A/A control (``control_of``) is its noise, not a run to compare. Raises
+    DiffInputError when a mapped name is on neither side."""
+    old_names = [r.name for r in old.comparison.runs if not r.control_of]
+    new_names = [r.name for r in new.comparison.runs if not r.control_of]
     for a, b in pairs:
         if a not in old_names:
             raise DiffInputError(f"--map {a}={b}: no run {a!r} in {old.out_dir} (runs: {', '.join(old_names)})")

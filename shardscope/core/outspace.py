@@ -92,14 +92,21 @@ class SpaceEstimate:
 
 
 def estimate(comparison: Any, world_sizes: list[int], weight_bytes: int = 0) -> SpaceEstimate:
-    """Estimate what ``comparison`` writes, its runs having ``world_sizes`` ranks (traces dominate)."""
+    """Estimate what ``comparison`` writes, its runs having ``world_sizes`` ranks (traces dominate). A run with steps
+    of its own (the A/A control: fewer, no profiler) counts its own."""
     prof = comparison.profile
-    ranks = sum(world_sizes)
+    runs = list(getattr(comparison, "runs", []))
+    steps = [getattr(r, "steps", 0) or comparison.steps for r in runs] if len(runs) == len(world_sizes) else \
+        [comparison.steps] * len(world_sizes)
+    profiling = [not getattr(r, "control_of", "") for r in runs] if len(runs) == len(world_sizes) else \
+        [True] * len(world_sizes)
     profiled = prof.steps if prof.enabled and prof.start_step + prof.steps <= comparison.steps else 0
     layers = max(1, model_facts.layers(comparison.model))
     per_step = TRACE_BYTES_FLOOR_PER_STEP + TRACE_BYTES_PER_STEP_PER_LAYER * layers
-    merged = profiled * len(world_sizes) * per_step  # the report's merged trace
-    return SpaceEstimate(traces=profiled * ranks * per_step, records=comparison.steps * ranks * RECORD_BYTES_PER_STEP,
+    traced = [ws for ws, on in zip(world_sizes, profiling) if on]
+    merged = profiled * len(traced) * per_step  # the report's merged trace
+    return SpaceEstimate(traces=profiled * sum(traced) * per_step,
+                         records=sum(s * ws for s, ws in zip(steps, world_sizes)) * RECORD_BYTES_PER_STEP,
                          weights=weight_bytes, reports=REPORT_BYTES + merged)
 
 

@@ -114,7 +114,8 @@ def slowdown(w: Work, backend: str, cores: int, background: float) -> float:
 
 
 def read_calibration(out_dirs: list[str], only: list[str] | None = None) -> list[CalibrationRun]:
-    """Every run of the finished comparisons ``out_dirs`` (only the runs named in ``only``, when given).
+    """Every run of the finished comparisons ``out_dirs`` (only the runs named in ``only``, when given), their A/A
+    controls left out (a short repeat of the baseline: its noise, not another configuration to fit).
 
     Raises OSError or ValueError when a directory holds no readable comparison.
     """
@@ -123,7 +124,7 @@ def read_calibration(out_dirs: list[str], only: list[str] | None = None) -> list
         c = fold.load_comparison(d)
         states = fold.replay_states(d)
         for run in c.runs:
-            if only is not None and run.name not in only:
+            if run.control_of or (only is not None and run.name not in only):
                 continue
             st = states.get(run.name)
             out.append(_read_run(d, c, run, st))

@@ -53,6 +53,8 @@ def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as the launcher's ranks
     with tempfile.TemporaryDirectory(prefix="shardscope-probe-") as tmp:
         for run in c.runs:
+            if run.control_of:  # the A/A control is its baseline again
+                continue
             at_size = dataclasses.replace(run, world_size=world_size) if world_size else run
             payload = config.run_spec_payload(c, at_size, out_dir=tmp, device=device)
             spec = os.path.join(tmp, f"{run.name}.json")

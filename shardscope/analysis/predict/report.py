@@ -37,7 +37,7 @@ def section(c: Comparison, states: dict[str, Any], out_dir: str, calibrate_dirs:
     except (OSError, ValueError, KeyError, ZeroDivisionError) as err:
         return {"why": f"no calibration: {err!r}"}
     runs: dict[str, Any] = {}
-    for run in c.runs:
+    for run in (r for r in c.runs if not r.control_of):  # the A/A control is the baseline again: nothing new to predict
         try:
             row = predict.predict_run(c, run, model, probed=(probes or {}).get(run.name))
         except (KeyError, ValueError, ZeroDivisionError) as err:
