@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import os
+
 import pytest
 
 from shardscope import config
@@ -213,3 +215,35 @@ def test_the_preset_files_own_launch_device_is_the_one_the_command_line_uses(tmp
         common.resolve(str(p), [])
     assert exited.value.code == 2
     assert common.resolve(str(p), ["launch.device='cpu'"])[1] == "cpu"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=1000000000000000000000000000000", "--set seed=1000000000000000000000000000000: at most 9,223,372,036,854,775,807"),
+    ("model.n_layers=1000000000000000000000000000000", "--set model.n_layers=1000000000000000000000000000000: at most 16,384"),
+    ("stall_timeout_s=1e308", "--set stall_timeout_s=1e308: at most 10,000,000"),
+    ("global_batch=100000000000", "--set global_batch=100000000000: at most 16,777,216"),
+    ("launch.rdzv_endpoint=nonsense", "--set launch.rdzv_endpoint=nonsense: 'nonsense': expected host:port"),
+    ("runs.ddp.fault='rank=1,step=3,kind=exit,code=1000'", "code = 1000: at most 255"),
+])
+def test_numbers_no_rank_can_honour_are_refused_before_the_start(override, message):
+    """A value that would only fail inside every rank (a seed torch refuses, a timeout datetime cannot hold, a
+    model no memory holds, an exit code past a byte) is one line before anything starts."""
+    with pytest.raises(ConfigError) as err:
+        config.load_preset("smoke", [override])
+    assert message in str(err.value), str(err.value)
+
+
+def test_a_preset_must_be_a_small_regular_file(tmp_path):
+    """A FIFO would block the reader forever and /dev/zero would never end: only regular files under 1 MiB."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        config.load_preset(str(fifo))
+    with pytest.raises(ConfigError, match="not a regular file"):
+        config.load_preset("/dev/zero")
+    big = tmp_path / "big.toml"
+    big.write_text("#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than 1024 KiB"):
+        config.load_preset(str(big))
+    with pytest.raises(ConfigError, match="--preset '': empty"):
+        config.load_preset("")

@@ -84,6 +84,8 @@ def resolve(preset: str | None, overrides: list[str], generated: list[str] | tup
     from shardscope.orchestrator import devices
 
     try:
+        if preset is not None and not preset.strip():  # `--preset ""` is a mistake, not "the default preset"
+            config.preset_path(preset)
         requested = "auto"
         for item in overrides:
             keys, value = config.parse_override(item)

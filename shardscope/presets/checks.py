@@ -74,6 +74,35 @@ def _name(src: str, key: str, value: str) -> None:
         raise ConfigError(f"{src}: {key} = {value[:20]!r}... ({len(value)} characters): at most {MAX_NAME}")
 
 
+# What a rank can honour: a value past these fails only inside every rank (a seed torch refuses, a timeout
+# datetime cannot hold, a model no memory holds), so it is refused before the start. Keys: a field of the
+# Comparison, or "<table>.<field>".
+LIMITS: dict[str, float] = {
+    "steps": 10**9, "schedule_steps": 10**9, "global_batch": 1 << 24, "grad_accum": 1 << 16, "world_size": 1 << 20,
+    "seed": 2**63 - 1, "log_every": 10**9, "straggler_window": 10**6, "warmup_steps": 10**9,
+    "stall_timeout_s": 10**7, "straggler_threshold": 10**6, "lr": 10**3, "weight_decay": 10**3, "grad_clip": 10**9,
+    "min_lr_ratio": 1.0, "loss_tolerance": 10**6,
+    "model.vocab_size": 1 << 24, "model.d_model": 1 << 20, "model.n_layers": 1 << 14, "model.n_heads": 1 << 14,
+    "model.d_ff": 1 << 24, "model.seq_len": 1 << 24, "model.hf_layers": 1 << 14, "model.image_size": 1 << 16,
+    "model.patch_size": 1 << 16, "model.channels": 1 << 12, "model.num_classes": 1 << 24,
+    "profile.start_step": 10**9, "profile.steps": 10**6,
+    "launch.nnodes": 1 << 16, "launch.node_rank": 1 << 16, "launch.node_timeout_s": 10**7,
+    "launch.grace_period_s": 10**6, "launch.startup_timeout_s": 10**7,
+}
+
+
+def _within_limits(c: Comparison, src: str) -> None:
+    """Refuse a number no rank can honour (``LIMITS``), in one line naming the key and the limit."""
+    for key, limit in LIMITS.items():
+        owner: Any = c
+        for part in key.split(".")[:-1]:
+            owner = getattr(owner, part)
+        value = getattr(owner, key.split(".")[-1])
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > limit:
+            shown = f"{limit:,}" if isinstance(limit, int) else f"{limit:g}"
+            raise ConfigError(f"{src}: {key} = {value!r}: at most {shown}")
+
+
 def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     """Check cross-field rules and the layout of every run; return a new, validated Comparison.
 
@@ -82,6 +111,7 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     """
     src = c.source or "preset"
     _name(src, "name", c.name)
+    _within_limits(c, src)
     for key in ("steps", "global_batch", "grad_accum", "world_size", "log_every", "straggler_window"):
         _positive(src, key, getattr(c, key))
     for key in ("lr", "stall_timeout_s", "straggler_threshold"):
@@ -121,11 +151,13 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     _positive(src, "launch.grace_period_s", c.launch.grace_period_s)
     _positive(src, "launch.startup_timeout_s", c.launch.startup_timeout_s)
     _positive(src, "launch.node_timeout_s", c.launch.node_timeout_s)
-    if c.launch.records_endpoint:
-        try:
-            parse_endpoint(c.launch.records_endpoint)
-        except ValueError as err:
-            raise ConfigError(f"{src}: launch.records_endpoint = {c.launch.records_endpoint!r}: {err}") from None
+    for key in ("records_endpoint", "rdzv_endpoint"):  # host:port, checked before any torchrun reads it
+        value = getattr(c.launch, key)
+        if value:
+            try:
+                parse_endpoint(value)
+            except ValueError as err:
+                raise ConfigError(f"{src}: launch.{key} = {value!r}: {err}") from None
     if not 0 <= c.launch.node_rank < c.launch.nnodes:
         raise ConfigError(f"{src}: launch.node_rank = {c.launch.node_rank}: must be in 0..{c.launch.nnodes - 1}")
     names = [r.name for r in c.runs]

@@ -7,6 +7,7 @@ a directory, unreadable, binary, not UTF-8, not TOML). Torch-free, like ``config
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 MAX_DEPTH = 8  # tables or arrays nested in a preset (the built-in ones use 3)
+MAX_BYTES = 1 << 20  # a preset's size (the built-in ones: under 4 KiB); read no further
 
 PRESET_DIR = Path(__file__).parent
 
@@ -42,6 +44,9 @@ def preset_path(name_or_path: str) -> Path:
     ``.toml``) when one exists in the current directory, else the built-in preset: a folder that
     happens to share a built-in's name (an earlier ``--out smoke``) never shadows it.
     """
+    if not name_or_path.strip():
+        raise ConfigError(f"--preset '': empty; built-in presets: {', '.join(builtin_names())} (or a path to a .toml "
+                          "file)")
     if looks_like_path(name_or_path):
         return _existing_file(name_or_path)
     for candidate in (Path(name_or_path), Path(f"{name_or_path}.toml")):
@@ -72,11 +77,19 @@ def read_preset(path: Path) -> dict[str, Any]:
     is not UTF-8 or is not TOML."""
     src = str(path)
     try:
-        data = path.read_bytes()
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(mode):  # a FIFO would block forever, /dev/zero would never end
+            raise ConfigError(f"{src}: not a regular file (a pipe or a device); a preset is a UTF-8 TOML file")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
     except IsADirectoryError:
         raise ConfigError(f"{src}: is a directory, not a preset file") from None
     except OSError as err:
         raise ConfigError(f"{src}: cannot read: {err.strerror or err}") from None
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{src}: larger than {MAX_BYTES >> 10} KiB; a preset is a short TOML file")
     if b"\x00" in data:
         raise ConfigError(f"{src}: binary file (NUL bytes), not a TOML preset") from None
     try:

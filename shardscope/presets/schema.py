@@ -23,6 +23,7 @@ MODEL_INPUTS = ("tokens", "images")  # model.inputs of a user's module
 DEVICES = ("auto", "cpu", "cuda")
 START_METHODS = ("auto", "fork", "exec")  # launch.start_method: see LaunchSpec
 FAULT_KINDS = ("raise", "exit", "hang", "skip", "slow", "oom", "memlimit", "oomkill", "nospace", "netdrop")
+FAULT_LIMITS = {"rank": 1 << 20, "step": 10**9, "ms": 10**7, "code": 255}  # an exit code is one byte
 ON_NONFINITE = ("stop", "continue")  # what a run does at its first non-finite loss or grad norm
 HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architectures
 # The [model] keys each kind uses; any other key a preset or --set gives is an error naming these.
@@ -279,6 +280,9 @@ def parse_fault(text: str) -> dict[str, Any]:
         if key in ("rank", "step", "ms", "code"):
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
+            top = FAULT_LIMITS[key]
+            if int(val) > top:
+                raise ValueError(f"{key} = {val}: at most {top:,}")
             out[key] = int(val)
         elif key == "kind":
             if val not in FAULT_KINDS:
