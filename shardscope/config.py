@@ -34,7 +34,8 @@ from shardscope.presets.overrides import (  # noqa: F401
     _set_dotted, apply_override, build_comparison, list_presets, parse_override,
 )
 from shardscope.presets.schema import (  # noqa: F401
-    CONTROL_STEPS, DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS, PRECISIONS, Comparison,
+    CONTROL_STEPS, DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS,
+    PRECISIONS, Comparison,
     DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
     resolved_world_size, with_control, control_runs,
 )

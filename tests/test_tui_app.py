@@ -329,6 +329,26 @@ async def test_export_writes_screenshot_and_copies_paths(tmp_path):
 
 
 @run_async
+async def test_export_never_writes_through_a_link(tmp_path):
+    """A symlink planted where the screenshot goes is replaced, never written through (Textual's own writer
+    followed it out of the directory)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    outside = tmp_path / "not-yours.svg"
+    outside.write_text("keep me")
+    (run_dir / "shardscope-dashboard.svg").symlink_to(outside)
+    app = build_app(replay_dir=str(run_dir), host=cpu_host())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.board.finished is not None)
+        await pilot.press("e")
+        await wait_for(pilot, lambda: not (run_dir / "shardscope-dashboard.svg").is_symlink())
+    assert outside.read_text() == "keep me"
+    assert (run_dir / "shardscope-dashboard.svg").read_text().startswith("<svg")
+
+
+@run_async
 async def test_device_panel_labels_gpus_with_run_and_ranks():
     from shardscope.profiling import state as st
     from shardscope.tui.messages import UpdatesArrived

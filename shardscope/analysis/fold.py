@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from shardscope.core import liveness
-from shardscope.config import Comparison
+from shardscope.config import MAX_NAME, NAME_RE, Comparison
 from shardscope.core.events import ORCHESTRATOR_LOST, read_records
 from shardscope.profiling import state
 from shardscope.analysis.root_cause import root_cause
@@ -24,8 +24,20 @@ from shardscope.core.rundir import RunDir, RunFiles, read_json_or_none, tail_tex
 
 
 def load_comparison(out_dir: str) -> Comparison:
-    """Return the Comparison saved in ``<out_dir>/comparison.json``; raises FileNotFoundError or ValueError."""
-    return Comparison.from_dict(read_json(RunDir(out_dir).comparison))
+    """Return the Comparison saved in ``<out_dir>/comparison.json``; raises FileNotFoundError or ValueError (a file
+    that is not a comparison, or whose run names could name a path: each must be a name a preset could give)."""
+    data = read_json(RunDir(out_dir).comparison)
+    if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
+        raise ValueError(f"{RunDir(out_dir).comparison}: not a comparison (a JSON object with a list of runs)")
+    try:
+        c = Comparison.from_dict(data)
+    except TypeError as err:  # a field of the wrong shape: one line, never a traceback
+        raise ValueError(f"{RunDir(out_dir).comparison}: not a comparison ({err})") from None
+    for run in c.runs:
+        if not isinstance(run.name, str) or not NAME_RE.match(run.name) or len(run.name) > MAX_NAME:
+            raise ValueError(f"{RunDir(out_dir).comparison}: run name {str(run.name)[:40]!r} is not a run name "
+                             "(letters, digits, '.', '_', '-'): refused, it would name a path")
+    return c
 
 
 def _status_from_files(files: RunFiles, records: list[dict[str, Any]], summary: dict[str, Any] | None,

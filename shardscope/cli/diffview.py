@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from shardscope.cli.headless import fmt_num
+from shardscope.config import MAX_NAME, NAME_RE
 from shardscope.core.numbers import fmt_bytes
 from shardscope.analysis import diff, plots
 from shardscope.core.rundir import COMPARISON, RunDir, plot_file
@@ -95,6 +97,8 @@ def write_plots(result: dict[str, Any], plots_dir: str) -> dict[str, str]:
     os.makedirs(plots_dir, exist_ok=True)
     out = {}
     for (a, b), (old_losses, new_losses) in result["_losses"].items():
+        if not NAME_RE.match(b) or len(b) > MAX_NAME:  # a name that would leave the directory: no file made of it
+            continue
         path = plot_file(plots_dir, f"diff_loss_{b}")
         made = plots.loss_plot({f"old {a}": old_losses, f"new {b}": new_losses}, f"old {a}", path)
         if made:
@@ -124,7 +128,12 @@ def report(old_dir: str, new_dir: str, maps: list[str] | tuple[str, ...], tol: d
         if not console.is_terminal:  # logs and pipes: wide enough for the table
             console = Console(width=max(console.width, 160))
     result = diff.diff_dirs(old_dir, new_dir, diff.parse_map(maps), tol)
-    plot_paths = write_plots(result, plots_dir or RunDir(new_dir).diff)
+    where = plots_dir or RunDir(new_dir).diff
+    if plots_dir is None and os.path.lexists(where) and not RunDir(new_dir).contains(where):
+        print(f"shardscope: diff: {where} is a link out of {new_dir}: plots not written", file=sys.stderr)
+        plot_paths: dict[str, str] = {}
+    else:
+        plot_paths = write_plots(result, where)
     public = {k: v for k, v in result.items() if not k.startswith("_")}
     public["plots"] = plot_paths
     if as_json:

@@ -28,7 +28,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from shardscope.config import Comparison, ConfigError, load_preset, with_control
+from shardscope.config import Comparison, ConfigError, load_preset, with_control, write_atomic
 from shardscope.orchestrator.preflight import check_space, claim_out_dir
 from shardscope.profiling.state import Update
 from shardscope.core.rundir import SCREENSHOT, RunDir
@@ -299,7 +299,11 @@ class ShardscopeApp(App):
         lines = [os.path.abspath(self.out_dir)]
         try:
             os.makedirs(self.out_dir, exist_ok=True)
-            lines.append(self.save_screenshot(SCREENSHOT, path=self.out_dir))
+            target = os.path.join(self.out_dir, SCREENSHOT)
+            svg = self.export_screenshot()
+            # A partial file and a rename, as report.md: never written through a link that leads out of the directory
+            write_atomic(target, lambda fh: fh.write(svg))
+            lines.append(target)
         except OSError as err:
             self.notify(f"Cannot write the screenshot: {err}", severity="error")
         out = RunDir(self.out_dir)

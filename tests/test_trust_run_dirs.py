@@ -1,0 +1,43 @@
+"""A run directory is data from outside: what is read from it never names a path, and nothing is written out of it
+(issue 43). Crafted directories are made from the recorded smoke run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FIXTURE = Path(__file__).parent / "data" / "replay-smoke"
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "shardscope.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_a_run_name_that_would_leave_the_directory_is_refused(tmp_path):
+    run = tmp_path / "inner" / "run"
+    shutil.copytree(FIXTURE, run)
+    comparison = json.loads((run / "comparison.json").read_text())
+    comparison["runs"][0]["name"] = "../escape"
+    (run / "comparison.json").write_text(json.dumps(comparison))
+    for args in (["report", str(run)], ["diff", str(run), str(run)]):
+        proc = _cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout[-1000:], proc.stderr)
+        assert "is not a run name" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list((tmp_path / "inner").glob("escape*")) and not list(tmp_path.rglob("escape*"))
+
+
+def test_diff_writes_no_plot_through_a_link_out_of_the_directory(tmp_path):
+    old, new, outside = tmp_path / "old", tmp_path / "new", tmp_path / "outside"
+    shutil.copytree(FIXTURE, old)
+    shutil.copytree(FIXTURE, new)
+    outside.mkdir()
+    (new / "diff").symlink_to(outside, target_is_directory=True)
+    proc = _cli("diff", str(old), str(new), "--speed-tol", "100")
+    assert "is a link out of" in proc.stderr and "plots not written" in proc.stderr, proc.stderr
+    assert list(outside.iterdir()) == []
+    assert "Traceback" not in proc.stderr
