@@ -41,3 +41,25 @@ def test_diff_writes_no_plot_through_a_link_out_of_the_directory(tmp_path):
     assert "is a link out of" in proc.stderr and "plots not written" in proc.stderr, proc.stderr
     assert list(outside.iterdir()) == []
     assert "Traceback" not in proc.stderr
+
+
+def test_terminal_controls_in_a_console_or_an_error_reach_no_view(tmp_path):
+    """An OSC sequence in a rank's output or an error record would set the terminal's title from inside the app or
+    the command line: every such byte is shown as its \\xNN spelling."""
+    from shardscope.analysis import fold
+    from shardscope.core.text import clean
+
+    assert clean("ok\x1b]0;pwned\x07 done\n\tnext\x9b") == "ok\\x1b]0;pwned\\x07 done\n\tnext\\x9b"
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    name = json.loads((run / "comparison.json").read_text())["runs"][0]["name"]
+    with open(run / name / "console.log", "a", encoding="utf-8") as fh:
+        fh.write("a line \x1b]0;pwned\x07 from a rank\n")
+    with open(run / name / "metrics" / "rank0.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"v": 1, "kind": "error", "run": name, "rank": 0, "t": 1.0,
+                             "message": "boom \x1b]0;pwned\x07", "traceback": "\x1b[2J"}) + "\n")
+    states = fold.replay_states(str(run))
+    assert "\x1b" not in states[name].error and "\x07" not in states[name].error
+    proc = _cli("report", str(run))
+    assert "\x1b]0" not in proc.stdout + proc.stderr
+    assert "\x1b]0" not in (run / "report.md").read_text()

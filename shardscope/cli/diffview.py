@@ -14,9 +14,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shardscope.cli.headless import fmt_num
 from shardscope.config import MAX_NAME, NAME_RE
+from shardscope.core.text import clean
 from shardscope.core.numbers import fmt_bytes
 from shardscope.analysis import diff, plots
 from shardscope.core.rundir import COMPARISON, RunDir, plot_file
@@ -87,8 +89,8 @@ def differs_table(result: dict[str, Any]) -> Table | None:
     table = Table(title=f"what differs (start records, {COMPARISON})")
     for col in ("run", "key", "old", "new"):
         table.add_column(col, overflow="fold")
-    for run, d in rows:
-        table.add_row(run, d["key"], _value(d["old"]), _value(d["new"]))
+    for run, d in rows:  # values come from the directories' files: text, never markup, never a terminal control
+        table.add_row(*(Text(clean(str(x))) for x in (run, d["key"], _value(d["old"]), _value(d["new"]))))
     return table
 
 

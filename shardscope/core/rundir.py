@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.core.console_noise import clean
+from shardscope.core.text import clean as text_clean
 from shardscope.core.numbers import read_json
 
 COMPARISON = "comparison.json"
@@ -355,7 +356,7 @@ def tail_text(path: str, max_lines: int = 40) -> str:
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(clean(text).splitlines()[-max_lines:])
+    return "\n".join(text_clean(clean(text)).splitlines()[-max_lines:])  # noise out, then no terminal control
 
 
 def load_summary(out_dir: str) -> dict[str, Any]:

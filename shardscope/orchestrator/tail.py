@@ -12,6 +12,7 @@ from typing import Any
 from shardscope.core.events import LineDecoder
 from shardscope.core.console_noise import ConsoleFilter
 from shardscope.core.rundir import rank_record_files, record_file_rank
+from shardscope.core.text import clean
 
 MAX_READ = 4 << 20  # bytes read from one file per poll, so one huge burst cannot stall the others
 
@@ -81,4 +82,5 @@ class ConsoleTailer:
 
     def poll(self) -> str:
         """Return the text appended since the last poll, noise lines left out."""
-        return self._filter.feed(self._follower.read_new(256 << 10).decode("utf-8", errors="replace"))
+        # a rank's output is text from outside: no terminal control sequence reaches a view (core/text.py)
+        return clean(self._filter.feed(self._follower.read_new(256 << 10).decode("utf-8", errors="replace")))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from shardscope.core import events
+from shardscope.core.text import clean
 from shardscope.core.numbers import median_rate
 from shardscope.profiling.loss_fold import LossMean
 from shardscope.profiling.stragglers import StragglerWatch
@@ -217,9 +218,9 @@ class RunState:
             if update.status in FINISHED:
                 self.ended_at = update.t
             if update.error:
-                self.error = update.error
+                self.error = clean(update.error)
             if update.traceback:
-                self.traceback = update.traceback
+                self.traceback = clean(update.traceback)
             return True
         if isinstance(update, RecordsArrived):
             self.invalid_lines = update.invalid_lines
@@ -302,8 +303,8 @@ class RunState:
         elif kind == events.COMM:
             self.comm[rank] = r
         elif kind == events.ERROR and not self.error:
-            self.error = str(r.get("message", "error"))
-            self.traceback = str(r.get("traceback", ""))
+            self.error = clean(str(r.get("message", "error")))  # a record's text: no terminal control gets through
+            self.traceback = clean(str(r.get("traceback", "")))
 
 
 def fold(updates: list[Update], states: dict[str, RunState]) -> set[str]:
