@@ -247,3 +247,22 @@ def test_a_preset_must_be_a_small_regular_file(tmp_path):
         config.load_preset(str(big))
     with pytest.raises(ConfigError, match="--preset '': empty"):
         config.load_preset("")
+
+
+def test_presets_show_and_copy(tmp_path):
+    """A preset can be read and copied: `show` prints its TOML (and the [cpu_overrides] that apply here), `copy`
+    writes it to a new file and never overwrites one."""
+    import subprocess
+    import sys
+
+    show = subprocess.run([sys.executable, "-m", "shardscope.cli", "presets", "show", "ddp-vs-fsdp"],
+                          capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0 and 'name = "fsdp2"' in show.stdout and show.stdout.startswith("# ")
+    target = tmp_path / "mine.toml"
+    copy = subprocess.run([sys.executable, "-m", "shardscope.cli", "presets", "copy", "smoke", str(target)],
+                          capture_output=True, text=True, timeout=60)
+    assert copy.returncode == 0 and target.read_text() == (config.PRESET_DIR / "smoke.toml").read_text()
+    assert config.load_preset(str(target)).name == "mine"
+    again = subprocess.run([sys.executable, "-m", "shardscope.cli", "presets", "copy", "smoke", str(target)],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

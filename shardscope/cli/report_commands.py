@@ -16,19 +16,76 @@ from shardscope.core.rundir import COMPARISON, SUMMARY, RunDir, read_summary
 from shardscope.core.sizes import parse_size
 
 
-@click.command("presets")
-def presets_cmd() -> None:
-    """List built-in presets with their descriptions."""
-    from rich.console import Console
-    from rich.table import Table
+@click.group("presets", invoke_without_command=True)
+@click.pass_context
+def presets_cmd(ctx: click.Context) -> None:
+    """List built-in presets with the question each answers and their model and data; `show` prints one, `copy`
+    writes one to a file of yours to edit."""
+    if ctx.invoked_subcommand is None:
+        _list_presets()
 
+
+def _gpu_here() -> bool:
     from shardscope.orchestrator.devices import resolve_device
 
     try:
-        gpu = resolve_device("auto") == "cuda"
+        return resolve_device("auto") == "cuda"
     except ConfigError:
-        gpu = False
+        return False
+
+
+@presets_cmd.command("show")
+@click.argument("name")
+def presets_show_cmd(name: str) -> None:
+    """Print preset NAME's TOML, and which of its [cpu_overrides] apply on this machine."""
+    try:
+        path = config.preset_path(name)
+        text = path.read_text(encoding="utf-8")
+        config.read_preset(path)  # the same checks as a run: one line when it is not a preset
+    except (ConfigError, OSError) as err:
+        fail_usage(str(err))
+        return
+    click.echo(f"# {path}")
+    click.echo(text.rstrip("\n"))
+    shrink = config.cpu_overrides(name)
+    if shrink and not _gpu_here():
+        click.echo("\n# here (no GPU) its [cpu_overrides] apply: "
+                   + ", ".join(f"{k} = {v!r}" for k, v in shrink.items()))
+    elif shrink:
+        click.echo("\n# a GPU is here: the sizes above are used as written ([cpu_overrides] apply without one)")
+
+
+@presets_cmd.command("copy")
+@click.argument("name")
+@click.argument("file", type=click.Path(dir_okay=False))
+def presets_copy_cmd(name: str, file: str) -> None:
+    """Write preset NAME to FILE (a new file: an existing one is never overwritten), to edit and run with
+    ``shardscope run --preset FILE``."""
+    try:
+        path = config.preset_path(name)
+        text = path.read_text(encoding="utf-8")
+        config.read_preset(path)
+    except (ConfigError, OSError) as err:
+        fail_usage(str(err))
+        return
+    try:
+        with open(file, "x", encoding="utf-8") as fh:  # exclusive: refuses a file that exists, never follows one
+            fh.write(text)
+    except FileExistsError:
+        fail_usage(f"{file}: already exists; choose a new file (shardscope never overwrites it)")
+    except OSError as err:
+        fail_usage(f"{file}: cannot write: {err.strerror or err}")
+    click.echo(f"wrote {file} (preset {name}); run it with: shardscope run --preset {file}")
+
+
+def _list_presets() -> None:
+    """The table of built-in presets."""
+    from rich.console import Console
+    from rich.table import Table
+
     from shardscope.core import model_facts
+
+    gpu = _gpu_here()
 
     table = Table(title="built-in presets (shardscope run --preset NAME)")
     table.add_column("name", style="bold", no_wrap=True)
@@ -43,8 +100,9 @@ def presets_cmd() -> None:
             what = f"does not load: {err}"
         table.add_row(name, desc, what)
     Console().print(table)
-    click.echo("Your own model and data: a preset file with model.kind = \"hf\" (model.path) or \"module\" "
-               "(model.entry), data.kind = \"tokens\" or \"text\" (README: Your model and your data).")
+    click.echo("shardscope presets show NAME prints one; shardscope presets copy NAME FILE writes it to a file to edit. "
+               "Your own model and data: model.kind = \"hf\" (model.path) or \"module\" (model.entry), data.kind = "
+               "\"tokens\" or \"text\" (README: Your model and your data).")
 
 
 @click.command("diff")
