@@ -85,6 +85,11 @@ class HeadlessView:
             if isinstance(u, state.StatusChanged):
                 st = self.states.get(u.run)
                 extra = f": {u.error}" if u.error else ""
+                busy = [n for n, other in self.states.items() if n != u.run and other.status == state.RUNNING]
+                if u.status == state.STARTING and busy:  # launched ahead, during the last steps of the run before it
+                    self.console.print(f"[{u.run}] preparing (its first step waits until {busy[0]} has ended)",
+                                       highlight=False, markup=False)
+                    continue
                 self.console.print(f"[{u.run}] {u.status}{extra}", highlight=False, markup=False)
                 if st and u.status in state.FINISHED and st.loss is not None:
                     self.console.print(f"[{u.run}] steps {st.steps_completed}/{st.steps_total} loss {st.loss:.4f}",
