@@ -142,6 +142,22 @@ def test_a_bf16_reduction_is_found_as_the_reduce_dtype(plain):
     assert "## Why fsdp2-bf16-reduce differs from ddp" in report and "cause: reduce dtype" in report
 
 
+def test_the_estimate_is_what_the_re_runs_take_within_twice(plain):
+    """The estimate comes from what the original runs cost, launch to first step then their median step (a re-run
+    pays torchrun's start again): within 2x of the real time of the round, measured in the same sitting."""
+    import re
+    import time
+
+    dry = cli("why", str(plain), "fsdp2-bf16-reduce", "--dry-run", "--again")
+    assert dry.returncode == 0, dry.stderr
+    estimate = float(re.search(r"estimate: about ([\d.,]+) s", dry.stdout).group(1).replace(",", ""))
+    began = time.monotonic()
+    done = cli("why", str(plain), "fsdp2-bf16-reduce", "--again")
+    took = time.monotonic() - began
+    assert done.returncode == 0 and "round 2" not in done.stdout, done.stdout[-2000:]  # one round, as estimated
+    assert estimate / 2 <= took <= estimate * 2, (estimate, took)
+
+
 def test_deepspeeds_own_clipping_is_found_as_clipping(plain):
     res = why_json(plain, "zero1-own-clip")
     assert (res["status"], res["cause"]) == ("explained", "clipping")

@@ -159,26 +159,33 @@ def round_comparison(c: Comparison, base: RunSpec, run: RunSpec, variants: list[
 
 
 def run_cost(state: RunState | None) -> tuple[float | None, float | None]:
-    """(start-up seconds, median step seconds) of an original run, from its records; None where not recorded."""
+    """(seconds from the launch of an original run to its first step's end, its median step seconds), from its
+    records: the launch is when its torchrun agent started (the start record's ``startup``), so the time torchrun
+    took to import, rendezvous and start the ranks is in it, as a re-run pays it again. None where not recorded."""
     if state is None:
         return None, None
     times = [dt for step, dt in state.step_times if step > 0] or [dt for _, dt in state.step_times]
     step_s = statistics.median(times) if times else None
     start = state.start.get(0) or {}
     marks = start.get("startup") if isinstance(start.get("startup"), dict) else {}
-    began = marks.get("process") or marks.get("entry")
-    startup = float(start["t"]) - float(began) if began and start.get("t") else None
+    began = marks.get("agent") or marks.get("process") or marks.get("entry")
+    first = state.first_step_t or (float(start["t"]) if start.get("t") else None)
+    startup = float(first) - float(began) if began and first else None
     return startup, step_s
+
+
+ROUND_S = 2.0  # each round's own cost beside its runs: the orchestrator, the last run's teardown, the reports
 
 
 def estimate_s(states: dict[str, RunState], base: str, run: str, runs: int, steps: int) -> dict[str, Any]:
     """Seconds ``runs`` re-runs of ``steps`` steps should take (the baseline's figures for one, the run's for the
-    rest), from the original runs' start-up and median step time; ``basis`` says what was known."""
-    total, known = 0.0, []
+    rest): each what its original paid from its launch to its first step's end, then its median step for the other
+    steps, and the round's own ``ROUND_S``; ``basis`` says what was known."""
+    total, known = ROUND_S, []
     for i in range(runs):
         startup, step_s = run_cost(states.get(base if i == 0 else run))
-        total += (startup or 0.0) + (step_s or 0.0) * steps
+        total += (startup or 0.0) + (step_s or 0.0) * max(0, steps - (1 if startup is not None else 0))
         known.append(startup is not None and step_s is not None)
-    basis = ("the original runs' start-up and median step time" if all(known) else
-             "the original runs' median step time (start-up not recorded: not included)")
+    basis = ("what each original run paid from its launch to its first step, then its median step" if all(known) else
+             "the original runs' median step time (their launch was not recorded: not included)")
     return {"seconds": total, "runs": runs, "steps": steps, "basis": basis}
