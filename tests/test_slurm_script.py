@@ -137,3 +137,30 @@ def test_dry_run_with_cuda_visible_devices_resolves_to_cpu_without_nvml_gpus():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].split(" on ")[1].startswith("cpu;")
     assert json.loads(proc.stdout.split("\n", 1)[1].split("\n# run")[0])["launch"]["device"] == "auto"
+
+
+def test_a_preset_by_path_names_the_job_by_its_name_and_node_local_files_are_warned(tmp_path):
+    """`--preset runs/mine.toml` names the job shardscope-mine (not a path), and a data file under /tmp (often one
+    node's own disk) gets a warning on stderr, the script on stdout untouched."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "user"
+    folder = Path("/tmp") / f"shardscope-slurm-test-{tmp_path.name}"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(data / "train.bin", folder / "train.bin")
+    preset = tmp_path / "sub" / "mine.toml"
+    preset.parent.mkdir()
+    preset.write_text((Path(__file__).parents[1] / "shardscope" / "presets" / "smoke.toml").read_text().replace(
+        "[profile]", f'[data]\nkind = "tokens"\npath = "{folder / "train.bin"}"\n\n[profile]').replace("vocab_size = 256", "vocab_size = 512"))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "slurm", "--preset", str(preset), "--nodes", "2",
+                               "--cpus-per-node", "1"], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(folder)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --job-name=shardscope-mine\n" in proc.stdout
+    assert f"warning: data.path = {folder / 'train.bin'}: every node reads it" in proc.stderr
+    assert proc.stdout.startswith("#!/bin/bash")

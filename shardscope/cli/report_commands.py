@@ -217,7 +217,7 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
     Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
     unless the preset (or --set launch.device) says "cpu".
     """
-    from shardscope.orchestrator.slurm import node_shape, sbatch_script
+    from shardscope.orchestrator.slurm import node_local_paths, node_shape, sbatch_script
 
     try:
         comparison = config.load_preset(preset, list(overrides))
@@ -228,6 +228,9 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
     except (ConfigError, ValueError) as err:
         fail_usage(str(err))
     say_adjustments(at_size, err=True)  # stdout is the script
+    for item in node_local_paths(at_size):
+        click.echo(f"shardscope: warning: {item}: every node reads it; this folder is often local to one node "
+                   "(copy it to a filesystem the nodes share, or to the same path on every node)", err=True)
     click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
                nl=False)
 

@@ -21,8 +21,10 @@ rank is ``SLURM_NODEID``. Every run is a torchrun job on each node joining one r
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from typing import Any
 from dataclasses import dataclass
 
 from shardscope.core.rundir import SUMMARY
@@ -96,7 +98,7 @@ def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str,
     out_comment = "# The run directory: on a filesystem every node sees."
     return f"""#!/bin/bash
 # shardscope: preset {preset} on {nodes} node(s) x {kind} (world size {world}).
-#SBATCH --job-name={shlex.quote(f"shardscope-{preset}")}
+#SBATCH --job-name={shlex.quote(f"shardscope-{_safe(preset)}")}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task={shape.cpus_per_task}
@@ -129,6 +131,26 @@ _JOB_VERDICT = ('import json, sys; s = json.load(open(sys.argv[1])); '
                 'bad = [r["name"] + " " + r["status"] for r in s["runs"] if r["status"] != "ok"]; '
                 'bad and print("shardscope: runs not ok: " + ", ".join(bad), file=sys.stderr); '
                 'sys.exit(1 if bad else 0)')
+
+
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # a folder the nodes of a cluster rarely share
+
+
+def node_local_paths(comparison: Any) -> list[str]:
+    """``key = path`` of each file the preset names (model.path, model.entry's file, data.path, data.tokenizer) that
+    lies where other nodes may not see it: under /tmp-like folders or a home directory (shared on some clusters,
+    not on others)."""
+    found = []
+    m, d = comparison.model, comparison.data
+    entry = m.entry.rpartition(":")[0] if m.kind == "module" and m.entry else ""
+    for key, path in (("model.path", m.path if m.kind == "hf" else ""), ("model.entry", entry),
+                      ("data.path", d.path if d.kind in ("text", "tokens") else ""), ("data.tokenizer", d.tokenizer)):
+        if not path or not os.path.isabs(path):
+            continue
+        home = os.path.expanduser("~")
+        if any(path == p or path.startswith(p + "/") for p in NODE_LOCAL) or path.startswith(home + "/"):
+            found.append(f"{key} = {path}")
+    return found
 
 
 def _safe(name: str) -> str:
