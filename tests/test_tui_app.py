@@ -117,6 +117,25 @@ async def test_user_preset_file_errors_inline(tmp_path):
         await pilot.pause()
         assert screen.preset == str(good) and screen.comparison.steps == 3
         assert str(screen.query_one("#preset-path-error").render()) == ""
+        # Out of the text box once the file is open, on its line in the list: `s` starts it, not types an "s"
+        assert app.focused is screen.query_one("#preset-list") and screen.query_one("#preset-path").value == str(good)
+
+
+@run_async
+async def test_question_mark_lists_every_key_of_the_screen():
+    """`?` shows the current screen's keys, each with what it does (Textual's HelpPanel), and hides them again; the
+    footer says so on every screen."""
+    from textual.widgets import HelpPanel
+
+    app = build_app(replay_dir=FIXTURE, host=cpu_host())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen) and app.board.finished is not None)
+        shown = {b.key for _, b, enabled, _ in app.screen.active_bindings.values() if b.show}
+        assert {"t", "i", "w", "question_mark"} <= shown, shown  # every key of the dashboard in its footer
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: bool(app.screen.query(HelpPanel)))
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: not app.screen.query(HelpPanel))
 
 
 @run_async

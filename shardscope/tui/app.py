@@ -51,7 +51,9 @@ class ShardscopeApp(App):
 
     CSS_PATH = "app.tcss"
     TITLE = "shardscope"
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", show=False, priority=True)]
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", show=False, priority=True),
+                # every screen: its keys, each with what it does (Textual's own panel of the active bindings)
+                Binding("question_mark", "toggle_keys", "Keys", key_display="?")]
 
     def __init__(self, *, preset: str | None = None, source_factory: sources.SourceFactory | None = None,
                  out_dir: str | None = None, replay_dir: str | None = None, replay_speed: float | None = None,
@@ -290,6 +292,16 @@ class ShardscopeApp(App):
             self.notify("Why needs a finished comparison: wait for every run to end.")
         else:
             self.push_screen(WhyScreen(self.out_dir, run))
+
+    def action_toggle_keys(self) -> None:
+        """Show the keys of the current screen (every binding and what it does) beside it, or hide them."""
+        from textual.widgets import HelpPanel
+
+        panels = self.screen.query(HelpPanel)
+        if panels:
+            panels.remove()
+        else:
+            self.action_show_help_panel()
 
     def action_export(self) -> None:
         """Save a picture of the screen next to the results and copy every artefact path."""

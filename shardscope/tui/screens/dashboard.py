@@ -39,15 +39,15 @@ class DashboardScreen(Screen):
 
     BINDINGS = [
         Binding("s", "app.start", "Start"),
-        Binding("x", "app.stop_run", "Stop run"),
-        Binding("r", "app.restart_run", "Restart run"),
-        Binding("b", "app.set_baseline", "Baseline"),
+        Binding("x", "app.stop_run", "Stop"),
+        Binding("r", "app.restart_run", "Rerun"),
+        Binding("b", "app.set_baseline", "Base"),  # make the selected run the baseline
         Binding("l", "toggle_log", "Log"),
-        Binding("t", "toggle_timing", "Rank timing", show=False),  # in the palette; the footer is full
+        Binding("t", "toggle_timing", "Ranks"),  # the selected run's per-rank step timing in place of its console
         Binding("o", "app.report", "Report"),
-        Binding("i", "app.explain", "Explain run", show=False),  # in the palette; the footer is full
-        Binding("w", "app.why", "Why", show=False),  # the loss differs: re-runs name the cause (palette: Why)
-        Binding("e", "app.export", "Export"),
+        Binding("i", "app.explain", "Info"),  # what the selected run's strategy shards and sends, with its numbers
+        Binding("w", "app.why", "Why"),  # the loss differs: re-runs name the cause
+        Binding("e", "app.export", "Save"),  # a screenshot beside the results, every path copied
         Binding("left,shift+tab", "select(-1)", "Prev run", show=False),
         Binding("right,tab", "select(1)", "Next run", show=False),
         Binding("q", "app.quit", "Quit"),
@@ -80,7 +80,7 @@ class DashboardScreen(Screen):
             yield LogPane(id="log", classes="panel")
             yield RankTiming(id="timing", classes="panel")
         yield Static(id="status")
-        yield Footer()
+        yield Footer(compact=True)  # every key fits at 100 columns
 
     def on_mount(self) -> None:
         """Keep references to the widgets (redraws never query the DOM) and title the panels."""

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Markdown
+from textual.widgets import Footer, Markdown
 
 from shardscope.config import Comparison
 from shardscope.analysis import explain
@@ -38,3 +38,4 @@ class ExplainScreen(ModalScreen[None]):
         """The explainer's markdown in a scroll view."""
         with VerticalScroll(id="explainer"):
             yield Markdown(self.text, id="explainer-text")
+        yield Footer()  # the keys, and the way back

@@ -92,8 +92,11 @@ class PresetsScreen(Screen):
         if not path:
             return
         presets = self.query_one("#preset-list", OptionList)
-        if self.choose(path) and not _has_option(presets, path):
-            presets.add_option(Option(_entry(path, "your preset file"), id=path))
+        if self.choose(path):
+            if not _has_option(presets, path):
+                presets.add_option(Option(_entry(path, "your preset file"), id=path))
+            presets.highlighted = presets.get_option_index(path)  # the list shows the preset the form holds
+            presets.focus()  # out of the text box: the footer's keys (s to start) act again
 
     def choose(self, name_or_path: str) -> bool:
         """Load a preset and fill the form; show its error instead if it does not load."""

@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import Markdown, Static
+from textual.widgets import Footer, Markdown, Static
 
 from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
 from shardscope.analysis.why import verdict as why
@@ -58,6 +58,7 @@ class WhyScreen(ModalScreen[None]):
         with VerticalScroll(id="why"):
             yield Static(f"why {self.run_name}: reading {self.out_dir}…", id="why-progress")
             yield Markdown("", id="why-result")
+        yield Footer()  # the keys, and the way back
 
     def on_mount(self) -> None:
         """Plan the why and start it on a worker thread (a plan that cannot be made is shown instead)."""
