@@ -49,7 +49,8 @@ def test_predicts_another_presets_runs_with_assumptions_and_fit_error(calibratio
 
 
 def test_json_schema(calibration):
-    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", "4", "--json")
+    proc = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", "4", "--device",
+                   "cpu", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["preset"] == "smoke" and data["what_if"] is False
@@ -126,11 +127,12 @@ def test_the_report_sets_predictions_beside_measurements(calibration):
 def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_error(calibration):
     """recommend DIR --world-size N ranks the runs as predict does at N (the same figures as predict --json), each
     ratio with the error the calibration showed here; a GPU what-if says no error was measured."""
-    proc = run_cli("recommend", str(calibration), "--world-size", "4")
+    proc = run_cli("recommend", str(calibration), "--world-size", "4", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     out = " ".join(proc.stdout.split())  # rich wraps lines at the terminal's width
     predicted = json.loads(run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--set", "steps=10",
-                                   "--set", "profile.start_step=4", "--world-size", "4", "--json").stdout)
+                                   "--set", "profile.start_step=4", "--world-size", "4", "--device", "cpu",
+                                   "--json").stdout)
     rates = {r["name"]: r["tokens_per_s"] for r in predicted["runs"]}
     fast, slow = sorted(rates, key=lambda n: -rates[n])
     assert f"at 4 ranks (this machine's calibration): fastest predicted {fast} ({rates[fast]:,.0f} tokens/s;" in out, out
@@ -143,6 +145,7 @@ def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_erro
     assert "what-if: error not measured" in what_if.stdout
     for args, said in ((["--device", "H100"], "--device: give --world-size too"),
                        (["-n", "8", "--device", "TPU"], "--device 'TPU': known:"),
+                       (["-n", str(2 * (os.cpu_count() or 1) + 1)], "name the what-if: --device A100"),
                        (["-n", "0"], "--world-size 0: must be >= 1")):
         bad = run_cli("recommend", str(calibration), *args)
         assert bad.returncode == 2 and said in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
@@ -189,3 +192,17 @@ def test_probe_and_collectives_measure_every_strategy_at_its_own_world_size_and_
 
     left = [" ".join(p.cmdline()) for p in psutil.process_iter() if tagged(p)]
     assert left == []
+
+
+def test_a_world_size_this_machine_cannot_host_names_its_what_if(calibration):
+    """More ranks than this machine has cores is a scenario the user must name: --device cpu (ranks sharing these
+    cores, said in the first line) or a GPU of the table, whose output leaves this machine's collective fits out."""
+    many = str(2 * (os.cpu_count() or 1) + 1)
+    bad = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", many)
+    assert bad.returncode == 2 and "name the what-if: --device A100" in bad.stderr and "--device cpu" in bad.stderr
+    cpu = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", many, "--device", "cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    assert cpu.stdout.splitlines()[0].startswith(f"what-if: {many} ranks sharing this machine's {os.cpu_count()} cores")
+    gpu = run_cli("predict", "--calibrate", str(calibration), "--preset", "smoke", "--world-size", many, "--device", "H100")
+    assert gpu.returncode == 0 and gpu.stdout.splitlines()[0].startswith(f"what-if: {many} ranks on H100 GPUs")
+    assert "collectives: time = latency" not in gpu.stdout and "collectives: time = latency" in cpu.stdout

@@ -8,6 +8,7 @@ prediction is for and prints. No torch is imported.
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import sys
 from typing import Any
@@ -33,6 +34,34 @@ def load_for(preset: str, overrides: list[str], backend: str | None, what_if: bo
     else:
         host = dataclasses.replace(config.cpu_host(), max_ranks_per_node=1 << 20)
     return config.load_preset(preset, overrides, host=host)
+
+
+def what_if(world_size: int | None, device: str | None, option: str = "--world-size") -> tuple[str | None, str]:
+    """The what-if a ``--world-size``/``--device`` pair names: (the GPU kind from the datasheet table, or None for
+    this machine; the first line of the output). A world size this machine cannot host needs a ``--device``: a GPU
+    from the table, or ``cpu`` for ranks sharing this machine's cores, a scenario said in the first line. Exits 2
+    with one line otherwise."""
+    from shardscope.analysis.predict.devices import DEVICES
+    from shardscope.orchestrator import devices as machine
+
+    kind = (device or "").strip().upper()
+    if device and kind != "CPU" and kind not in DEVICES:
+        _fail(f"--device {device!r}: known: {', '.join(DEVICES)}, or cpu (ranks sharing this machine's cores)")
+    here = machine.host_info(machine.resolve_device("auto"))
+    hosts = here.max_ranks_per_node if here.device == "cuda" else os.cpu_count() or 1
+    if world_size and world_size > hosts and not device:
+        kinds = "GPUs" if here.device == "cuda" else "cores"
+        _fail(f"{option} {world_size}: this machine has {hosts} {kinds} ({here.detail}); name the what-if: --device "
+              f"{next(iter(DEVICES))} (or another GPU of the table: {', '.join(DEVICES)}), or --device cpu for {world_size} "
+              f"ranks sharing this machine's {os.cpu_count() or 1} cores")
+    if kind == "CPU":
+        cores = os.cpu_count() or 1
+        ranks = world_size or 0
+        return None, (f"what-if: {ranks} ranks sharing this machine's {cores} cores ({ranks / cores:g} per core)"
+                      if ranks else f"this machine's {cores} cores")
+    if kind:
+        return kind, f"what-if: {world_size or 'the preset’s'} ranks on {kind} GPUs (datasheet figures, not measured here)"
+    return None, ""
 
 
 def checked_calibrations(dirs: tuple[str, ...] | list[str]) -> list[str]:
@@ -153,7 +182,8 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
         console.print("[bold]assumptions[/]")
     for line in result["assumptions"]:
         console.print(f"  - {line}", highlight=False, markup=False)
-    _print_fit(result.get("calibration"), result.get("fit_error"), console)
+    if not what_if:  # a GPU what-if is priced from the datasheet: this machine's collective fits say nothing of it
+        _print_fit(result.get("calibration"), result.get("fit_error"), console)
 
 
 def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | None, console: Any) -> None:
@@ -248,8 +278,7 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
 
     if world_size is not None and world_size < 1:
         _fail(f"--world-size {world_size}: must be >= 1")
-    if device and device.strip().upper() not in DEVICES:
-        _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")
+    device, first_line = what_if(world_size, device)
     if probe and device:
         _fail("--probe with --device: a probe measures this machine's compute, a --device what-if takes it from the "
               "device's table: give one of them")
@@ -285,6 +314,11 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         return
     from rich.console import Console
 
+    if first_line:
+        click.echo(first_line)
     for line in comparison.adjustments:
         click.echo(f"shardscope: note: {line}")
-    print_prediction(result, Console())
+    console = Console()
+    if not console.is_terminal:  # pipes and logs: the tables keep their columns, as `run` does
+        console = Console(width=max(console.width, 160))
+    print_prediction(result, console)

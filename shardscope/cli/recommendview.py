@@ -72,13 +72,13 @@ def print_at_scale(out_dir: str, world_size: int, device: str | None, limit: int
     """Print the recommendation predicted at ``world_size`` ranks (``analysis.recommend_scale``); exits 2 with one
     line when ``device`` is unknown and says why when the comparison cannot calibrate a prediction."""
     from shardscope.analysis import recommend_scale
-    from shardscope.analysis.predict.devices import DEVICES, device_spec
+    from shardscope.analysis.predict.devices import device_spec
     from shardscope.analysis.predict.work import NotPredicted
+    from shardscope.cli.predictview import what_if
 
-    if device and device.strip().upper() not in DEVICES:
-        _fail(f"--device {device!r}: known: {', '.join(DEVICES)}")
-    console.print(f"[bold]predicted at {world_size} ranks[/] (shardscope predict, calibrated on {out_dir})",
-                  highlight=False)
+    device, first_line = what_if(world_size, device)
+    console.print(f"[bold]predicted at {world_size} ranks[/] (shardscope predict, calibrated on {out_dir})"
+                  + (f": {first_line}" if first_line else ""), highlight=False)
     try:
         result = recommend_scale.at_scale(out_dir, world_size, device_spec(device) if device else None, limit)
     except NotPredicted as err:
@@ -111,6 +111,10 @@ def recommend_cmd(out_dir: str, device_memory: str | None, world_size: int | Non
         _fail(f"--world-size {world_size}: must be >= 1")
     if device and world_size is None:
         _fail("--device: give --world-size too (the what-if is a prediction at a world size)")
+    if world_size is not None:  # a world size this machine cannot host must name its what-if, before any output
+        from shardscope.cli.predictview import what_if
+
+        what_if(world_size, device)
     try:
         comparison = fold.load_comparison(out_dir)
         summary = load_summary(out_dir)
