@@ -163,11 +163,51 @@ def rank_slice(batch: Batch, dp_size: int, dp_rank: int, grad_accum: int) -> lis
     return list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
 
 
-def build_batches(comparison: Any, dp_size: int, dp_rank: int) -> tuple[Callable[[int], list[Batch]], BatchSource]:
-    """Return (``micro_batches(step)``, source): this rank's micro-batches for a step, and the source."""
+AHEAD_BYTES = 64 << 20  # a rank's batches of the whole run built before step 0 up to this size, else one step ahead
+
+
+def build_batches(comparison: Any, dp_size: int, dp_rank: int, *,
+                  ahead: bool = False) -> tuple[Callable[[int], list[Batch]], BatchSource]:
+    """Return (``micro_batches(step)``, source): this rank's micro-batches for a step, and the source.
+
+    With ``ahead`` (a run's ranks), no step waits for its batch: every step's micro-batches are built before step 0
+    when they fit ``AHEAD_BYTES`` (while the previous run tears down), else each step's on a thread while the step
+    before it runs. The tokens are the same either way (each step's global batch is still a pure function of
+    (seed, step)); only this rank's slice is kept."""
     source = make_source(comparison)
 
     def micro_batches(step: int) -> list[Batch]:
         return rank_slice(source.global_batch(step), dp_size, dp_rank, comparison.grad_accum)
 
-    return micro_batches, source
+    if not ahead:
+        return micro_batches, source
+
+    def own(step: int) -> list[Batch]:  # the slice alone: the global batch it views is freed
+        return [(x.clone(), y.clone()) for x, y in micro_batches(step)]
+
+    steps = max(1, int(comparison.steps))
+    first = own(0)
+    size = sum(x.numel() * x.element_size() + y.numel() * y.element_size() for x, y in first)
+    if size * steps <= AHEAD_BYTES:
+        built = [first] + [own(s) for s in range(1, steps)]
+        return (lambda step: built[step] if 0 <= step < len(built) else micro_batches(step)), source
+    return _one_step_ahead(own, first, steps), source
+
+
+def _one_step_ahead(own: Callable[[int], list[Batch]], first: list[Batch], steps: int) -> Callable[[int], list[Batch]]:
+    """``micro_batches(step)`` that builds step + 1's on a thread while step runs (torch's CPU ops release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardscope-batches")
+    pending: dict[int, Any] = {}
+
+    def micro_batches(step: int) -> list[Batch]:
+        fut = pending.pop(step, None)
+        batch = first if step == 0 else (fut.result() if fut is not None else own(step))
+        for stale in [s for s in pending if s < step]:  # a step skipped (a restart): its batch is not needed
+            pending.pop(stale).cancel()
+        if step + 1 < steps and step + 1 not in pending:
+            pending[step + 1] = pool.submit(own, step + 1)
+        return batch
+
+    return micro_batches

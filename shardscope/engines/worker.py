@@ -177,7 +177,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     if int(run.get("probe_step", -1)) >= 0:  # shardscope why's re-runs only: no hook exists otherwise
         cfg.probe = ModuleProbe(prep, ctx, probe_step=int(run["probe_step"]), grads=info.probe_grads)
     marks["strategy"] = time.time()
-    micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank)
+    micro_batches, source = build_batches(comparison, ctx.dp_size, ctx.dp_rank, ahead=True)  # no step waits for data
     marks["batches"] = time.time()
     if wait_for_previous_run():  # launched while the previous run tore down: train once it is gone
         marks["previous_run_gone"] = time.time()

@@ -1,0 +1,144 @@
+"""End to end: a shardscope run's median tokens/s against a bare torchrun loop over the same model and batch.
+
+``overhead.py`` interleaves steps inside one job; this runs whole jobs, as a user does: ``shardscope run --headless``
+of one strategy (no A/A control, no profiler) and a bare loop written here, independently of ``engines/loop.py``
+(its own torchrun job: DDP or FSDP2 as torch documents them, torch's AdamW, the step timed with ``perf_counter``
+from the step's start to the optimizer's end), alternating A B A B ... so both see the same machine. The bare loop
+builds the same model from the same preset (shardscope's model builder, the built-in transformer) and feeds it
+batches of the same shape prepared before the first step. Both take the median over steps after step 0.
+
+    python benchmarks/end_to_end.py [--preset smoke] [--strategies ddp,fsdp2] [--repeats 5] [--steps 60]
+
+Per strategy the last line is ``end_to_end_ratio <strategy>: R`` (shardscope / bare, median over repeats; the
+target is >= 0.985 on a quiet machine), after each repeat's pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+BARE = r'''
+import json, os, statistics, sys, time
+import torch, torch.distributed as dist
+from torch import nn
+
+spec = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(spec["seed"])
+from shardscope.config import ModelSpec
+from shardscope.engines.model import build_transformer
+model = build_transformer(ModelSpec(**spec["model"]), spec["seed"])
+if spec["strategy"] == "ddp":
+    model = nn.parallel.DistributedDataParallel(model)
+else:
+    from torch.distributed.fsdp import fully_shard
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1)
+micro = spec["global_batch"] // world
+seq, vocab = spec["model"]["seq_len"], spec["model"]["vocab_size"]
+gen = torch.Generator().manual_seed(rank)
+batches = [torch.randint(vocab, (micro, seq + 1), generator=gen) for _ in range(spec["steps"])]
+rates = []
+for step, tokens in enumerate(batches):
+    t0 = time.perf_counter()
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    if step > 0:
+        rates.append(spec["global_batch"] * seq / dt)
+if rank == 0:
+    print("BARE_RATE", statistics.median(rates), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def bare_rate(comparison, strategy: str, steps: int) -> float:
+    """The bare loop's median tokens/s, one torchrun job."""
+    import dataclasses
+
+    spec = {"strategy": strategy, "seed": comparison.seed, "lr": comparison.lr, "steps": steps,
+            "global_batch": comparison.global_batch, "model": dataclasses.asdict(comparison.model)}
+    spec["model"].pop("described", None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write(BARE)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                               str(comparison.world_size), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                               fh.name, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=900)
+    finally:
+        os.remove(fh.name)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("BARE_RATE")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"bare loop failed: {proc.stderr[-2000:]}")
+    return float(lines[-1].split()[1])
+
+
+def shardscope_rate(preset: str, strategy: str, steps: int, out: str) -> float:
+    """A shardscope run of one strategy (no control, no profiler): its summary's median tokens/s. The preset's file
+    with its runs replaced by that one run."""
+    from shardscope import config
+
+    text = config.preset_path(preset).read_text(encoding="utf-8")
+    one = os.path.join(os.path.dirname(out), f"{strategy}.toml")
+    with open(one, "w", encoding="utf-8") as fh:
+        fh.write(text[:text.index("[[runs]]")] + f'[[runs]]\nname = "{strategy}"\nstrategy = "{strategy}"\n')
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", one, "--headless", "--out",
+                           out, "--set", f"steps={steps}", "--set", "profile.enabled=false", "--set", "control=false"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"shardscope run failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
+        return float(json.load(fh)["runs"][0]["median_tokens_per_s"])
+
+
+def main() -> int:
+    """Alternate shardscope runs and bare loops per strategy; print each pair and the median ratio."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="smoke")
+    parser.add_argument("--strategies", default="ddp,fsdp2")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    from shardscope import config
+
+    comparison = config.load_preset(args.preset, host=config.cpu_host())
+    print(f"load average before: {os.getloadavg()[0]:.2f}; preset {args.preset}, {args.steps} steps, "
+          f"{comparison.world_size} ranks, {args.repeats} repeats per strategy, A B alternating")
+    for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+        ratios = []
+        with tempfile.TemporaryDirectory(prefix="shardscope-e2e-") as tmp:
+            for k in range(args.repeats):
+                first_bare = k % 2 == 1  # alternate which goes first
+                order = ("bare", "shardscope") if first_bare else ("shardscope", "bare")
+                rates = {}
+                for arm in order:
+                    rates[arm] = (bare_rate(comparison, strategy, args.steps) if arm == "bare" else
+                                  shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"run{k}")))
+                ratios.append(rates["shardscope"] / rates["bare"])
+                print(f"{strategy} repeat {k}: shardscope {rates['shardscope']:,.0f} vs bare {rates['bare']:,.0f} "
+                      f"tokens/s: {ratios[-1]:.3f}", flush=True)
+        print(f"end_to_end_ratio {strategy}: {statistics.median(ratios):.3f} (min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f})", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
