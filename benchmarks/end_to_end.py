@@ -9,8 +9,10 @@ batches of the same shape prepared before the first step. Both take the median o
 
     python benchmarks/end_to_end.py [--preset smoke] [--strategies ddp,fsdp2] [--repeats 5] [--steps 60]
 
-Per strategy the last line is ``end_to_end_ratio <strategy>: R`` (shardscope / bare, median over repeats; the
-target is >= 0.985 on a quiet machine), after each repeat's pair.
+Two bare arms: the loop as a user writes it, and the same loop run with room on CPython's frame stack (3.11/3.12:
+gh-142183, which shardscope's loop avoids, ``engines/stack_room.py``): against the second, the ratio is shardscope's
+own cost. Per strategy the last lines are ``end_to_end_ratio <strategy> vs <arm>: R`` (shardscope / that arm, median
+over repeats; the target is >= 0.985 on a quiet machine), after each repeat's rates.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ seq, vocab = spec["model"]["seq_len"], spec["model"]["vocab_size"]
 gen = torch.Generator().manual_seed(rank)
 batches = [torch.randint(vocab, (micro, seq + 1), generator=gen) for _ in range(spec["steps"])]
 rates = []
-for step, tokens in enumerate(batches):
+
+
+def one_step(step, tokens):
     t0 = time.perf_counter()
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
@@ -62,17 +66,34 @@ for step, tokens in enumerate(batches):
     dt = time.perf_counter() - t0
     if step > 0:
         rates.append(spec["global_batch"] * seq / dt)
+
+
+def loop():
+    for step, tokens in enumerate(batches):
+        one_step(step, tokens)
+
+
+if spec["stack_room"]:  # CPython 3.11/3.12 (gh-142183): calls across a frame-stack chunk map and unmap it each time;
+    # run the loop in a frame that declares 512 KiB of unused stack, so no step crosses a chunk (as shardscope does)
+    import types
+    def enter(fn):
+        return fn()
+    code = enter.__code__
+    types.FunctionType(code.replace(co_stacksize=code.co_stacksize + (1 << 16)), globals())(loop)
+else:
+    loop()
 if rank == 0:
     print("BARE_RATE", statistics.median(rates), flush=True)
 dist.destroy_process_group()
 '''
 
 
-def bare_rate(comparison, strategy: str, steps: int) -> float:
-    """The bare loop's median tokens/s, one torchrun job."""
+def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> float:
+    """The bare loop's median tokens/s, one torchrun job (``stack_room``: its steps run with room on CPython's frame
+    stack, as shardscope's loop does)."""
     import dataclasses
 
-    spec = {"strategy": strategy, "seed": comparison.seed, "lr": comparison.lr, "steps": steps,
+    spec = {"strategy": strategy, "seed": comparison.seed, "lr": comparison.lr, "steps": steps, "stack_room": stack_room,
             "global_batch": comparison.global_batch, "model": dataclasses.asdict(comparison.model)}
     spec["model"].pop("described", None)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
@@ -122,20 +143,22 @@ def main() -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f}; preset {args.preset}, {args.steps} steps, "
           f"{comparison.world_size} ranks, {args.repeats} repeats per strategy, A B alternating")
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
-        ratios = []
+        ratios: dict[str, list[float]] = {"bare": [], "bare with stack room": []}
+        arms = ("shardscope", "bare", "bare with stack room")
         with tempfile.TemporaryDirectory(prefix="shardscope-e2e-") as tmp:
             for k in range(args.repeats):
-                first_bare = k % 2 == 1  # alternate which goes first
-                order = ("bare", "shardscope") if first_bare else ("shardscope", "bare")
+                order = arms[k % 3:] + arms[:k % 3]  # each arm first in turn
                 rates = {}
                 for arm in order:
-                    rates[arm] = (bare_rate(comparison, strategy, args.steps) if arm == "bare" else
-                                  shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"run{k}")))
-                ratios.append(rates["shardscope"] / rates["bare"])
-                print(f"{strategy} repeat {k}: shardscope {rates['shardscope']:,.0f} vs bare {rates['bare']:,.0f} "
-                      f"tokens/s: {ratios[-1]:.3f}", flush=True)
-        print(f"end_to_end_ratio {strategy}: {statistics.median(ratios):.3f} (min {min(ratios):.3f}, "
-              f"max {max(ratios):.3f})", flush=True)
+                    rates[arm] = (shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"run{k}"))
+                                  if arm == "shardscope" else bare_rate(comparison, strategy, args.steps, "room" in arm))
+                for arm in ratios:
+                    ratios[arm].append(rates["shardscope"] / rates[arm])
+                print(f"{strategy} repeat {k}: " + ", ".join(f"{a} {rates[a]:,.0f}" for a in arms) + " tokens/s",
+                      flush=True)
+        for arm, values in ratios.items():
+            print(f"end_to_end_ratio {strategy} vs {arm}: {statistics.median(values):.3f} (min {min(values):.3f}, "
+                  f"max {max(values):.3f})", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

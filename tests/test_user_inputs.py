@@ -132,6 +132,17 @@ def test_text_through_a_tokenizer(tmp_path, monkeypatch):
     assert again.data.described["path"] == c.data.described["path"]
 
 
+def _refused(preset: Path, *sets: str) -> str:
+    """The one-line reason ``config.load_preset`` refuses ``preset`` with (what the command line prints after
+    ``shardscope: error:``, exit 2: ``_usage_error`` checks that path once per kind of input)."""
+    from shardscope.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        config.load_preset(str(preset), list(sets))
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
 def _usage_error(tmp_path, preset: Path, *sets: str) -> str:
     args = [a for s in sets for a in ("--set", s)]
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(preset), "--dry-run", *args],
@@ -170,14 +181,12 @@ def test_bad_modules_are_one_line_before_anything_starts(tmp_path):
     assert "no such file" in line, line
     bad = tmp_path / "bad.py"
     bad.write_text("def build(:\n")
-    assert "importing" in _usage_error(tmp_path, mod, f'model.entry="{bad}:build"')
-    assert "has no function 'nope'" in _usage_error(tmp_path, mod, f'model.entry="{DATA / "module" / "mymodel.py"}:nope"')
-    assert "build raised RuntimeError: out of ideas" in _usage_error(
-        tmp_path, mod, f'model.entry="{DATA / "module" / "mymodel.py"}:raises"')
-    assert "returned a dict, not an nn.Module" in _usage_error(
-        tmp_path, mod, f'model.entry="{DATA / "module" / "mymodel.py"}:no_module"')
-    assert "model.blocks = 'norm': a RMSNorm, not an nn.ModuleList" in _usage_error(tmp_path, mod, 'model.blocks="norm"')
-    assert "has no attribute 'stack'" in _usage_error(tmp_path, mod, 'model.blocks="stack"')
+    assert "importing" in _refused(mod, f'model.entry="{bad}:build"')
+    assert "has no function 'nope'" in _refused(mod, f'model.entry="{DATA / "module" / "mymodel.py"}:nope"')
+    assert "build raised RuntimeError: out of ideas" in _refused(mod, f'model.entry="{DATA / "module" / "mymodel.py"}:raises"')
+    assert "returned a dict, not an nn.Module" in _refused(mod, f'model.entry="{DATA / "module" / "mymodel.py"}:no_module"')
+    assert "model.blocks = 'norm': a RMSNorm, not an nn.ModuleList" in _refused(mod, 'model.blocks="norm"')
+    assert "has no attribute 'stack'" in _refused(mod, 'model.blocks="stack"')
 
 
 def test_bad_data_is_one_line_before_anything_starts(tmp_path, monkeypatch):
@@ -188,18 +197,46 @@ def test_bad_data_is_one_line_before_anything_starts(tmp_path, monkeypatch):
     assert "outside the model's vocabulary of 128" in line, line
     llama = ['kind = "hf"', f'path = "{DATA / "llama"}"', "seq_len = 16"]
     short = _preset(tmp_path, llama, ["[data]", 'kind = "tokens"', f'path = "{DATA / "train.bin"}"'],
-                    top=["global_batch = 1024"])
+                    top=["global_batch = 1024"], name="short")
     short.write_text(short.read_text().replace("global_batch = 4\n", ""))
-    assert "one global batch needs 1024 windows" in _usage_error(tmp_path, short)
-    as_text = _preset(tmp_path, llama, ["[data]", 'kind = "text"', f'path = "{DATA / "train.bin"}"'])
-    assert "data.kind = 'tokens'" in _usage_error(tmp_path, as_text)
-    bytes_small = _preset(tmp_path, small, ["[data]", 'kind = "text"', f'path = "{DATA / "corpus.txt"}"'])
-    assert "it must be at least 256" in _usage_error(tmp_path, bytes_small)
+    assert "one global batch needs 1024 windows" in _refused(short)
+    as_text = _preset(tmp_path, llama, ["[data]", 'kind = "text"', f'path = "{DATA / "train.bin"}"'], name="as_text")
+    assert "data.kind = 'tokens'" in _refused(as_text)
+    bytes_small = _preset(tmp_path, small, ["[data]", 'kind = "text"', f'path = "{DATA / "corpus.txt"}"'], name="bytes")
+    assert "it must be at least 256" in _refused(bytes_small)
     tiny_vocab = _preset(tmp_path, ['kind = "module"', f'entry = "{MODULE}"', "seq_len = 16", "", "[model.args]",
                                     "vocab = 16"],
                          ["[data]", 'kind = "text"', f'path = "{DATA / "corpus.txt"}"',
-                          f'tokenizer = "{DATA / "tokenizer.json"}"'])
-    assert "more than the model's 16" in _usage_error(tmp_path, tiny_vocab)
-    assert "data.dtype = 'int8': allowed: uint16, uint32" in _usage_error(
-        tmp_path, _preset(tmp_path, llama, ["[data]", 'kind = "tokens"', f'path = "{DATA / "train.bin"}"',
-                                            'dtype = "int8"']))
+                          f'tokenizer = "{DATA / "tokenizer.json"}"'], name="tiny")
+    assert "more than the model's 16" in _refused(tiny_vocab)
+    assert "data.dtype = 'int8': allowed: uint16, uint32" in _refused(
+        _preset(tmp_path, llama, ["[data]", 'kind = "tokens"', f'path = "{DATA / "train.bin"}"', 'dtype = "int8"'],
+                name="dtype"))
+
+
+@pytest.mark.parametrize("family, tp, autotp", [
+    ("llama", "", ""), ("gemma2", "", ""), ("mistral", "", "DeepSpeed AutoTP splits an untied output layer"),
+    ("qwen3", "splits model.layers.*.self_attn.q_norm as 'replicated_with_grad_allreduce'",
+     "DeepSpeed AutoTP follows the model's own"),
+    ("phi3", "splits model.layers.*.self_attn.qkv_proj as 'colwise_gather_output'", "DeepSpeed AutoTP follows the model's own"),
+    ("olmo2", "splits model.layers.*.self_attn.q_proj as 'colwise_gather_output'", "DeepSpeed AutoTP follows the model's own")])
+def test_each_family_s_own_plan_decides_tensor_parallelism_before_the_start(tmp_path, family, tp, autotp):
+    """FSDP2 + TP applies a family's own plan when it is plain column/row splits, and AutoTP runs tied models of the
+    checked architectures; otherwise the run is left out with the reason, before anything starts, and the others
+    stay (the FSDP2 + TP and AutoTP runs of Llama and Gemma 2 run in tests/test_user_models.py)."""
+    c = config.load_preset(_with_tp(tmp_path, family))
+    names = [r.name for r in c.runs]
+    notes = " ".join(c.adjustments)
+    assert ("tp" in names) == (not tp) and ("autotp" in names) == (not autotp), (names, notes)
+    if tp:
+        assert f"run tp left out: fsdp2-tp: its tensor-parallel plan {tp}" in notes, notes
+    if autotp:
+        assert f"run autotp left out: deepspeed-autotp: {autotp}" in notes, notes
+    assert names[:2] == ["ddp", "fsdp2"]
+
+
+def _with_tp(tmp_path: Path, family: str) -> str:
+    path = _preset(tmp_path, ['kind = "hf"', f'path = "{DATA / family}"', "seq_len = 16"], name=family)
+    path.write_text(path.read_text() + "\n[[runs]]\nname = \"tp\"\nstrategy = \"fsdp2-tp\"\nworld_size = 4\n"
+                    "\n[[runs]]\nname = \"autotp\"\nstrategy = \"deepspeed-autotp\"\nworld_size = 4\n")
+    return str(path)
