@@ -9,7 +9,8 @@ batches of the same shape prepared before the first step. Both take the median o
 
     python benchmarks/end_to_end.py [--preset smoke] [--strategies ddp,fsdp2] [--repeats 5] [--steps 60]
 
-Two bare arms: the loop as a user writes it, and the same loop run with room on CPython's frame stack (3.11/3.12:
+A second shardscope arm runs its ranks as new interpreters (``launch.start_method = "exec"``) instead of forking
+them from the preloaded agent. Two bare arms: the loop as a user writes it, and the same loop run with room on CPython's frame stack (3.11/3.12:
 gh-142183, which shardscope's loop avoids, ``engines/stack_room.py``): against the second, the ratio is shardscope's
 own cost. Per strategy the last lines are ``end_to_end_ratio <strategy> vs <arm>: R`` (shardscope / that arm, median
 over repeats; the target is >= 0.985 on a quiet machine), after each repeat's rates.
@@ -111,7 +112,7 @@ def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> float:
     return float(lines[-1].split()[1])
 
 
-def shardscope_rate(preset: str, strategy: str, steps: int, out: str) -> float:
+def shardscope_rate(preset: str, strategy: str, steps: int, out: str, start_method: str = "auto") -> float:
     """A shardscope run of one strategy (no control, no profiler): its summary's median tokens/s. The preset's file
     with its runs replaced by that one run."""
     from shardscope import config
@@ -121,7 +122,8 @@ def shardscope_rate(preset: str, strategy: str, steps: int, out: str) -> float:
     with open(one, "w", encoding="utf-8") as fh:
         fh.write(text[:text.index("[[runs]]")] + f'[[runs]]\nname = "{strategy}"\nstrategy = "{strategy}"\n')
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", one, "--headless", "--out",
-                           out, "--set", f"steps={steps}", "--set", "profile.enabled=false", "--set", "control=false"],
+                           out, "--set", f"steps={steps}", "--set", "profile.enabled=false", "--set", "control=false",
+                           "--set", f"launch.start_method='{start_method}'"],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(f"shardscope run failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -143,15 +145,18 @@ def main() -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f}; preset {args.preset}, {args.steps} steps, "
           f"{comparison.world_size} ranks, {args.repeats} repeats per strategy, A B alternating")
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
-        ratios: dict[str, list[float]] = {"bare": [], "bare with stack room": []}
-        arms = ("shardscope", "bare", "bare with stack room")
+        arms = ("shardscope", "shardscope (exec)", "bare", "bare with stack room")
+        ratios: dict[str, list[float]] = {a: [] for a in arms[1:]}
         with tempfile.TemporaryDirectory(prefix="shardscope-e2e-") as tmp:
             for k in range(args.repeats):
-                order = arms[k % 3:] + arms[:k % 3]  # each arm first in turn
+                order = arms[k % len(arms):] + arms[:k % len(arms)]  # each arm first in turn
                 rates = {}
                 for arm in order:
-                    rates[arm] = (shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"run{k}"))
-                                  if arm == "shardscope" else bare_rate(comparison, strategy, args.steps, "room" in arm))
+                    if arm.startswith("shardscope"):  # forked ranks (the default on CPU), or new interpreters
+                        rates[arm] = shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"{k}{len(rates)}"),
+                                                     "exec" if "exec" in arm else "auto")
+                    else:
+                        rates[arm] = bare_rate(comparison, strategy, args.steps, "room" in arm)
                 for arm in ratios:
                     ratios[arm].append(rates["shardscope"] / rates[arm])
                 print(f"{strategy} repeat {k}: " + ", ".join(f"{a} {rates[a]:,.0f}" for a in arms) + " tokens/s",
