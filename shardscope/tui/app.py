@@ -28,13 +28,12 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from shardscope.config import Comparison, ConfigError, load_preset, with_control, write_atomic
+from shardscope.config import Comparison, ConfigError, load_preset, with_control
 from shardscope.orchestrator.preflight import check_space, claim_out_dir
 from shardscope.profiling.state import Update
-from shardscope.core.rundir import SCREENSHOT, RunDir
 from shardscope.tui import source as sources
+from shardscope.tui.actions import ScreenActions
 from shardscope.tui.board import Board
-from shardscope.tui.format import display_path
 from shardscope.tui.messages import CommAnalysed, UpdatesArrived
 from shardscope.tui.screens.dialogs import ConfirmQuit, TooSmall
 from shardscope.tui.screens.presets import PresetsScreen
@@ -46,7 +45,7 @@ MIN_SIZE = (80, 24)  # below this the layout cannot show cards, charts and panel
 STOP_WAIT_S = 30.0  # how long quitting waits for stopped runs to exit
 
 
-class ShardscopeApp(App):
+class ShardscopeApp(ScreenActions, App):
     """Runs (or replays) a comparison and shows it live."""
 
     CSS_PATH = "app.tcss"
@@ -260,70 +259,6 @@ class ShardscopeApp(App):
             self.board.baseline = run
             self.board.dirty_charts = True
             self.notify(f"Baseline: {run}")
-
-    def action_report(self) -> None:
-        """Open the report screen."""
-        from shardscope.tui.screens.report import ReportScreen
-
-        if self.source is None:
-            self.notify("Start a comparison first.")
-        elif not isinstance(self.screen, ReportScreen):
-            self.push_screen(ReportScreen(self.out_dir, self.board))
-
-    def action_explain(self) -> None:
-        """Open the selected run's strategy explainer, filled with that run's numbers."""
-        from shardscope.tui.screens.explainer import ExplainScreen, explanation_for
-
-        run = self._selected()
-        if not run or self.comparison is None:
-            self.notify("Select a run first.")
-            return
-        result = explanation_for(self.comparison, run, self.out_dir)
-        self.push_screen(ExplainScreen("\n\n".join([result["text"], *result["notes"]])))
-
-    def action_why(self) -> None:
-        """Why the selected run's loss differs from the baseline's: ``shardscope why``'s re-runs, with progress."""
-        from shardscope.tui.screens.why import WhyScreen
-
-        run = self._selected()
-        if not run or not self.out_dir:
-            self.notify("Select a run first.")
-        elif self.source is not None and self.started and not self.source.finished:
-            self.notify("Why needs a finished comparison: wait for every run to end.")
-        else:
-            self.push_screen(WhyScreen(self.out_dir, run))
-
-    def action_toggle_keys(self) -> None:
-        """Show the keys of the current screen (every binding and what it does) beside it, or hide them."""
-        from textual.widgets import HelpPanel
-
-        panels = self.screen.query(HelpPanel)
-        if panels:
-            panels.remove()
-        else:
-            self.action_show_help_panel()
-
-    def action_export(self) -> None:
-        """Save a picture of the screen next to the results and copy every artefact path."""
-        if not self.out_dir:
-            self.notify("Nothing to export yet.")
-            return
-        lines = [os.path.abspath(self.out_dir)]
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            target = os.path.join(self.out_dir, SCREENSHOT)
-            svg = self.export_screenshot()
-            # A partial file and a rename, as report.md: never written through a link that leads out of the directory
-            write_atomic(target, lambda fh: fh.write(svg))
-            lines.append(target)
-        except OSError as err:
-            self.notify(f"Cannot write the screenshot: {err}", severity="error")
-        out = RunDir(self.out_dir)
-        for path in (out.summary, out.report, out.plots):
-            if os.path.exists(path):
-                lines.append(os.path.abspath(path))
-        self.copy_to_clipboard("\n".join(lines))
-        self.notify("Copied to the clipboard:\n" + "\n".join(display_path(p) for p in lines), timeout=8)
 
     async def action_quit(self) -> None:
         """Quit; with runs still going, ask first, then stop them all and wait for them."""
