@@ -9,7 +9,7 @@ triple to the next. Interleaving step by step makes both sides see the same mach
 load drifts by 10-30% over seconds, which blocks of steps cannot cancel to 1%.
 
 A third arm, a second bare loop (``bare again``), runs in the same rotation: bare against bare again is a
-comparison whose true ratio is 1, so what it prints is the benchmark's own resolution in that sitting (stop 43:
+comparison whose true ratio is 1, so what it prints is the benchmark's own resolution in that sitting (2026-11-27:
 in a 900-triple run, bare against bare again printed 1.0095 with a pair-bootstrap interval of 1.000-1.019, which
 excluded 1). The three arms take the six orders in turn. Intervals are a moving-block bootstrap over runs of
 ``BLOCK`` consecutive triples: the machine's load drifts over seconds, so neighbouring steps are not independent,

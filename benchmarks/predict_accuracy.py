@@ -244,7 +244,7 @@ def one_round(args: argparse.Namespace, preset: str, ws: int, tag: str, out: Pat
 
 
 def _whole_factor(plain: dict | None, model) -> float | None:
-    """Stop 42's prediction, for comparison: the same probe with the whole exposed communication (not only its
+    """the 2026-11-27 prediction, for comparison: the same probe with the whole exposed communication (not only its
     latency part) multiplied by what the calibration's steps paid over the fit."""
     cc = model.comm_cost if model is not None else None
     if not plain or plain.get("why") or not cc or cc.get("world_size") != plain.get("world_size") or not plain["step_time_s"]:
@@ -257,7 +257,7 @@ def _whole_factor(plain: dict | None, model) -> float | None:
 def combine(rows: list[dict]) -> list[dict]:
     """One row per run from its repeats: the median prediction against the median measurement (each repeat
     predicted from its own fresh calibration and probe, then run), with every repeat's own error kept beside it.
-    The machine's speed moves by +-15-25% over seconds on a shared VM (RESULTS, stop 35), in predictions and
+    The machine's speed moves by +-15-25% over seconds on a shared VM (RESULTS, 2026-11-26), in predictions and
     measurements alike; medians over interleaved repeats compare the predictor with the run, not with that noise."""
     by_run: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -282,11 +282,11 @@ def report(rows: list[dict], skipped: list[str], repeats: int = 1) -> None:
     """Print the per-strategy table and every run (with repeats: medians, and each repeat's own error)."""
     print(f"\nfinished {time.strftime('%Y-%m-%d %H:%M')}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     full = [r for r in rows if not r.get("bound")]
-    # the A/B of the communication cost factor: the same probes predicted without it, and with stop 42's factor on
+    # the A/B of the communication cost factor: the same probes predicted without it, and with the 2026-11-27 factor on
     # the whole exposed communication instead of on its latency part
     others = [k for k in ("predicted_no_factor", "predicted_whole_factor") if any(r.get(k) for r in full)]
     head = "".join({"predicted_no_factor": " without the factor: median / worst |",
-                    "predicted_whole_factor": " factor on all communication (stop 42): median / worst |"}[k] for k in others)
+                    "predicted_whole_factor": " factor on all communication (2026-11-27): median / worst |"}[k] for k in others)
     print(f"\n| strategy | runs | median abs error | worst abs error | within 15% / 30% |{head}\n|---|---|---|---|---|"
           + "---|" * len(others))
 

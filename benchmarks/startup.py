@@ -26,7 +26,7 @@ ranks' own imports take nothing.
 
 ``--variants`` (default ``default,exec``) names the launches measured each round, in an order that turns:
 ``default`` (the shipped settings), ``exec`` (``launch.start_method=exec``: each rank a new interpreter, the
-next run's agent still started ahead, stop 36's default; the default on CUDA), ``fork`` (ranks forked on any
+next run's agent still started ahead, the 2026-11-26 default; the default on CUDA), ``fork`` (ranks forked on any
 device: on CUDA, to measure it against ``exec``), ``cold`` (``exec`` and ``launch.prestart=false``: torchrun as
 it comes). The last two lines are the first variant's.
 

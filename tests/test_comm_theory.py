@@ -124,7 +124,7 @@ def test_one_rank_counts_what_each_strategy_still_hands_to_a_group_of_one(tmp_pa
     """At world size 1 DDP, FSDP1 (which switches to NO_SHARD there), the hand-written FSDP and DeepSpeed ZeRO (its
     gradient reductions, no gathers) still call collectives on a group of one; FSDP2 calls none. Seen first on an H100
     (gpu_check: 175.2 MiB handed against a theory of 0), then counted in a real step of each at one rank on CPU: trace
-    = in-rank count = this theory within 1e-5 for all 11 layouts of tests/test_layout_matrix.py (stop 33)."""
+    = in-rank count = this theory within 1e-5 for all 11 layouts of tests/test_layout_matrix.py (2026-11-26)."""
     def one(strategy: str, **options) -> dict:
         return _theory(RunSpec("r", strategy, world_size=1, options=options), tmp_path, ws=1)["by_type"]
 

@@ -1,7 +1,7 @@
 """End to end: ``compile = true`` on FSDP1, FSDP2, the hand-written FSDP and DeepSpeed ZeRO-1/2/3, and
 ``activation_checkpointing = true`` on some of them, fp32, 2 CPU ranks, in one comparison with an eager DDP
 baseline. (FSDP2 compiled had its own smoke comparison through the command line in test_cli_e2e.py, a DDP run
-and 40 s of CI more, checking the same thing: stop 32.)
+and 40 s of CI more, checking the same thing: 2026-11-26.)
 
 torch strategies compile per block (``parallelize.compile_blocks``); DeepSpeed compiles through
 ``engine.compile()``. Each compiled run must report compiled graphs in its ``end`` record (so the

@@ -34,7 +34,7 @@ warmup_steps = 2
 world_size = 2
 stall_timeout_s = 90
 straggler_window = 4
-# 5x, not the default 1.5x: a CI run under load flagged the unslowed DDP run's rank 0 at 1.76x (stop 32); the
+# 5x, not the default 1.5x: a CI run under load flagged the unslowed DDP run's rank 0 at 1.76x (2026-11-26); the
 # slowed ranks' 150 ms of extra CPU time a step is over 10x a step of this model (busy_s, test_step_split_...)
 straggler_threshold = 5.0
 {model}
@@ -76,7 +76,7 @@ def dirs(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # --against end to end: identical settings for "ddp" pass; the new-only runs are reported, not errors. Speed is
     # not gated here (--speed-tol 100): the two comparisons run minutes apart, and beside a second test suite on
-    # 2 cores the same DDP run measured 0.35x of its first throughput (a CI run, stop 29). Only the slowed run's
+    # 2 cores the same DDP run measured 0.35x of its first throughput (a CI run, 2026-11-26). Only the slowed run's
     # test gates on speed, where the fault's 150 ms of work a step dwarfs any load
     # (a CI run measured it 0.174x of the old run with a noise band the old rule put at ±93.9%: see test_recommend).
     new, against = run_preset(tmp, "new", "--against", str(old), "--speed-tol", "100", extra=SLOW_RUNS)

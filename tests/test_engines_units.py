@@ -290,7 +290,7 @@ assert got.keys() == want.keys() and all(math.isclose(got[k], want[k], rel_tol=1
 dist.destroy_process_group()
 print("ok", flush=True)
 import os
-os._exit(0)  # as a rank leaves (worker.exit_now): torch 2.13's static teardown once aborted after "ok" (stop 40 CI)
+os._exit(0)  # as a rank leaves (worker.exit_now): torch 2.13's static teardown once aborted after "ok" (2026-11-27 CI)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

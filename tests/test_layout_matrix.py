@@ -28,7 +28,7 @@ predict``'s schedule making the calls a real step makes:
 
 A separate parity comparison with two micro-batches (``test_comm_exact.py``, ~4.5 minutes of CI) checked
 nothing the first comparison does not, nor did a parity matrix launching each strategy alone beside a DDP run
-(``test_parity_matrix.py``, ~3 minutes on each torch) that the first two do not (stop 32). Two micro-batches
+(``test_parity_matrix.py``, ~3 minutes on each torch) that the first two do not (2026-11-26). Two micro-batches
 found what one did not: FSDP2 and the hand-written FSDP with ``reshard_after_forward = false`` gather in every
 micro-batch (the theory said once a step: observed/theory 1.5 and 1.33), and FSDP1's HYBRID_SHARD calls its
 replica all-reduce over one replica (the schedule made none).
@@ -52,7 +52,7 @@ from shardscope.core import registry
 REPO = Path(__file__).resolve().parents[1]
 
 # A test that first asks for a comparison runs it (14-16 runs): 461 s for the 4-rank one in a CI run, more than
-# pyproject's 600 s per test once the machine is loaded (a CI run beside other work timed out at stop 32). The
+# pyproject's 600 s per test once the machine is loaded (a CI run beside other work timed out on 2026-11-26). The
 # launch has its own bound (1800 s below); each test gets that long.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2000)]
 
@@ -154,7 +154,7 @@ def matrix(tmp_path_factory):
 
 def _failure(out: str, proc: subprocess.CompletedProcess) -> str:
     """What a failed comparison said: each run that did not end ok with its status and error (the stall verdict
-    with the ranks' stacks), then the tails of the console; the tail alone lost the verdict (stop 39's CI)."""
+    with the ranks' stacks), then the tails of the console; the tail alone lost the verdict (the 2026-11-27 CI)."""
     lines = []
     try:
         for r in _summary(out)["runs"]:

@@ -325,7 +325,7 @@ def test_a_probe_of_the_run_replaces_the_calibrations_compute_and_a_failed_one_s
     simulate(w, 0.010, 0.020, 0.005, lambda k, b, n: calls.append((k, n)) or 0.0, False)
     activations = sum(k == "all_reduce" and n == w.tp for k, n in calls)
     # per layer: the attention's and the MLP's outputs in forward, one per column-parallel linear (q, k, v, gate,
-    # up) in backward: 7 calls, as a real step shows (RESULTS.md, stop 29), not one per direction
+    # up) in backward: 7 calls, as a real step shows (RESULTS.md, 2026-11-26), not one per direction
     assert w.tp_layer_calls == (2, 5)
     # (plus the gradient norm's second all-reduce, over dp: here dp = tp = 2)
     assert activations == tp.model.hf_layers * 7 * w.accum + (w.dp == w.tp)

@@ -78,7 +78,7 @@ def test_applied_to_the_exposed_communication_of_probed_runs_at_its_world_size_o
 
 
 def test_large_calls_pay_the_factor_on_their_latency_not_on_their_bytes(tmp_path):
-    """Stop 42's bias: a factor fitted on smoke's small calls, applied to a 768-wide model's all-gathers whole, made
+    """the 2026-11-27 bias: a factor fitted on smoke's small calls, applied to a 768-wide model's all-gathers whole, made
     each of fsdp-impls' FSDP runs predicted 16-52% slow. Calls that move more bytes pay a smaller share extra."""
     _, model, _ = _calibrated(tmp_path, {"ddp": 3.0, "fsdp2": 3.0})
     got = predict_comm_cost.measure(model, [str(tmp_path)], lambda c, progress=None: {r.name: dict(PROBED) for r in c.runs},

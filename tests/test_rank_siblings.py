@@ -1,6 +1,6 @@
 """A forked rank waits, before any connection, until its agent has forked all of this node's ranks
 (``engines/rank.wait_for_siblings``): a rank forked while one of the agent's store threads is inside glibc's
-resolver inherits that lock held and hangs in its first name lookup (bare torchrun, gdb: RESULTS stop 40)."""
+resolver inherits that lock held and hangs in its first name lookup (bare torchrun, gdb: RESULTS 2026-11-27)."""
 
 from __future__ import annotations
 

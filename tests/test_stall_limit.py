@@ -104,7 +104,7 @@ def test_the_verdict_keeps_the_limit_found_even_once_a_late_record_arrives(tmp_p
 
 def test_a_settled_run_leaves_no_spare_and_no_half_written_trace_of_a_killed_rank(tmp_path):
     """A rank killed while torch's handler wrote its trace (its peer failed first: a full disk) leaves
-    ``traces/tb/<file>.tmp``; settling the run removes it with the ranks' spares (CI, stop 44)."""
+    ``traces/tb/<file>.tmp``; settling the run removes it with the ranks' spares (CI, 2026-11-28)."""
     from shardscope.core.rundir import RunFiles
 
     files = RunFiles(str(tmp_path / "r"))

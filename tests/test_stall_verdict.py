@@ -47,7 +47,7 @@ def test_no_collective_in_flight_says_so_only_by_its_stacks():
 
 
 def test_ranks_outside_any_collective_are_placed_by_their_main_threads_innermost_frame():
-    """Stop 39's CI stalled with every rank answering and none in a collective, and its verdict said only the head."""
+    """the 2026-11-27 CI stalled with every rank answering and none in a collective, and its verdict said only the head."""
     def stack(func, line):
         return ("Thread 0x2 (most recent call first):\n"
                 '  File "/x/threading.py", line 320 in wait\n'

@@ -56,7 +56,7 @@ def wait_for_siblings(want: int, children: Callable[[], int] = agent_children, l
     waits on it forever. Seen with bare torchrun (``--start-method fork``, 6 ranks, 2 loaded cores: 2 jobs in 69,
     gdb: the rank in ``get_locked_global`` (resolv_conf.c) under ``getaddrinfo("localhost")`` in TCPStore's connect;
     with the store's address a number, 2 in 111, the rank then in ``getnameinfo`` under gloo's connect) and in CI (a
-    4-rank run, one rank 300 s in ``_create_c10d_store``, stops 39-40; RESULTS). The earlier ranks' connections are
+    4-rank run, one rank 300 s in ``_create_c10d_store``, 2026-11-27; RESULTS). The earlier ranks' connections are
     what wakes those threads: none connecting before the last rank is forked leaves them idle while the agent forks."""
     deadline = time.monotonic() + limit_s
     while children() < want:

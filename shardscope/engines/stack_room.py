@@ -6,7 +6,7 @@ go back and forth across a chunk's end therefore maps, faults in and unmaps memo
 issue gh-142183 ("Calls across stack chunks perform badly"), fixed by caching one chunk in 3.13 and 3.14's later
 releases, not in 3.11 or 3.12. Where the crossing falls depends on how deep the loop starts. A rank forked from
 shardscope's preloaded torchrun agent starts under torchrun's own frames, a new interpreter near the top: seen on
-a 2-core VM (benchmarks/RESULTS.md, stop 45), parity's ZeRO-3 ranks took about 570 page faults a step in
+a 2-core VM (benchmarks/RESULTS.md, 2026-11-28), parity's ZeRO-3 ranks took about 570 page faults a step in
 ``_PyThreadState_BumpFramePointerSlow`` when forked, none when started as new interpreters, and their forward
 ran 15-16 ms against 10 ms. A strategy's figure must not depend on such luck.
 

@@ -78,7 +78,7 @@ def describe(stalls: dict[int, dict[str, Any]], limit_s: float, world_size: int)
     said = where(stalls)
     silent = [r for r in range(world_size) if r not in stalls]
     line = f"{head}: {said}" if said else head
-    if not said and stalls:  # the verdict of stop 39's CI said only the head: say where the ranks are instead
+    if not said and stalls:  # the verdict of the 2026-11-27 CI said only the head: say where the ranks are instead
         places = where_not_in_a_collective(stalls)
         line = f"{head}: no rank is in a collective" + (f"; {places}" if places else "")
     if silent and stalls:

@@ -12,7 +12,7 @@ rank that arrives late makes the others wait inside the collective), as the trac
 ``predict_fit``. On CPU (gloo) that figure is too low for a training step: there a rank reaches each
 collective after compute, wakes its peers through the kernel and shares its cores with their compute and
 gloo's threads, so a call costs a step more than a back-to-back call after a barrier (``benchmarks/RESULTS.md``,
-stop 29: 9 all-gathers of 256 KiB between matmuls added 10-16 ms a step at 2 ranks, barrier-timed 0.4 ms each).
+2026-11-26: 9 all-gathers of 256 KiB between matmuls added 10-16 ms a step at 2 ranks, barrier-timed 0.4 ms each).
 So on CPU a call's cost is what it adds to a loop of compute: rounds of [a fixed burst of matmuls; the
 call] against rounds of the burst alone, alternated, the median of the differences per call (at least
 the barrier-timed fastest rank's time).
@@ -30,11 +30,11 @@ from shardscope.core.bounded import run_bounded
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes, nccl-tests' sizes: a collective's whole buffer
-# 15 timed calls per type and size, not 5 (stop 42): on the 2-core VM five jobs in a row gave fits whose time at 16 KiB
+# 15 timed calls per type and size, not 5 (2026-11-27): on the 2-core VM five jobs in a row gave fits whose time at 16 KiB
 # moved 1.9-3.3x between jobs with 5, 1.3-1.9x with 15 (RESULTS.md); the job takes ~12 s instead of ~7 s.
 REPEATS, WARMUP = 15, 2
 ROUNDS, BURST_MATMULS, BURST_DIM = 4, 4, 256  # CPU: rounds per timed loop; the compute burst before each call
-# Small all-reduces: 32 rounds a loop (stop 44). With 4, five jobs within 30 minutes timed a 64 KiB all-reduce at
+# Small all-reduces: 32 rounds a loop (2026-11-28). With 4, five jobs within 30 minutes timed a 64 KiB all-reduce at
 # 0.80-3.36 ms, while a steady loop of 32 rounds moved 1.19-1.66 ms over 3 minutes (RESULTS.md); ~8 s more a job.
 SMALL_ROUNDS, SMALL_BYTES = 32, 64 << 10
 
@@ -131,7 +131,7 @@ def _calls(everyone: list[Any]) -> list[tuple[str, float, float, int]]:
     keys = {(k, b, g) for k, b, _, g in fastest}
     floors = {key: statistics.median(t for k, b, t, g in fastest if (k, b, g) == key) for key in keys}
     # The long loops of small all-reduces stand on their own: a barrier-timed median of 3.7 ms for a 4 KiB call
-    # (a job of stop 44, where its in-step loops gave 1.3-1.5 ms in the jobs around it) is no floor for them.
+    # (a job of 2026-11-28, where its in-step loops gave 1.3-1.5 ms in the jobs around it) is no floor for them.
     out = [(k, b, t if _rounds(k, int(b)) == SMALL_ROUNDS else max(t, floors.get((k, b, g), 0.0)), g)
            for k, b, t, g in in_step]
     return [c for c in out if c[2] > 0]  # a subgroup's call lost in the noise (no barrier-timed floor) is dropped

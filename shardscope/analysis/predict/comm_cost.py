@@ -4,11 +4,11 @@
 fit and the strategy's schedule place in the step. On a CPU with one core per rank a real step pays more for
 its collectives than that fit says: gloo's thread takes its CPU from the compute (nothing overlaps), a rank
 waiting in a call is woken through the kernel, and every blocking call makes the faster rank wait for the slower
-one. Interleaved repeats on a 2-core VM (``benchmarks/RESULTS.md``, stop 39) found 31 of 33 data-parallel runs at
+one. Interleaved repeats on a 2-core VM (``benchmarks/RESULTS.md``, 2026-11-27) found 31 of 33 data-parallel runs at
 2 ranks slower than predicted, and none at 1 rank, where no collective moves data; what the steps were missing was
 about as large again as the communication predicted for them.
 
-A factor on the whole step (stop 39's "probe factor") over-corrected larger models, whose communication is a
+A factor on the whole step (the 2026-11-27 "probe factor") over-corrected larger models, whose communication is a
 smaller share of the step. This factor is on the communication only: the calibration's runs are real runs of
 this machine, finished; each is probed as the runs being predicted are (at its own world size, ``REPEATS``
 times, since a probe's speed here moves by ±25% over seconds) and predicted from each probe. What its real
@@ -21,12 +21,12 @@ The factor is ``1 + excess / latency part``; ``predict`` adds ``(factor - 1) x``
 run's exposed communication at the same world size and says so in the run's notes. Where the collective job
 ran, the blocking calls of exact bytes (tensor-parallel activations, the gradient norm) are priced at its in-step
 figures and have no latency part (``predict_in_step``), in the calibration's runs and in the predicted ones.
-Stop 42 multiplied the whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made
+2026-11-27 multiplied the whole exposed communication instead: fitted on smoke's small calls (x1.5-5.8), that made
 the large all-gathers of fsdp-impls' 768-wide model cost more than their measured steps left for them (every FSDP
 run there 16-52% slow). Nothing is taken from the runs being predicted. The factor is measured at one world
 size, the one most of the calibration's runs ran at (the others are named as left out); runs at another world
 size get none (not measured there); GPUs get none (at one rank the probe was within 5% of real runs on an H200,
-RESULTS stop 38).
+RESULTS 2026-11-27).
 
 Parent side, torch-free: the probes are ``predict_probe.probe_runs`` subprocesses.
 """

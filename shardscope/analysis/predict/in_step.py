@@ -8,7 +8,7 @@ over all sizes misses single sizes by 40-50% rms on a 2-core VM, so these calls 
 figure at their size (interpolated between the sizes it timed, log-log), and the calibration's latency factor
 (``predict_comm_cost``), measured on the data-parallel calls of smoke's runs, is not put on them.
 
-Why (``benchmarks/RESULTS.md``, stop 44): on the 2-core VM parity's AutoTP step at tp 2 (19 blocking all-reduces,
+Why (``benchmarks/RESULTS.md``, 2026-11-28): on the 2-core VM parity's AutoTP step at tp 2 (19 blocking all-reduces,
 most of 64 KiB) paid 0.8-1.4 ms a call in all (its forward and backward phases less the probe's). The fitted line
 gave 0.7 ms; the factor, fitted on smoke's calls (FSDP2's paid about 2.5 ms each), took it to about 2.3 ms, and
 AutoTP came out 33-44% slow. The job's long loops time that call at 1.2-1.7 ms. This pricing still leaves the
