@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardscope.config import Comparison, control_runs
+from shardscope.presets.schema import CONTROL_MIN_STEPS
 from shardscope.core.numbers import median_rate, move_of
 from shardscope.analysis.straggler_report import BUSY, CONTENDED, core_wait_share
 from shardscope.profiling.state import RunState
@@ -28,9 +29,13 @@ def between_runs(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]:
     smaller, minus 1), the two rates and steps; ``measured`` False with ``why`` when there is no control to read."""
     controls = control_runs(c)
     if not controls:
-        why = ("control = false" if not c.control else
-               f"no A/A control: it needs 2 runs or more and at least 5 steps (this comparison: {len(c.runs)} run(s), "
-               f"{c.steps} steps)")
+        if not c.control:
+            why = "control = false"
+        elif len(c.runs) >= 2 and c.steps >= CONTROL_MIN_STEPS:
+            why = "no A/A control in this run directory (written before shardscope ran one)"
+        else:
+            why = (f"no A/A control: it needs 2 runs or more and at least {CONTROL_MIN_STEPS} steps (this comparison: "
+                   f"{len(c.runs)} run(s), {c.steps} steps)")
         return {"measured": False, "why": why}
     control = controls[0]
     ctl, base = states.get(control.name), states.get(control.control_of)
