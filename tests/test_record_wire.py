@@ -268,3 +268,24 @@ def test_secret_files_and_environment(tmp_path):
     assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 3}}, mac)
     assert not record_wire.proven(secret, "11" * 16, {"hello": {"run": "ddp", "rank": 2}}, mac)
     assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, "é" * 64)
+
+
+def test_the_key_binds_the_comparison():
+    """The same secret file proves only this comparison: a node of another one (another rendezvous id, an older
+    SLURM job, other settings) answers with another key; every run of one comparison (the A/A control, with its own
+    steps) and every node (its own node rank) answer with the same."""
+    from shardscope import config
+    from shardscope.core.record_wire import comparison_key
+
+    secret = b"s" * 32
+    c = config.load_preset("smoke", ["launch.nnodes=2", "launch.records_endpoint='10.0.0.1:29400'"])
+    key = comparison_key(secret, c.to_dict())
+    node1 = config.load_preset("smoke", ["launch.nnodes=2", "launch.records_endpoint='10.0.0.1:29400'",
+                                         "launch.node_rank=1"])
+    assert comparison_key(secret, node1.to_dict()) == key
+    spec = config.run_spec_payload(config.with_control(c), config.with_control(c).runs[-1], out_dir="o", device="cpu")
+    assert comparison_key(secret, spec["comparison"]) == key  # the control run's spec (10 steps, no profiler)
+    older = config.load_preset("smoke", ["launch.nnodes=2", "launch.records_endpoint='10.0.0.1:29400'",
+                                         "launch.rdzv_id='slurm-41'"])
+    assert comparison_key(secret, older.to_dict()) != key
+    assert comparison_key(b"t" * 32, c.to_dict()) != key and comparison_key(None, c.to_dict()) is None

@@ -97,17 +97,24 @@ def test_without_the_secret_nothing_starts_and_a_wrong_one_is_refused(tmp_path):
     none = subprocess.run([*CLI, *common, "--out", str(tmp_path / "none"), "--node-rank", "0"], capture_output=True,
                           text=True, timeout=300, env=bare)
     assert none.returncode == 2 and "records-secret FILE" in none.stderr and not (tmp_path / "none").exists()
+    mine = secret_env(tmp_path, "mine")
     node0 = subprocess.Popen([*CLI, *common, "--out", str(tmp_path / "n0"), "--node-rank", "0",
                               "--set", "launch.node_timeout_s=15"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=secret_env(tmp_path, "mine"))
+                             text=True, env=mine)
     try:
         wrong = subprocess.run([*CLI, *common, "--out", str(tmp_path / "n1"), "--node-rank", "1"],
                                capture_output=True, text=True, timeout=300, env=secret_env(tmp_path, "theirs"))
+        # the right secret, another comparison (another rendezvous id: an older job's leftover node): refused too
+        other = subprocess.run([*CLI, *common, "--out", str(tmp_path / "n1b"), "--node-rank", "1",
+                                "--set", "launch.rdzv_id='an-older-job'"], capture_output=True, text=True, timeout=300,
+                               env=mine)
     finally:
         out0 = node0.communicate(timeout=300)[0]
     assert wrong.returncode == 1, wrong.stdout[-2000:] + wrong.stderr[-2000:]
     assert "refused this node" in wrong.stdout + wrong.stderr, wrong.stdout[-2000:]
     assert not (tmp_path / "n1" / "ddp" / "metrics").exists()
+    assert other.returncode == 1 and "refused this node" in other.stdout + other.stderr, other.stdout[-2000:]
+    assert not (tmp_path / "n1b" / "ddp" / "metrics").exists()
     assert node0.returncode == 1, out0[-2000:]
     assert not (tmp_path / "n0" / "ddp" / "metrics" / "rank1.jsonl").exists()
     assert leftover_processes(str(tmp_path)) == []

@@ -118,6 +118,24 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
     return None
 
 
+def comparison_id(comparison: dict[str, Any]) -> str:
+    """What names one comparison on every node (the same for each of its runs): its name, seed, global batch, world
+    size and precision, and its launch's nodes, rendezvous and records endpoints and rendezvous id (under SLURM,
+    from the job's id). A node of another comparison differs in one of them."""
+    launch = comparison.get("launch") or {}
+    keys = {k: comparison.get(k) for k in ("name", "seed", "global_batch", "world_size", "precision")}
+    keys.update({k: launch.get(k) for k in ("nnodes", "rdzv_id", "rdzv_endpoint", "records_endpoint")})
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def comparison_key(secret: bytes | None, comparison: dict[str, Any]) -> bytes | None:
+    """The key this comparison's nodes prove themselves with: the secret bound to ``comparison_id``, so a node of
+    another comparison is refused even with the same secret file (and the secret itself is never used raw)."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"shardscope-comparison|" + comparison_id(comparison).encode(), hashlib.sha256).digest()
+
+
 def prove(secret: bytes, nonce: str, identity: dict[str, Any]) -> str:
     """The MAC answering ``nonce`` for ``identity`` (``{"hello": ...}`` or ``{"beat": ..., "node": N}``)."""
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

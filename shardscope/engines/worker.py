@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     stall.start()  # a stalled run's orchestrator asks every rank where it is
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
-            writer.forward_to(os.environ[record_wire.ENV], secret=record_wire.secret_from_env())
+            writer.forward_to(os.environ[record_wire.ENV],  # the secret bound to this comparison, as node 0 binds it
+                              secret=record_wire.comparison_key(record_wire.secret_from_env(), spec["comparison"]))
         # "agent": torchrun's agent (this rank's parent), which started ahead of its run when prestarted
         # A rank forked from a preloaded agent (engines/rank.py) imported nothing itself: its entry is its start.
         started = process_start_time() or 0.0

@@ -16,7 +16,7 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
-from shardscope.core.record_wire import secret_from_env, send_beat
+from shardscope.core.record_wire import comparison_key, secret_from_env, send_beat
 from shardscope.core.rundir import RunDir
 
 
@@ -41,9 +41,11 @@ class NodeWatch:
     filesystem) the beats go over TCP to node 0's record server, which writes the same files there.
     """
 
-    def __init__(self, out_dir: str, node_rank: int, nnodes: int, timeout_s: float, records_endpoint: str = "") -> None:
+    def __init__(self, out_dir: str, node_rank: int, nnodes: int, timeout_s: float, records_endpoint: str = "",
+                 comparison: dict | None = None) -> None:
         self.out_dir, self.node_rank, self.nnodes, self.timeout_s = out_dir, node_rank, nnodes, timeout_s
         self.records_endpoint = records_endpoint
+        self.comparison = comparison or {}  # its beats over TCP prove this comparison (record_wire.comparison_key)
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -81,7 +83,8 @@ class NodeWatch:
         beat = {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
                 "done": done}
         if self.records_endpoint:
-            send_beat(self.records_endpoint, self.node_rank, beat, secret=secret_from_env())
+            send_beat(self.records_endpoint, self.node_rank, beat,
+                      secret=comparison_key(secret_from_env(), self.comparison))
             return
         path = RunDir(self.out_dir).heartbeat(self.node_rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -97,7 +97,7 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._spare = outspace.Spare(self.out_dir)  # freed on a disk fault, so the summary fits
         launch = comparison.launch
         self._watch = nodes.NodeWatch(self.out_dir, launch.node_rank, launch.nnodes, launch.node_timeout_s,
-                                      launch.records_endpoint)
+                                      launch.records_endpoint, comparison.to_dict())
         # Several nodes without a shared filesystem: node 0 receives the others' records over TCP.
         self._records: RecordServer | None = None
         self._warm: prestart.Warm | None = None  # the next run's torchrun agent, started ahead
@@ -175,7 +175,8 @@ class Session(RunSupervision, SessionEnds, Completion):
                 lifeline.write_identity(self.out_dir)
                 if launch.records_endpoint and launch.nnodes > 1:
                     self._records = RecordServer(
-                        self.out_dir, launch.records_endpoint, secret=record_wire.secret_from_env(),
+                        self.out_dir, launch.records_endpoint,
+                        secret=record_wire.comparison_key(record_wire.secret_from_env(), self.comparison.to_dict()),
                         runs={r.name: config.resolved_world_size(self.comparison, r) for r in self.comparison.runs},
                         nnodes=launch.nnodes, bind=launch.records_bind or None)
                     self._records.start()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shardscope.core.record_wire import Refused, secret_from_env, send_beat
+from shardscope.core.record_wire import comparison_key, Refused, secret_from_env, send_beat
 from shardscope.core import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog
@@ -31,7 +31,8 @@ class SessionEnds:
         while True:
             try:
                 send_beat(launch.records_endpoint, launch.node_rank, {"node": launch.node_rank, "t": time.time(),
-                                                                      "done": False}, secret=secret_from_env())
+                                                                      "done": False},
+                           secret=comparison_key(secret_from_env(), self.comparison.to_dict()))
                 return True
             except OSError as err:
                 if isinstance(err, Refused) or time.monotonic() >= deadline:  # refused: waiting cannot help
