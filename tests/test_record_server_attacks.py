@@ -18,7 +18,8 @@ import pytest
 
 from shardscope.orchestrator import record_server
 from shardscope.orchestrator.record_server import BindError, RecordServer
-from shardscope.core.record_wire import RecordSender, Unreachable, encode, prove, send_beat
+from shardscope.core.record_secret import prove
+from shardscope.core.record_wire import RecordSender, Unreachable, encode, send_beat
 from shardscope.core.rundir import RunDir
 
 SECRET = b"s" * 32

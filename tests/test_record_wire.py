@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shardscope.core import record_wire
+from shardscope.core import record_secret, record_wire
 from shardscope.orchestrator.record_server import RecordServer
 from shardscope.core.record_wire import (
     Lines,
@@ -235,39 +235,39 @@ def test_lines_are_linear_and_capped():
 
 
 def test_secret_files_and_environment(tmp_path):
-    secret = record_wire.new_secret()
-    assert len(secret) == 32 and secret != record_wire.new_secret()
+    secret = record_secret.new_secret()
+    assert len(secret) == 32 and secret != record_secret.new_secret()
     path = tmp_path / "records.secret"
-    record_wire.write_secret(path, secret)
+    record_secret.write_secret(path, secret)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert record_wire.read_secret(path) == secret
+    assert record_secret.read_secret(path) == secret
     with pytest.raises(FileExistsError):
-        record_wire.write_secret(path, secret)  # never overwritten
+        record_secret.write_secret(path, secret)  # never overwritten
     os.symlink(tmp_path / "elsewhere", tmp_path / "link")
     with pytest.raises(OSError):
-        record_wire.write_secret(tmp_path / "link", secret)  # never through a symlink
+        record_secret.write_secret(tmp_path / "link", secret)  # never through a symlink
     assert not (tmp_path / "elsewhere").exists()
     os.chmod(path, 0o644)
     with pytest.raises(ValueError, match="chmod 600") as err:
-        record_wire.read_secret(path)
+        record_secret.read_secret(path)
     assert secret.hex() not in str(err.value)
     os.chmod(path, 0o600)
-    env = {record_wire.SECRET_ENV: record_wire.secret_text(secret)}
-    assert record_wire.secret_from_env(env) == secret
-    assert record_wire.secret_from_env({record_wire.SECRET_FILE_ENV: str(path)}) == secret
-    assert record_wire.secret_from_env({}) is None
+    env = {record_secret.SECRET_ENV: record_secret.secret_text(secret)}
+    assert record_secret.secret_from_env(env) == secret
+    assert record_secret.secret_from_env({record_secret.SECRET_FILE_ENV: str(path)}) == secret
+    assert record_secret.secret_from_env({}) is None
     for bad in ("zz" * 32, "ab" * 8 + "c"):  # not hex; too short
-        with pytest.raises(ValueError, match=record_wire.SECRET_ENV) as err:
-            record_wire.secret_from_env({record_wire.SECRET_ENV: bad})
+        with pytest.raises(ValueError, match=record_secret.SECRET_ENV) as err:
+            record_secret.secret_from_env({record_secret.SECRET_ENV: bad})
         assert bad not in str(err.value)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         RecordServer(str(tmp_path), "127.0.0.1:0", secret=b"short")  # node 0 takes no weak secret
     nonce = "00" * 16
     mac = prove(secret, nonce, {"hello": {"run": "ddp", "rank": 2}})
-    assert record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, mac)
-    assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 3}}, mac)
-    assert not record_wire.proven(secret, "11" * 16, {"hello": {"run": "ddp", "rank": 2}}, mac)
-    assert not record_wire.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, "é" * 64)
+    assert record_secret.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, mac)
+    assert not record_secret.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 3}}, mac)
+    assert not record_secret.proven(secret, "11" * 16, {"hello": {"run": "ddp", "rank": 2}}, mac)
+    assert not record_secret.proven(secret, nonce, {"hello": {"run": "ddp", "rank": 2}}, "é" * 64)
 
 
 def test_the_key_binds_the_comparison():
@@ -275,7 +275,7 @@ def test_the_key_binds_the_comparison():
     SLURM job, other settings) answers with another key; every run of one comparison (the A/A control, with its own
     steps) and every node (its own node rank) answer with the same."""
     from shardscope import config
-    from shardscope.core.record_wire import comparison_key
+    from shardscope.core.record_secret import comparison_key
 
     secret = b"s" * 32
     c = config.load_preset("smoke", ["launch.nnodes=2", "launch.records_endpoint='10.0.0.1:29400'"])

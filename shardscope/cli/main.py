@@ -69,30 +69,30 @@ def _open_app(**kwargs: Any) -> None:
 
 def check_records_secret() -> None:
     """Records over TCP need the comparison's secret on every node (record_wire): exit 2 without it."""
-    from shardscope.core import record_wire
+    from shardscope.core import record_secret
 
     try:
-        secret = record_wire.secret_from_env()
+        secret = record_secret.secret_from_env()
     except (OSError, ValueError) as err:
         fail_usage(f"--records-endpoint: the records secret: {err}")
     if secret is None:
         fail_usage(f"--records-endpoint: records over TCP need this comparison's secret on every node: "
                    f"`shardscope records-secret FILE` makes one (mode 0600); copy FILE to each node and set "
-                   f"{record_wire.SECRET_FILE_ENV}=FILE (or {record_wire.SECRET_ENV} to its content)")
+                   f"{record_secret.SECRET_FILE_ENV}=FILE (or {record_secret.SECRET_ENV} to its content)")
 
 
 @main.command("records-secret")
 @click.argument("path", type=click.Path(dir_okay=False))
 def records_secret_cmd(path: str) -> None:
     """Write a new secret for records over TCP to PATH (mode 0600; an existing file is refused)."""
-    from shardscope.core import record_wire
+    from shardscope.core import record_secret
 
     try:
-        record_wire.write_secret(path, record_wire.new_secret())
+        record_secret.write_secret(path, record_secret.new_secret())
     except OSError as err:
         fail_usage(f"{path}: {err.strerror or err}")
     click.echo(f"wrote a new records secret to {path} (mode 0600); on every node: "
-               f"export {record_wire.SECRET_FILE_ENV}={os.path.abspath(path)}")
+               f"export {record_secret.SECRET_FILE_ENV}={os.path.abspath(path)}")
 
 
 @main.command("run")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardscope.core import events, record_wire
+from shardscope.core import events, record_secret, record_wire
 from shardscope.config import Comparison
 from shardscope.core import registry
 from shardscope.engines.api import RankContext, TrainSettings
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.environ.get(record_wire.ENV):  # a node without node 0's filesystem: records also go over TCP
             writer.forward_to(os.environ[record_wire.ENV],  # the secret bound to this comparison, as node 0 binds it
-                              secret=record_wire.comparison_key(record_wire.secret_from_env(), spec["comparison"]))
+                              secret=record_secret.comparison_key(record_secret.secret_from_env(), spec["comparison"]))
         # "agent": torchrun's agent (this rank's parent), which started ahead of its run when prestarted
         # A rank forked from a preloaded agent (engines/rank.py) imported nothing itself: its entry is its start.
         started = process_start_time() or 0.0

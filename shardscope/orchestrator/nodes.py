@@ -16,7 +16,8 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
-from shardscope.core.record_wire import comparison_key, secret_from_env, send_beat
+from shardscope.core.record_secret import comparison_key, secret_from_env
+from shardscope.core.record_wire import send_beat
 from shardscope.core.rundir import RunDir
 
 
@@ -45,7 +46,7 @@ class NodeWatch:
                  comparison: dict | None = None) -> None:
         self.out_dir, self.node_rank, self.nnodes, self.timeout_s = out_dir, node_rank, nnodes, timeout_s
         self.records_endpoint = records_endpoint
-        self.comparison = comparison or {}  # its beats over TCP prove this comparison (record_wire.comparison_key)
+        self.comparison = comparison or {}  # its beats over TCP prove this comparison (record_secret.comparison_key)
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -8,7 +8,7 @@ Who gets in. The server listens only on the address it is given: the endpoint's 
 caller passes one (the endpoint's host is how other nodes reach node 0; when it resolves here only to a
 loopback address, as a Debian host name does to 127.0.1.1, the server refuses to start rather than listen
 where no other node can reach it, unless the host is literally loopback: nodes on one machine). Every
-connection first answers a fresh challenge with an HMAC of the comparison's secret (``record_wire.prove``);
+connection first answers a fresh challenge with an HMAC of the comparison's secret (``record_secret.prove``);
 then only this comparison's run names (``runs``) and the ranks other nodes hold in them (``world size //
 nnodes`` and up: node 0's own ranks write their files themselves), or heartbeats of nodes ``1..nnodes-1``.
 A received name is only looked up: every path is built from node 0's own run list. One connection per
@@ -45,8 +45,8 @@ from typing import Any
 
 from shardscope.config import dump_json
 from shardscope.presets.schema import NAME_RE
-from shardscope.core.record_wire import (HELLO_MAX_BYTES, MAX_LINE_BYTES, MIN_SECRET_BYTES, Lines, LineTooLong, encode,
-                                   parse_endpoint, proven)
+from shardscope.core.record_secret import MIN_SECRET_BYTES, proven
+from shardscope.core.record_wire import HELLO_MAX_BYTES, MAX_LINE_BYTES, Lines, LineTooLong, encode, parse_endpoint
 from shardscope.core.rundir import RunDir
 
 IDLE_TIMEOUT_S = 30.0  # no complete message for this long: the connection is closed (senders ping at a third)
@@ -82,7 +82,7 @@ class RecordServer:
     """A single-threaded TCP server writing received records into ``out_dir``; ``start``/``stop``.
 
     ``runs``: run name -> world size of this comparison; ``nnodes``: nodes in it; ``secret``: its secret
-    (``record_wire.secret_from_env``); ``bind``: an address to listen on instead of the endpoint's host
+    (``record_secret.secret_from_env``); ``bind``: an address to listen on instead of the endpoint's host
     (``"0.0.0.0"`` or ``"::"``: every interface), the port is always the endpoint's (0: any, for tests).
     """
 

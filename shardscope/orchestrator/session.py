@@ -23,7 +23,7 @@ from typing import Callable
 
 from shardscope import config
 from shardscope.config import Comparison, dump_json
-from shardscope.core import outspace, record_wire
+from shardscope.core import outspace, record_secret, record_wire
 from shardscope.orchestrator.record_server import RecordServer
 from shardscope.orchestrator import launcher, lifeline, nodes, prestart, verdict
 from shardscope.profiling import state
@@ -176,7 +176,7 @@ class Session(RunSupervision, SessionEnds, Completion):
                 if launch.records_endpoint and launch.nnodes > 1:
                     self._records = RecordServer(
                         self.out_dir, launch.records_endpoint,
-                        secret=record_wire.comparison_key(record_wire.secret_from_env(), self.comparison.to_dict()),
+                        secret=record_secret.comparison_key(record_secret.secret_from_env(), self.comparison.to_dict()),
                         runs={r.name: config.resolved_world_size(self.comparison, r) for r in self.comparison.runs},
                         nnodes=launch.nnodes, bind=launch.records_bind or None)
                     self._records.start()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from shardscope.core.record_wire import comparison_key, Refused, secret_from_env, send_beat
+from shardscope.core.record_secret import comparison_key, secret_from_env
+from shardscope.core.record_wire import Refused, send_beat
 from shardscope.core import outspace
 from shardscope.orchestrator import nodes
 from shardscope.orchestrator.device_log import DeviceLog

@@ -80,7 +80,7 @@ def _name(src: str, key: str, value: str) -> None:
 LIMITS: dict[str, float] = {
     "steps": 10**9, "schedule_steps": 10**9, "global_batch": 1 << 24, "grad_accum": 1 << 16, "world_size": 1 << 20,
     "seed": 2**63 - 1, "log_every": 10**9, "straggler_window": 10**6, "warmup_steps": 10**9,
-    "stall_timeout_s": 10**7, "straggler_threshold": 10**6, "lr": 10**3, "weight_decay": 10**3, "grad_clip": 10**9,
+    "stall_timeout_s": 10**7, "straggler_threshold": 10**6, "lr": 10**9, "weight_decay": 10**3, "grad_clip": 10**9,
     "min_lr_ratio": 1.0, "loss_tolerance": 10**6,
     "model.vocab_size": 1 << 24, "model.d_model": 1 << 20, "model.n_layers": 1 << 14, "model.n_heads": 1 << 14,
     "model.d_ff": 1 << 24, "model.seq_len": 1 << 24, "model.hf_layers": 1 << 14, "model.image_size": 1 << 16,

@@ -201,7 +201,6 @@ def _units(params: list, layout: Any) -> dict[str, int]:
     """Gathered elements per unit, padded as the strategy pads over the ranks it shards across: each tensor's
     dim 0 (FSDP2), else the flat unit."""
     if layout.shard_layout == "per-parameter":
-        units = unit_numels(params, layout.tp)
         out: dict[str, int] = {}
         for p in params:
             shape = tp_local(p, layout.tp)
