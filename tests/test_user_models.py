@@ -12,7 +12,9 @@ The user's module (``module/mymodel.py``: blocks at ``self.blocks``, tied embedd
 own) reads the user's tokens (``train.bin``, nanoGPT's uint16 format). DeepSpeed AutoTP runs only on Hugging Face
 models: its run is left out of the module's comparison with that reason, and the others run.
 
-Other Hugging Face families (Mistral, Qwen3, Gemma 2, Phi-3, OLMo 2) run under DDP and FSDP2.
+Other Hugging Face families (Mistral, Qwen3, Gemma 2, Phi-3, OLMo 2) run under DDP and FSDP2; Mistral (an untied
+output layer, which DeepSpeed AutoTP splits by vocabulary and whose logits it gathers) also under AutoTP, its bytes and
+model states checked as above.
 """
 
 from __future__ import annotations
@@ -155,14 +157,30 @@ FAMILIES = ["mistral", "qwen3", "gemma2", "phi3", "olmo2"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_other_families_train_under_ddp_and_fsdp2(tmp_path, family):
     """Each family trains under DDP and FSDP2 from the same weights, within 1e-4 of each other. (Whether FSDP2 + TP
-    applies each family's own plan is checked before the start, in tests/test_user_inputs.py.)"""
-    text = "\n".join(["steps = 3", "global_batch = 4", "world_size = 2", "stall_timeout_s = 240", "",
+    applies each family's own plan is checked before the start, in tests/test_user_inputs.py.) Mistral's untied
+    output layer also runs under AutoTP (tp 2 x dp 2): parity, observed / theory bytes 1.000 (the gathered logits
+    included) and model states equal to every rank's own count."""
+    autotp = family == "mistral"
+    text = "\n".join(["steps = 3", "global_batch = 8" if autotp else "global_batch = 4", "world_size = 2",
+                      "stall_timeout_s = 240", "control = false", "",
                       "[model]", 'kind = "hf"', f'path = "{DATA / family}"', "seq_len = 16", "",
-                      "[profile]", "enabled = false", "",
+                      *(["[profile]", "start_step = 2", "steps = 1", "count_collectives = true"] if autotp
+                        else ["[profile]", "enabled = false"]), "",
                       "[[runs]]", 'name = "ddp"', 'strategy = "ddp"', "",
-                      "[[runs]]", 'name = "fsdp2"', 'strategy = "fsdp2"']) + "\n"
+                      "[[runs]]", 'name = "fsdp2"', 'strategy = "fsdp2"',
+                      *(["", "[[runs]]", 'name = "autotp"', 'strategy = "deepspeed-autotp"', "world_size = 4"]
+                        if autotp else [])]) + "\n"
     proc, out = run_cli(tmp_path, text)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["name"] for r in _summary(out)["runs"]] == ["ddp", "fsdp2"]
+    s = _summary(out)
+    assert [r["name"] for r in s["runs"]] == ["ddp", "fsdp2"] + (["autotp"] if autotp else [])
     ddp = read_run(Path(out) / "ddp")
     assert max_abs_diff(read_run(Path(out) / "fsdp2").losses(), ddp.losses()) <= 1e-4
+    if autotp:
+        assert max_abs_diff(read_run(Path(out) / "autotp").losses(), ddp.losses()) <= 1e-5
+        comm = s["communication"]["runs"]["autotp"]
+        assert comm["theory"]["by_type"]["all_gather"] == comm["collectives"]["all_gather"]["bytes_per_step"]
+        assert comm["theory"]["ratio"] == pytest.approx(1.0, abs=1e-3), comm["theory"]
+        assert any("lm_head.weight" in r for r in comm["theory"]["reasons"]), comm["theory"]["reasons"]
+        for rank, row in s["memory"]["runs"]["autotp"]["per_rank"].items():
+            assert row["predicted"] == {k: row["measured"][k] for k in row["predicted"]}, rank

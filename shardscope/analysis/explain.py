@@ -166,7 +166,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
     """
     info = registry.get(run.strategy)
     layout = memory_model.layout_for(c, run)
-    params = memory_model.model_params(c.model)
+    params = memory_model.params_for(c.model, layout)
     options = config.resolved_options(run)
     predicted = (memory or {}).get("predicted") or memory_model.predict_run(c, run)
     full = memory_model.model_state_bytes(params, dataclasses.replace(layout, dp=1, shard_group=0))

@@ -48,7 +48,7 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             notes = (st.start.get(0) or {}).get("notes") or {}
             layout = memory_model.layout_for(c, run, st.world_size or None, notes)
             predicted = memory_model.predict_run(c, run, st.world_size or None)
-            params = memory_model.model_params(c.model)
+            params = memory_model.params_for(c.model, layout)
         except (KeyError, ValueError) as err:
             out["runs"][run.name] = {"error": str(err)}
             continue

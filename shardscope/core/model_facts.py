@@ -104,6 +104,14 @@ def tied_embeddings(m: Any) -> bool:
     return m.kind == "hf" and bool(_arch(m).get("tie_word_embeddings", False))
 
 
+def untied_head(m: Any) -> str:
+    """The output layer's weight when it is a parameter of its own ("lm_head.weight"), "" when tied or absent (a
+    Hugging Face model described by the model check; the built-in architectures are tied)."""
+    if is_described(m):
+        return str(description(m).get("untied_head") or "")
+    return ""
+
+
 def label(m: Any) -> str:
     """One line naming the model, for listings and the report's first lines."""
     if is_described(m):

@@ -80,7 +80,9 @@ class StrategyInfo:
     # "fp32-grad-comm" (DeepSpeed reduces gradients in fp32 under bf16 parameters: communication_data_type),
     # "one-rank-collectives" (at world size 1 it still hands its tensors to collectives, on a group of one),
     # "no-shard-at-one-rank" (at world size 1 it switches to NO_SHARD: FSDP1), "no-gather-at-one-rank" (at world
-    # size 1 it gathers no parameters but still reduces gradients: DeepSpeed ZeRO).
+    # size 1 it gathers no parameters but still reduces gradients: DeepSpeed ZeRO), "vocab-split-head" (under tensor
+    # parallelism an untied output layer is split by vocabulary: its logits all-gathered, its input's gradient
+    # all-reduced: DeepSpeed AutoTP in training).
     comm_quirks: tuple[str, ...] = ()
     # Its apply runs on a fake process group with fake tensors, so ``estimate --traced`` can run
     # one rank at any world size (engines/traced_estimate.py). DDP (C++ reducer), FSDP1 (flat
@@ -316,7 +318,7 @@ register(
         model_needs=("autotp",),
         shards="optim",  # at the default stage 1
         extra_checks=("heads_divisible_by_tp", "autotp_zero_stage"),
-        comm_quirks=("grads-all-reduced", "fp32-grad-comm"),
+        comm_quirks=("grads-all-reduced", "fp32-grad-comm", "vocab-split-head"),
     )
 )
 

@@ -3,8 +3,10 @@
 With ``tensor_parallel.autotp_size`` in the config, ``deepspeed.initialize`` walks the model and
 replaces its linears: q/k/v and MLP up/gate become column-parallel (``LinearLayer``: output
 dim split), the attention output and MLP down projections row-parallel (``LinearAllreduce``:
-input dim split, partial sums all-reduced). Embeddings, norms and the (tied) LM head stay
-replicated. Data-parallel size = world / tp; ZeRO (stage 0, 1 or 2) shards over the
+input dim split, partial sums all-reduced). Embeddings, norms and a tied LM head stay
+replicated; an untied LM head is split by vocabulary (``LinearLayer(gather_output=True)``: logits
+all-gathered, its input's gradient all-reduced; the memory model and the communication theory count
+it through the registry's "vocab-split-head"). Data-parallel size = world / tp; ZeRO (stage 0, 1 or 2) shards over the
 data-parallel group only. ZeRO-3 is refused at validation: DeepSpeed's AutoTP training
 tutorial documents stages 0-2 (0.19.8's engine source claims stage 3 works too, but that path is
 neither documented for training nor tested here); for sharded parameters with TP use FSDP2 + TP.

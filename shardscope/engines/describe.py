@@ -38,7 +38,8 @@ from shardscope.engines.user_module import UserModelError, build_model as build_
 # DeepSpeed AutoTP's parity with DDP and its exact memory and communication counts, proven per Hugging Face
 # model_type by tests/test_user_models.py (Llama, Gemma 2) and tests/test_layout_matrix.py (Qwen2); any other
 # architecture is refused before the start with that reason.
-AUTOTP_CHECKED = ("llama", "gemma2", "qwen2")
+AUTOTP_CHECKED = ("llama", "mistral", "gemma2", "qwen2")
+AUTOTP_HEADS = ("lm_head", "embed_out")  # DeepSpeed 0.19's default lm_head_patterns
 
 
 class DescribeError(ValueError):
@@ -249,18 +250,23 @@ def check_weights(model: nn.Module, spec: ModelSpec) -> dict[str, Any] | None:
     return {"files": [os.path.basename(f) for f in files], "bytes": sum(os.path.getsize(f) for f in files)}
 
 
-def autotp_refusal(model_type: str, tied: bool, tp_refusal: str) -> str:
+def autotp_refusal(model_type: str, tp_refusal: str) -> str:
     """Why DeepSpeed AutoTP cannot be compared on this architecture ("" when it can). AutoTP follows the model's own
-    tensor-parallel plan (DeepSpeed 0.19 rejects one with other styles than column and row splits) and, in training,
-    splits an untied output layer by vocabulary and gathers the logits, which the memory model and the
-    communication theory do not count."""
+    tensor-parallel plan (DeepSpeed 0.19 rejects one with other styles than column and row splits); parity with DDP
+    is checked on the families in ``AUTOTP_CHECKED``."""
     if tp_refusal:
         return f"DeepSpeed AutoTP follows the model's own tensor-parallel plan, and {tp_refusal}"
-    if not tied:
-        return ("DeepSpeed AutoTP splits an untied output layer (lm_head) by vocabulary and gathers the logits, which "
-                "shardscope's memory model and communication theory do not count; models with tied embeddings only")
     if model_type not in AUTOTP_CHECKED:
         return f"DeepSpeed AutoTP is checked on {', '.join(AUTOTP_CHECKED)}, not on {model_type}"
+    return ""
+
+
+def _untied_head(model: nn.Module, kept: set[str]) -> str:
+    """The weight of an output layer with its own parameter, named as DeepSpeed AutoTP finds it (lm_head, embed_out:
+    in training it splits that layer by vocabulary and gathers the logits); "" when tied or named otherwise."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in AUTOTP_HEADS and isinstance(module, nn.Linear) and f"{name}.weight" in kept:
+            return f"{name}.weight"
     return ""
 
 
@@ -314,7 +320,8 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
     if out["inputs"] == "tokens":
         out["tokens_per_sample"] = spec.seq_len
     if spec.kind == "hf":
-        out["autotp_refusal"] = autotp_refusal(dims["model_type"], bool(out["tied"]), tp_refusal)
+        out["autotp_refusal"] = autotp_refusal(dims["model_type"], tp_refusal)
+        out["untied_head"] = _untied_head(model, kept)
         out["weights"] = check_weights(model, spec)
     else:
         out["autotp_refusal"] = "DeepSpeed AutoTP needs a Hugging Face model"

@@ -40,7 +40,7 @@ from shardscope.profiling.memory_model import (
     PRECISION_BYTES,
     flat_offsets,
     layout_for,
-    model_params,
+    params_for,
     reshards_after_forward,
     tp_local,
     unit_numels,
@@ -88,7 +88,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
     layout = layout_for(comp, run)
     info = registry.get(run.strategy)
     quirks = set(info.comm_quirks)
-    params = model_params(comp.model)
+    params = params_for(comp.model, layout)
     local_shapes = [tp_local(p, layout.tp) for p in params]
     local = sum(math.prod(s) for s in local_shapes)
     _, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
@@ -188,6 +188,18 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                                + per_layer * layers * micro * seq * h * compute_bytes * accum)
         basis.append(f"tensor parallel: 2 all-reduces of activations per layer in forward and {col} in backward "
                      "(one per column-parallel linear)")
+        if layout.head_split:
+            # DeepSpeed AutoTP (training): the head's local logits all-gathered along the vocabulary, shards padded
+            # to the largest (GatherFromTensorParallelRegion), and its input's gradient all-reduced in backward.
+            vocab = next(p.shape[0] for p in params if p.name == layout.head_split)
+            parts["all_gather"] = (parts.get("all_gather", 0)
+                                   + micro * seq * math.ceil(vocab / layout.tp) * layout.tp * compute_bytes * accum)
+            parts["all_reduce"] += micro * seq * h * compute_bytes * accum
+            basis.append("the output layer split by vocabulary: its logits all-gathered, its input's gradient "
+                         "all-reduced")
+            reasons.append(f"DeepSpeed AutoTP splits the untied output layer ({layout.head_split}) by vocabulary in "
+                           "training: each micro-batch all-gathers the logits and all-reduces the gradient of the "
+                           "layer's input")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
             "reasons": reasons, "dp": dp, "tp": layout.tp, "shards": layout.shards}
 

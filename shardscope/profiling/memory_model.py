@@ -19,6 +19,7 @@ compute dtype, with full recomputation when activation checkpointing is on.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,7 @@ class Layout:
     grads_of_overlapping_tensors: bool = False  # ZeRO-2: whole gradients of every tensor its partition touches
     shard_group: int = 0  # hybrid sharding: ranks each sharded state is split over (0 = all dp ranks)
     hybrid: bool = False  # hybrid sharding: gradient shards all-reduced across the dp / shard_size replicas
+    head_split: str = ""  # an untied output layer's weight split by vocabulary under tp (registry "vocab-split-head")
 
     @property
     def shard_size(self) -> int:
@@ -144,8 +146,19 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     shard_layout = str((notes or {}).get("shard_layout") or by_option or info.shard_layout or "flat")
     dp = max(1, ws // tp)  # hybrid sharding (the registry's ``hybrid``): sharded over a group, replicated across
     groups = info.hybrid.groups(options, dp, max(1, ws // c.launch.nnodes)) if info.hybrid else None
+    head = model_facts.untied_head(c.model) if tp > 1 and "vocab-split-head" in info.comm_quirks else ""
     return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
-                  shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups))
+                  shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups),
+                  head)
+
+
+def params_for(m: Any, layout: Layout) -> list[Param]:
+    """The model's parameter tensors as the run's strategy splits them under tensor parallelism: the model's own
+    plan, and an untied output layer split by vocabulary where the layout says so (``Layout.head_split``)."""
+    params = model_params(m)
+    if not layout.head_split:
+        return params
+    return [dataclasses.replace(p, split="col") if p.name == layout.head_split else p for p in params]
 
 
 def unit_sizes(params: list[Param], tp: int = 1) -> dict[str, list[int]]:
@@ -311,7 +324,7 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
     KeyError for an unknown strategy and ValueError for an unknown model kind.
     """
     layout = layout_for(c, run, world_size)
-    params = model_params(c.model)
+    params = params_for(c.model, layout)
     states = model_state_bytes(params, layout)
     acts = activation_bytes(c, layout)
     # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one, plus the root

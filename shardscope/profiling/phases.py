@@ -48,7 +48,7 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     options = config.resolved_options(run)
     quirks = set(registry.get(run.strategy).comm_quirks)
     accum = max(1, c.grad_accum)
-    params = memory_model.model_params(c.model)
+    params = memory_model.params_for(c.model, layout)
     units = memory_model.unit_numels(params, layout.tp)
     n_units, n_blocks = len(units), len(units) - ("root" in units)
     rows: list[dict[str, Any]] = []

@@ -231,7 +231,7 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     spec["run"]["world_size"], spec["run"]["dp"] = ws, layout.dp
     spec["comparison"]["world_size"] = ws
     theory = comm_theory.expected_comm(spec)
-    params = memory_model.model_params(c.model)
+    params = memory_model.params_for(c.model, layout)
     full = sum(math.prod(memory_model.tp_local(p, layout.tp)) for p in params)
     shard_group = int(getattr(layout, "shard_size", layout.dp) or layout.dp)
     optim_elements = full if layout.shards == "none" else math.ceil(full / max(1, shard_group))
