@@ -184,3 +184,27 @@ def test_other_families_train_under_ddp_and_fsdp2(tmp_path, family):
         assert any("lm_head.weight" in r for r in comm["theory"]["reasons"]), comm["theory"]["reasons"]
         for rank, row in s["memory"]["runs"]["autotp"]["per_rank"].items():
             assert row["predicted"] == {k: row["measured"][k] for k in row["predicted"]}, rank
+
+
+COMMANDS = [["report", "{out}"], ["diff", "{out}", "{out}"], ["recommend", "{out}"],
+            ["explain", "deepspeed-zero3", "--preset", "{preset}"], ["estimate", "--preset", "{preset}", "-n", "8"],
+            ["slurm", "--preset", "{preset}", "--nodes", "2"], ["predict", "--preset", "{preset}", "--calibrate", "{out}"],
+            ["why", "{out}", "fsdp2"]]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_command_reads_a_user_models_comparison(comparisons, model):
+    """report, diff, recommend, explain, estimate, slurm, predict and why on the user's model: exit 0, no traceback,
+    and the figures that name the model come from its description (its parameter count)."""
+    proc, out = comparisons(model)
+    preset = str(Path(out).parent / "user.toml")
+    described = json.load(open(os.path.join(out, "comparison.json"), encoding="utf-8"))["model"]["described"]
+    for args in COMMANDS:
+        argv = [a.format(out=out, preset=preset) for a in args]
+        done = subprocess.run([sys.executable, "-m", "shardscope.cli", *argv], capture_output=True, text=True,
+                              timeout=600, cwd=Path(out).parent, env={**os.environ, "COLUMNS": "200"})
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (argv, done.stdout[-2000:], done.stderr[-2000:])
+        if args[0] == "estimate":
+            assert f"{described['param_count']:,} parameters" in done.stdout, done.stdout
+        if args[0] == "predict":
+            assert "not predicted" not in done.stdout.split("every run")[0], done.stdout
