@@ -69,7 +69,7 @@ def test_report_recalibrates_as_predict_does_and_alone_goes_back_to_the_baseline
     assert proc.returncode == 0, proc.stderr
     sec = summary_of(other)["prediction"]
     assert sec["calibrated_on"] == str(cal) and sec["probed"] is False
-    alone = json.loads(run_cli("predict", "--calibrate", str(cal), "--preset", "smoke", *STEPS, "--json").stdout)
+    alone = json.loads(run_cli("predict", "--calibrate", str(cal), "--preset", "smoke", *STEPS, "--json", "--quick").stdout)
     for row in alone["runs"]:
         assert sec["runs"][row["name"]]["tokens_per_s"] == pytest.approx(row["tokens_per_s"], rel=1e-9)
         assert sec["runs"][row["name"]]["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9)
@@ -77,7 +77,7 @@ def test_report_recalibrates_as_predict_does_and_alone_goes_back_to_the_baseline
     proc = run_cli("report", str(other))
     assert proc.returncode == 0, proc.stderr
     sec = summary_of(other)["prediction"]
-    assert sec["calibrated_on"] == "ddp (this comparison's baseline run)" and sec["runs"]["ddp"]["calibration_run"]
+    assert sec["calibrated_on"].startswith("this comparison's other runs") and not sec["runs"]["ddp"]["calibration_run"]
 
 
 def test_bad_calibrations_exit_2_in_one_line_and_launch_nothing(dirs, tmp_path):

@@ -188,7 +188,7 @@ def test_other_families_train_under_ddp_and_fsdp2(tmp_path, family):
 
 COMMANDS = [["report", "{out}"], ["diff", "{out}", "{out}"], ["recommend", "{out}"],
             ["explain", "deepspeed-zero3", "--preset", "{preset}"], ["estimate", "--preset", "{preset}", "-n", "8"],
-            ["slurm", "--preset", "{preset}", "--nodes", "2"], ["predict", "--preset", "{preset}", "--calibrate", "{out}"],
+            ["slurm", "--preset", "{preset}", "--nodes", "2"], ["predict", "--preset", "{preset}", "--calibrate", "{out}", "--quick"],
             ["why", "{out}", "fsdp2"]]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardscope.analysis import answer, explain_report, recommend, straggler_report, summary
+from shardscope.analysis import answer, explain_report, noise, recommend, straggler_report, summary
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import throughput_unit
 from shardscope.analysis.why import verdict as why
@@ -65,7 +65,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("plots"):
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
-    out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {})]
+    out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {}, noise.line(s.get("noise") or {}) if s.get("noise") else "")]
     out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or "")]
     return "\n".join(x for x in out if x)
 

@@ -126,9 +126,10 @@ def repredict(out_dir: str, dirs: list[str], probe: bool = False) -> dict[str, A
 
 def print_beside(summary: dict[str, Any]) -> None:
     """Print summary.json's predicted-beside-measured section as short lines (as the app's report screen)."""
+    from shardscope.analysis import noise
     from shardscope.analysis.predict import report as predict_report
 
-    lines = predict_report.plain_lines(summary.get("prediction") or {})
+    lines = predict_report.plain_lines(summary.get("prediction") or {}, noise.line(summary.get("noise") or {}) if summary.get("noise") else "")
     if lines:
         click.echo("predicted beside measured")
     for line in lines:
@@ -137,6 +138,13 @@ def print_beside(summary: dict[str, Any]) -> None:
 
 def _ms(seconds: Any) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def method_of(name: str, probes: dict[str, Any] | None, datasheet: bool, collectives: bool) -> str:
+    """How a run's figure was had, printed beside it: its compute probed on this machine, taken from a GPU's
+    datasheet, or carried over from the calibration per FLOP (``--quick``); collectives timed or fitted."""
+    how = "probed" if (probes or {}).get(name) else "datasheet" if datasheet else "per-FLOP"
+    return how + (" + timed collectives" if collectives and not datasheet else "")
 
 
 def print_prediction(result: dict[str, Any], console: Any) -> None:
@@ -152,17 +160,17 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
     units = {predict.unit(r) for r in result["runs"] if not r["why"]}
     for name, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), (" or ".join(sorted(units)) or "tokens/s", "right"),
                           ("step ms", "right"), ("compute", "right"), ("exposed comm", "right"), ("rest", "right"),
-                          ("peak mem (model)", "right")):
+                          ("peak mem (model)", "right"), ("method", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in result["runs"]:
         ranks = str(r["world_size"] or "-")
         mem = fmt_bytes(r["peak_mem_bytes"])
         if r["why"]:
-            table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem)
+            table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem, "")
             continue
         table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{predict.rate(r):,.0f}",
                       ("≥ " if r.get("bound") else "") + _ms(r["step_time_s"]),
-                      _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem)
+                      _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem, r.get("method", ""))
     console.print(table)
     runs = result["runs"]
     whys = {r["why"] for r in runs}
@@ -264,16 +272,18 @@ def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Compari
 @click.option("--device", default=None, metavar="NAME", help="What-if on GPUs of this kind (A100, H100, H200, B200).")
 @click.option("--collectives", is_flag=True, help="Also time collectives of a few sizes in a short torchrun job "
               "at the predicted world size (for types or sizes the calibration lacks).")
-@click.option("--probe", is_flag=True, help="Measure each run's compute and framework overhead in a few steps of one "
-              "rank on a fake process group at the predicted world size (a subprocess per run), instead of carrying "
-              "the calibration's per-FLOP compute and overhead over to this model and strategy. On CPU the "
-              "calibration's runs are probed too, for what their real steps paid for communication.")
+@click.option("--probe/--quick", default=None, help="--probe (the default on this machine, the method whose accuracy "
+              "benchmarks/RESULTS.md gives): measure each run's compute and framework overhead in a few steps of one "
+              "rank on a fake process group at the predicted world size (a subprocess per run; on CPU the "
+              "calibration's runs are probed too, for what their real steps paid for communication). --quick: carry "
+              "the calibration's per-FLOP compute and overhead over to this model and strategy instead (seconds, "
+              "less accurate; the only method for a --device what-if).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
-                device: str | None, collectives: bool, probe: bool, as_json: bool) -> None:
+                device: str | None, collectives: bool, probe: bool | None, as_json: bool) -> None:
     """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
     from shardscope.analysis.predict import predictor as predict
-    from shardscope.analysis.predict.devices import DEVICES, device_spec
+    from shardscope.analysis.predict.devices import device_spec
     from shardscope.analysis.predict.work import NotPredicted
 
     if world_size is not None and world_size < 1:
@@ -282,6 +292,7 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
     if probe and device:
         _fail("--probe with --device: a probe measures this machine's compute, a --device what-if takes it from the "
               "device's table: give one of them")
+    probe = not device if probe is None else probe  # the accurate method unless asked for --quick
     spec = device_spec(device) if device else None
     model, why = None, ""
     try:
@@ -305,6 +316,8 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
     if collectives and model is not None and spec is None:
         _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)
     result["calibrated_on"] = list(calibrate_dirs)
+    for row in result["runs"]:
+        row["method"] = method_of(row["name"], probes, spec is not None, collectives)
     if why:
         for row in result["runs"]:
             if not spec:

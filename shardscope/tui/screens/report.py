@@ -17,7 +17,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from shardscope.core.numbers import fmt_sig, median_rate
-from shardscope.analysis import answer
+from shardscope.analysis import answer, noise
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.core.rundir import SUMMARY, RunDir, read_summary
@@ -138,7 +138,7 @@ class ReportScreen(Screen):
             shown.update("\n[b]Answer[/b]\n" + "\n".join(escape(f"• {line}") for line in said) + "\n"
                          + ("\n[b]Each run against the baseline[/b]\n" + "\n".join(escape(f"• {line}") for line in rest)
                             + "\n" if rest else ""))
-        predicted = predict_report.plain_lines(summary.get("prediction") or {})
+        predicted = predict_report.plain_lines(summary.get("prediction") or {}, noise.line(summary.get("noise") or {}) if summary.get("noise") else "")
         shown = self.query_one("#report-prediction", Static)
         shown.display = bool(predicted)
         if predicted:
