@@ -17,7 +17,8 @@ import time
 import pytest
 
 from shardscope.orchestrator import record_server
-from shardscope.orchestrator.record_server import BindError, RecordServer
+from shardscope.orchestrator.record_listen import BindError
+from shardscope.orchestrator.record_server import RecordServer
 from shardscope.core.record_secret import prove
 from shardscope.core.record_wire import RecordSender, Unreachable, encode, send_beat
 from shardscope.core.rundir import RunDir
@@ -113,16 +114,23 @@ def _ask(srv, identity, secret=SECRET):
         return client.answer()
 
 
-def _admitted(srv, run="ddp", rank=2):
+def rec(run, rank, **fields):
+    """One record line of ``run``'s rank ``rank`` as a rank writes it (node 0 writes nothing else)."""
+    return json.dumps({"v": 1, "kind": "step", "run": run, "rank": rank, "t": 1.0, **fields})
+
+
+def _admitted(srv, run="ddp", rank=2, session="s1"):
     client, nonce = _connect(srv)
-    hello = {"hello": {"run": run, "rank": rank}}
+    hello = {"hello": {"run": run, "rank": rank, "session": session}}
     client.send(encode({**hello, "mac": prove(SECRET, nonce, hello)}))
     assert client.answer() == {"ack": srv.last_seq(run, rank)}
     return client
 
 
 def _files(root):
-    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+    """Files under ``root`` but the server's own counts (nodes/record_server.json, checked where it matters)."""
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+                  if f != "record_server.json")
 
 
 def _after(tmp_path, out, srv, rank=3, n=40):
@@ -131,7 +139,7 @@ def _after(tmp_path, out, srv, rank=3, n=40):
     assert _files(out) == sorted(p for p in _files(out) if p.startswith(("ddp", "fsdp", "nodes")))
     sender = RecordSender(f"{srv.address[0]}:{srv.address[1]}", "ddp", rank, secret=SECRET)
     for i in range(n):
-        sender.send(json.dumps({"kind": "step", "step": i}))
+        sender.send(rec("ddp", rank, step=i))
     assert sender.close(timeout_s=WAIT_S)
     with open(RunDir(str(out)).run("ddp").rank_file(rank), encoding="utf-8") as fh:
         assert [json.loads(line)["step"] for line in fh] == list(range(n))
@@ -190,7 +198,8 @@ def test_heartbeats_of_nodes_outside_the_comparison_are_refused(tmp_path, out, m
     srv = make()
     assert _ask(srv, {"beat": {"t": 1.0}, "node": node}) == {"refused": "node out of range"}
     assert _files(out) == []
-    assert _ask(srv, {"beat": {"t": 2.0}, "node": 1}) == {"ok": True}  # node 1 is of this comparison
+    beat = {"node": 1, "host": "n1", "pid": 7, "t": 2.0, "done": False}
+    assert _ask(srv, {"beat": beat, "node": 1}) == {"ok": True}  # node 1 is of this comparison
     assert _files(out) == [os.path.relpath(RunDir(str(out)).heartbeat(1), out)]
     _after(tmp_path, out, srv)
 
@@ -200,7 +209,7 @@ def test_a_second_sender_for_a_live_rank_is_refused_until_the_first_is_gone(tmp_
     endpoint = f"127.0.0.1:{srv.address[1]}"
     first = RecordSender(endpoint, "ddp", 3, secret=SECRET)
     first.wait_connected()
-    assert _ask(srv, {"hello": {"run": "ddp", "rank": 3}}) == {"refused": "busy"}
+    assert _ask(srv, {"hello": {"run": "ddp", "rank": 3, "session": "other"}}) == {"refused": "busy"}
     second = RecordSender(endpoint, "ddp", 3, connect_timeout_s=1.0, secret=SECRET)
     with pytest.raises(Unreachable, match="did not answer"):
         second.wait_connected(timeout_s=3)  # retried while busy, never admitted
@@ -208,7 +217,7 @@ def test_a_second_sender_for_a_live_rank_is_refused_until_the_first_is_gone(tmp_
     assert second.close(timeout_s=1) is False
     _wait_for(lambda: srv.refused["busy"] >= 2)
     for i in range(40):
-        first.send(json.dumps({"kind": "step", "step": i}))
+        first.send(rec("ddp", 3, step=i))
     assert first.close(timeout_s=WAIT_S)
     with open(RunDir(str(out)).run("ddp").rank_file(3), encoding="utf-8") as fh:
         assert [json.loads(line)["step"] for line in fh] == list(range(40))  # the live stream, untouched
@@ -219,7 +228,7 @@ def test_a_second_sender_for_a_live_rank_is_refused_until_the_first_is_gone(tmp_
 def test_a_line_past_the_cap_closes_the_connection_and_writes_nothing_of_it(tmp_path, out, make):
     srv = make()
     with _admitted(srv, "ddp", 2) as client:
-        client.send(encode({"seq": 0, "line": '{"kept":0}'}))
+        client.send(encode({"seq": 0, "line": rec("ddp", 2, kept=0)}))
         assert client.answer() == {"ack": 0}
         try:
             client.send(encode({"seq": 1, "line": "x" * (2 << 20)}))
@@ -228,19 +237,20 @@ def test_a_line_past_the_cap_closes_the_connection_and_writes_nothing_of_it(tmp_
         assert client.closed()
     assert srv.refused["line too long"] == 1
     with open(RunDir(str(out)).run("ddp").rank_file(2), encoding="utf-8") as fh:
-        assert fh.read() == '{"kept":0}\n'
+        assert fh.read() == rec("ddp", 2, kept=0) + "\n"
     _after(tmp_path, out, srv)
 
 
 def test_many_idle_connections_are_capped_and_need_no_threads(tmp_path, out, make):
-    srv = make(max_connections=16, handshake_timeout_s=600)
+    srv = make(max_pending=16, max_pending_per_source=1000, handshake_timeout_s=600)
     threads = threading.active_count()
     clients = [Client(srv) for _ in range(200)]
     try:
         answers = [c.answer() for c in clients]
         assert sum(1 for a in answers if a is not None and "challenge" in a) == 16
-        assert answers.count(None) == 184  # beyond the cap: closed at once
-        assert srv.connections == 16 and srv.refused["too many connections"] == 184
+        assert answers.count(None) == 184  # beyond the unauthenticated pool: closed at once
+        assert srv.connections == 16 and srv.refused["unauthenticated pool full"] == 184
+        assert srv.refused_from["127.0.0.1"] == 184
         assert threading.active_count() <= threads  # one server thread, whatever the connections
     finally:
         for c in clients:

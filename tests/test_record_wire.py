@@ -36,6 +36,11 @@ SECRET = bytes(range(32))
 RUNS = {"ddp": 4, "r": 4, "t": 4}  # with 2 nodes, node 1 holds ranks 2 and 3 of each run
 
 
+def rec(run, rank, **fields):
+    """One record line of ``run``'s rank ``rank`` as a rank writes it (node 0 writes nothing else)."""
+    return json.dumps({"v": 1, "kind": "step", "run": run, "rank": rank, "t": 1.0, **fields})
+
+
 def _lines(path):
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh]
@@ -73,7 +78,7 @@ def test_records_arrive_in_order_exactly_once_across_dropped_connections(server,
         s.wait_connected()
     for i in range(400):
         for s in senders:
-            s.send(json.dumps({"kind": "step", "rank": s.rank, "step": i}))
+            s.send(rec("ddp", s.rank, step=i))
         if i in (50, 51, 180, 333):  # the link drops mid-stream, also twice in a row
             senders[0].drop_connection()
         if i % 100 == 0:
@@ -90,17 +95,19 @@ def test_a_resend_after_a_lost_ack_is_not_written_twice(server, tmp_path):
     """A connection that drops after node 0 wrote records but before the rank saw the ack: the rank resends
     them; node 0 skips what it already has."""
     host, port = server.address
+    hello = {"hello": {"run": "r", "rank": 2, "session": "s1"}}
     with socket.create_connection((host, port), timeout=20) as sock:
         nonce = json.loads(sock.recv(4096))["challenge"]
-        hello = {"hello": {"run": "r", "rank": 2}}
         sock.sendall(encode(dict(hello, mac=prove(SECRET, nonce, hello))))
         assert json.loads(sock.recv(4096)) == {"ack": -1}
-        sock.sendall(b"".join(encode({"seq": i, "line": json.dumps({"i": i})}) for i in range(3)))
+        sock.sendall(b"".join(encode({"seq": i, "line": rec("r", 2, i=i)}) for i in range(3)))
         _wait_for(lambda: server.last_seq("r", 2) == 2)  # written; the acks are never read
-    sender = RecordSender(f"{host}:{port}", "r", 2, secret=SECRET)
-    for i in range(5):  # a sender that starts from 0 again (it never saw an ack)
-        sender.send(json.dumps({"i": i}))
-    assert sender.close(timeout_s=30)
+    with socket.create_connection((host, port), timeout=20) as sock:  # the same sender, reconnected
+        nonce = json.loads(sock.recv(4096))["challenge"]
+        sock.sendall(encode(dict(hello, mac=prove(SECRET, nonce, hello))))
+        assert json.loads(sock.recv(4096)) == {"ack": 2}
+        sock.sendall(b"".join(encode({"seq": i, "line": rec("r", 2, i=i)}) for i in range(5)))  # from 0 again
+        _wait_for(lambda: server.last_seq("r", 2) == 4)
     assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("r").rank_file(2))] == [0, 1, 2, 3, 4]
 
 
@@ -116,7 +123,7 @@ def test_unreachable_node0_is_one_clear_error():
 
 
 def test_heartbeats_become_node_files(server, tmp_path):
-    send_beat(_endpoint(server), 1, {"node": 1, "t": 123.0, "done": False}, secret=SECRET)
+    send_beat(_endpoint(server), 1, {"node": 1, "host": "n1", "pid": 7, "t": 123.0, "done": False}, secret=SECRET)
     path = RunDir(str(tmp_path)).heartbeat(1)
     _wait_for(lambda: os.path.exists(path))  # node 0 answers after writing it; no wait is needed in fact
     with open(path, encoding="utf-8") as fh:
@@ -135,7 +142,7 @@ def test_parse_endpoint():
 def test_senders_in_threads_do_not_interleave_lines(server, tmp_path):
     sender = RecordSender(_endpoint(server), "t", 2, secret=SECRET)
     big = "x" * 20000  # records larger than one recv
-    threads = [threading.Thread(target=lambda k=k: [sender.send(json.dumps({"k": k, "j": j, "pad": big}))
+    threads = [threading.Thread(target=lambda k=k: [sender.send(rec("t", 2, k=k, j=j, pad=big))
                                                     for j in range(20)]) for k in range(3)]
     for t in threads:
         t.start()
@@ -166,10 +173,10 @@ def test_an_idle_sender_keeps_its_connection(tmp_path):
     srv = _server(tmp_path, idle_timeout_s=3.0)  # pings every third of it: a thread stalled 2 s is still in time
     try:
         sender = RecordSender(_endpoint(srv), "ddp", 2, secret=SECRET)
-        sender.send(json.dumps({"i": 0}))
+        sender.send(rec("ddp", 2, i=0))
         _wait_for(lambda: srv.last_seq("ddp", 2) == 0)
         time.sleep(7)  # over two idle timeouts with nothing to send
-        sender.send(json.dumps({"i": 1}))
+        sender.send(rec("ddp", 2, i=1))
         assert sender.close(timeout_s=30)
         assert sender.reconnects == 0 and srv.refused["timed out"] == 0
         assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("ddp").rank_file(2))] == [0, 1]
@@ -197,7 +204,7 @@ def test_unwired_callers_still_work(tmp_path):
     srv.start()
     try:
         sender = RecordSender(_endpoint(srv), "ddp", 1)
-        sender.send(json.dumps({"i": 0}))
+        sender.send(rec("ddp", 1, i=0))
         assert sender.close(timeout_s=30)
         assert [r["i"] for r in _lines(RunDir(str(tmp_path)).run("ddp").rank_file(1))] == [0]
         bad = RecordSender(_endpoint(srv), "../x", 1, connect_timeout_s=600)

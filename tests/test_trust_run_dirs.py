@@ -63,3 +63,29 @@ def test_terminal_controls_in_a_console_or_an_error_reach_no_view(tmp_path):
     proc = _cli("report", str(run))
     assert "\x1b]0" not in proc.stdout + proc.stderr
     assert "\x1b]0" not in (run / "report.md").read_text()
+
+
+def test_damaged_records_and_files_are_counted_never_a_traceback(tmp_path):
+    """Lines a prober wrote into a rank file (a string where a time belongs, nesting past the decoder, a 500-digit
+    integer, a 3 MiB line) and a nested summary-side file are skipped; report, diff and recommend still answer,
+    and the record server's counts (nodes/record_server.json) reach summary.json and report.md, typed."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    name = json.loads((run / "comparison.json").read_text())["runs"][0]["name"]
+    with open(run / name / "metrics" / "rank0.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"v":1,"kind":"step","run":"%s","rank":0,"step":2,"t":"soon"}\n' % name)
+        fh.write("[" * 100000 + "]" * 100000 + "\n")
+        fh.write('{"v":1,"kind":"step","run":"%s","rank":0,"step":' % name + "9" * 500 + ',"t":1.0}\n')
+        fh.write("x" * (3 << 20) + "\n")
+    (run / "nodes").mkdir(exist_ok=True)
+    (run / "nodes" / "record_server.json").write_text(json.dumps({
+        "refused": {"unauthenticated pool full": 3412, "bad": "many", "deep": [[[1]]]},
+        "refused_from": {"10.0.0.9": 3412}, "written": 40, "duplicates": 0, "beats": 12}))
+    for args in (["report", str(run)], ["diff", str(run), str(run)], ["recommend", str(run)]):
+        proc = _cli(*args)
+        assert proc.returncode in (0, 1), (args, proc.stdout[-1000:], proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and "Error" not in proc.stderr.split("\n")[0], proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["record_server"]["refused"] == {"unauthenticated pool full": 3412}
+    report = (run / "report.md").read_text()
+    assert "Refused: 3,412 unauthenticated pool full." in report and "10.0.0.9 3,412" in report

@@ -14,6 +14,7 @@ from shardscope.analysis.summary import throughput_unit
 from shardscope.analysis.why import verdict as why
 from shardscope.core.numbers import fmt_bytes, fmt_sig, not_measured
 from shardscope.core.rundir import CHROME_SUFFIX, TB, TRACES
+from shardscope.core.text import clean
 from shardscope.profiling import framework_fixes, memory_model
 
 
@@ -67,7 +68,24 @@ def render_markdown(s: dict[str, Any]) -> str:
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
     out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {}, noise.line(s.get("noise") or {}) if s.get("noise") else "")]
     out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or "")]
+    out.append(_record_server_md(s.get("record_server") or {}))
     return "\n".join(x for x in out if x)
+
+
+def _record_server_md(rs: dict[str, Any]) -> str:
+    """Node 0's record server (records over TCP): what it took, and what it refused by reason and source."""
+    if not rs:
+        return ""
+    out = [f"## Record server\n\nNode 0 wrote {rs.get('written', 0):,} record lines and {rs.get('beats', 0):,} "
+           f"heartbeats from other nodes ({rs.get('duplicates', 0):,} resent lines skipped)."]
+    refused = sorted((rs.get("refused") or {}).items(), key=lambda kv: -kv[1])
+    if refused:
+        out.append("Refused: " + "; ".join(f"{n:,} {clean(reason)}" for reason, n in refused) + ".")
+    sources = sorted((rs.get("refused_from") or {}).items(), key=lambda kv: -kv[1])
+    if sources:
+        out.append("Connections that never proved the secret, by source: "
+                   + ", ".join(f"{clean(src)} {n:,}" for src, n in sources[:10]) + ".")
+    return "\n".join(out) + "\n"
 
 
 def _loss_md(s: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from shardscope.config import Comparison, dump_json, write_atomic
 from shardscope.profiling.state import RunState
 from shardscope.core.outspace import describe, disk_error
-from shardscope.core.rundir import MERGED_TRACE, PLOTS, REPORT, SUMMARY, TRACES, RunDir, RunFiles
+from shardscope.core.rundir import MERGED_TRACE, PLOTS, REPORT, SUMMARY, TRACES, RunDir, RunFiles, read_json_or_none
 from shardscope.analysis import divergence, explain_report, fold, noise, plots, recommend, straggler_report, summary
 from shardscope.analysis.markdown import render_markdown  # noqa: F401  (report.render_markdown for callers)
 from shardscope.analysis.predict import report as predict_report
@@ -166,6 +166,20 @@ def write_reports(out_dir: str, comparison: Comparison | None = None,
     return done
 
 
+def record_server_section(out_dir: str) -> dict[str, Any]:
+    """What node 0's record server refused and took (records over TCP; {} without one): its
+    ``nodes/record_server.json``, counts kept only where they are counts."""
+    raw = read_json_or_none(RunDir(out_dir).record_server_stats())
+    if not isinstance(raw, dict):
+        return {}
+
+    def counts(value: Any) -> dict[str, int]:
+        return {str(k)[:200]: v for k, v in (value.items() if isinstance(value, dict) else ())
+                if type(v) is int and v >= 0}
+    return {"refused": counts(raw.get("refused")), "refused_from": counts(raw.get("refused_from")),
+            **{k: raw[k] for k in ("written", "duplicates", "beats") if type(raw.get(k)) is int}}
+
+
 def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what it is doing, to name a failure
     c = fold.load_comparison(out_dir)
     states = fold.replay_states(out_dir)
@@ -178,7 +192,8 @@ def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what 
                        ("stragglers", lambda: straggler_report.section(states, data["communication"]["runs"])),
                        ("explain", lambda: explain_report.section(c, data, out_dir)),
                        ("noise", lambda: noise.section(c, states, data["stragglers"])),
-                       ("recommendation", lambda: recommend.section(c, states, data)), ("prediction", lambda: predict_report.section(c, states, out_dir))):
+                       ("recommendation", lambda: recommend.section(c, states, data)), ("prediction", lambda: predict_report.section(c, states, out_dir)),
+                       ("record_server", lambda: record_server_section(out_dir))):
         stage[0] = f"the {key} section"
         data[key] = build()
     stage[0] = "writing the files"

@@ -194,12 +194,22 @@ class LineDecoder:
 
     invalid: int = 0
     _pending: bytes = field(default=b"", repr=False)
+    _skipping: bool = field(default=False, repr=False)  # inside a line past MAX_RECORD_BYTES: dropped to its end
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        """Return the complete records in ``_pending + data``; keep the unterminated tail."""
+        """Return the complete records in ``_pending + data``; keep the unterminated tail (at most
+        ``MAX_RECORD_BYTES``: a longer line is counted invalid and dropped as it streams, never held whole)."""
         buf = self._pending + data
         lines = buf.split(b"\n")
         self._pending = lines.pop()  # b"" when data ended with a newline
+        if self._skipping:
+            if not lines:
+                self._pending = b""
+                return []
+            lines, self._skipping = lines[1:], False  # the over-long line's end
+        if len(self._pending) > MAX_RECORD_BYTES:
+            self._pending, self._skipping = b"", True
+            self.invalid += 1
         return list(self._decode_lines(lines))
 
     def _decode_lines(self, lines: Iterable[bytes]) -> Iterable[dict[str, Any]]:
@@ -213,13 +223,35 @@ class LineDecoder:
                 yield record
 
 
+MAX_RECORD_BYTES = 1 << 20  # a record line (a rank writes a few KiB at most; record_wire's protocol line too)
+MAX_INT_DIGITS = 20  # an integer beyond 64 bits is no figure a rank writes (and float() of 500 digits overflows)
+_TYPED = {"rank": (int,), "step": (int,), "t": (int, float), "run": (str,), "kind": (str,), "v": (int,)}
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise ValueError("an integer too long")
+    return int(text)
+
+
 def decode_line(raw: bytes | str) -> dict[str, Any] | None:
-    """Return the record in one line, or None when it is not a JSON object with a ``kind``."""
+    """Return the record in one line, or None when it is not one: not a JSON object with a ``kind``, a line over
+    ``MAX_RECORD_BYTES``, nested past what the decoder takes, an integer over ``MAX_INT_DIGITS`` digits, or a
+    common key of the wrong type (``"t": "soon"``, a ``rank`` that is not an integer). Readers of every kind go
+    through here, so a crafted or damaged file is counted invalid, never a traceback."""
+    if len(raw) > MAX_RECORD_BYTES:
+        return None
     try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        value = json.loads(raw, parse_int=_bounded_int)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(value, dict) or "kind" not in value:
+        return None
+    for key, types in _TYPED.items():
+        got = value.get(key)
+        if got is not None and (type(got) not in types):  # bool is not an int here
+            return None
+    if isinstance(value.get("t"), float) and not math.isfinite(value["t"]):
         return None
     return value
 
@@ -227,6 +259,8 @@ def decode_line(raw: bytes | str) -> dict[str, Any] | None:
 def read_records(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
     """Read a whole rank file; return (records, invalid line count). A torn last line is ignored."""
     decoder = LineDecoder()
+    records: list[dict[str, Any]] = []
     with open(path, "rb") as fh:
-        records = decoder.feed(fh.read())
+        while chunk := fh.read(1 << 20):  # streamed: a file of one huge line is never held whole
+            records += decoder.feed(chunk)
     return records, decoder.invalid

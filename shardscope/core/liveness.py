@@ -39,3 +39,35 @@ def orchestrator_state(out_dir: str) -> str:
     if host != socket.gethostname():
         return "unknown"
     return "alive" if process_alive(pid, created) else "lost"
+
+
+BEAT_KEYS = {"node": int, "host": str, "pid": int, "t": float, "done": bool}  # what a node's heartbeat carries
+
+
+def make_beat(node: int, done: bool) -> dict:
+    """This node's heartbeat: its number, host, pid, the time and whether it finished (``BEAT_KEYS``)."""
+    import os
+    import time
+
+    return {"node": node, "host": socket.gethostname()[:255], "pid": os.getpid(), "t": time.time(), "done": done}
+
+
+def beat_problem(beat: object, node: int) -> str:
+    """Why ``beat`` is not a heartbeat of ``node`` ("" when it is): a JSON object with exactly ``BEAT_KEYS``, each
+    of its type (``t`` a finite time, an integer taken), ``node`` its sender's, ``host`` at most 255 characters and
+    ``pid`` a positive 32-bit number. Node 0's record server checks every beat before writing it, and node 0 reads
+    a beat file only through here, so a beat of another shape is refused, never a crash of the verdict."""
+    import math
+
+    if not isinstance(beat, dict) or set(beat) != set(BEAT_KEYS):
+        return f"a heartbeat is a JSON object with the keys {', '.join(BEAT_KEYS)}"
+    for key, want in BEAT_KEYS.items():
+        value = beat[key]
+        ok = (type(value) in (int, float) and math.isfinite(value)) if want is float else type(value) is want
+        if not ok:
+            return f"heartbeat {key}: not a {want.__name__}"
+    if beat["node"] != node:
+        return f"heartbeat node {beat['node']} sent as node {node}"
+    if len(beat["host"]) > 255 or not 0 < beat["pid"] < 1 << 32:
+        return "heartbeat host or pid out of range"
+    return ""

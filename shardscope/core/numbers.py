@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Iterable
 from typing import Any
@@ -75,11 +76,26 @@ def from_json(value: Any) -> Any:
     return value
 
 
-def read_json(path: str) -> Any:
+MAX_JSON_BYTES = 256 << 20  # a run directory's JSON files (summary.json of many runs is a few MiB)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 40:  # no figure shardscope writes; float() of 500 digits overflows where it is read
+        raise ValueError("an integer of more than 40 digits")
+    return int(text)
+
+
+def read_json(path: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """Return the JSON document at ``path`` (written by ``config.dump_json``) with its non-finite
-    floats restored; raises OSError or ValueError."""
-    with open(path, encoding="utf-8") as fh:
-        return from_json(json.load(fh))
+    floats restored; raises OSError or ValueError, also for a file over ``max_bytes`` (not read), nesting
+    deeper than the decoder takes or an integer of more than 40 digits (a damaged or crafted file)."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size > max_bytes:
+            raise ValueError(f"{path}: over {max_bytes >> 20} MiB")
+        try:
+            return from_json(json.loads(fh.read(max_bytes + 1), parse_int=_bounded_int))
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply") from None
 
 
 def fmt_bytes(n: float | None, sig: int | None = None, missing: str = "-") -> str:

@@ -9,7 +9,8 @@ resends from there after reconnecting and node 0 skips sequence numbers it alrea
 Protocol: one JSON object per line, both ways; a line is at most ``MAX_LINE_BYTES`` (``HELLO_MAX_BYTES``
 until the peer is admitted).
     node 0 -> peer   {"challenge": NONCE, "idle_s": S}         (first, on every connection)
-    rank -> node 0   {"hello": {"run": NAME, "rank": R}, "mac": M}     node 0 -> rank  {"ack": LAST_SEQ} (-1: none)
+    rank -> node 0   {"hello": {"run": NAME, "rank": R, "session": S}, "mac": M}   node 0 -> rank  {"ack": LAST_SEQ}
+                     (-1: none; sequence numbers are the session's: a restarted rank, a new sender, starts at 0)
     rank -> node 0   {"seq": N, "line": RECORD_LINE}           node 0 -> rank   {"ack": LAST_SEQ}
     rank -> node 0   {"ping": 1}                               (when idle for S/3 s; node 0 closes after S s)
     node -> node 0   {"beat": HEARTBEAT, "node": N, "mac": M}  node 0 -> node  {"ok": true}  (one per connection)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import secrets
 import select
 import socket
 import threading
@@ -164,6 +166,7 @@ class RecordSender:
         self.reconnects = 0
         self._pending: collections.deque[tuple[int, str]] = collections.deque()
         self._next_seq, self._acked, self._ping_every = 0, -1, 10.0
+        self.session = secrets.token_hex(8)  # its sequence numbers are this sender's own on node 0
         self._refusal = ""  # node 0's reason, when it refused this sender
         self._cv = threading.Condition()
         self._closing = self._drop = self._connected_once = False
@@ -230,7 +233,7 @@ class RecordSender:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=10)
                 challenge, answer = _handshake(sock, self.endpoint, self._secret,
-                                               {"hello": {"run": self.run, "rank": self.rank}})
+                                               {"hello": {"run": self.run, "rank": self.rank, "session": self.session}})
                 idle_s = challenge.get("idle_s")
                 if isinstance(idle_s, (int, float)) and idle_s > 0:
                     self._ping_every = max(0.05, float(idle_s) / 3)

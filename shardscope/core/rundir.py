@@ -288,6 +288,10 @@ class RunDir:
         """``nodes/node<N>.json``: node N's heartbeat (nodes other than 0)."""
         return os.path.join(self.path, NODES, f"node{node_rank}.json")
 
+    def record_server_stats(self) -> str:
+        """``nodes/record_server.json``: what node 0's record server refused and took (records over TCP)."""
+        return os.path.join(self.path, NODES, "record_server.json")
+
     def holds_comparison(self) -> bool:
         """True when a comparison was already written here."""
         return os.path.exists(self.comparison)

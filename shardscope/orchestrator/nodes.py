@@ -16,6 +16,7 @@ import time
 
 from shardscope.config import LaunchSpec, dump_json
 # Re-exported for orchestrator/session.py only, until it names its files through RunDir (issue 11, split).
+from shardscope.core.liveness import beat_problem, make_beat
 from shardscope.core.record_secret import comparison_key, secret_from_env
 from shardscope.core.record_wire import send_beat
 from shardscope.core.rundir import RunDir
@@ -52,6 +53,8 @@ class NodeWatch:
         self._thread: threading.Thread | None = None
         self._lost: set[int] = set()
         self._last_sent = time.time()  # the last beat node 0's record server took (records over TCP)
+        self.heard: dict[int, float] = {}  # node 0 over TCP: when each node last got any message through (its
+        # record server's ``heard``): a node whose ranks' records arrive is alive even when its beats do not
 
     def start(self) -> None:
         """Start beating (every node of a multi-node comparison; node 0 only on a shared filesystem, where the
@@ -81,8 +84,7 @@ class NodeWatch:
             self._stop.wait(1.0)
 
     def _write(self, done: bool) -> None:
-        beat = {"node": self.node_rank, "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
-                "done": done}
+        beat = make_beat(self.node_rank, done)
         if self.records_endpoint:
             send_beat(self.records_endpoint, self.node_rank, beat,
                       secret=comparison_key(secret_from_env(), self.comparison))
@@ -97,7 +99,8 @@ class NodeWatch:
             return []
         now = time.time()
         for node, beat in self._beats().items():
-            if not beat.get("done") and now - float(beat.get("t") or self._started) > self.timeout_s:
+            last = max(float(beat.get("t") or self._started), self.heard.get(node, 0.0))
+            if not beat.get("done") and now - last > self.timeout_s:
                 self._lost.add(node)
         return sorted(self._lost)
 
@@ -122,9 +125,10 @@ class NodeWatch:
         for node in (range(1, self.nnodes) if nodes is None else nodes):
             try:
                 with open(RunDir(self.out_dir).heartbeat(node), encoding="utf-8") as fh:
-                    beats[node] = json.load(fh)
-            except (OSError, ValueError):
-                beats[node] = {"t": None, "done": False}  # no beat yet
+                    beat = json.loads(fh.read(4096))
+                beats[node] = beat if not beat_problem(beat, node) else {"t": None, "done": False}
+            except (OSError, ValueError, RecursionError):
+                beats[node] = {"t": None, "done": False}  # no beat yet (or none readable: judged as silence)
         return beats
 
     def judge(self) -> list[int]:
@@ -144,10 +148,17 @@ class NodeWatch:
         return self.lost()
 
 
-def lost_message(lost: list[int], timeout_s: float) -> str:
-    """Return the verdict for runs that lost nodes: ``node 1 lost (no heartbeat for 30 s)``."""
+def lost_message(lost: list[int], timeout_s: float, refused_from: dict[str, int] | None = None) -> str:
+    """Return the verdict for runs that lost nodes: ``node 1 lost (no heartbeat for 30 s)``, and, when node 0's
+    record server was refusing connections that never proved the secret meanwhile, how many and from where."""
     names = ", ".join(str(n) for n in lost)
-    return f"node{'s' if len(lost) > 1 else ''} {names} lost (its orchestrator sent no heartbeat for {timeout_s:g} s)"
+    out = f"node{'s' if len(lost) > 1 else ''} {names} lost (its orchestrator sent no heartbeat for {timeout_s:g} s)"
+    if refused_from:
+        top = sorted(refused_from.items(), key=lambda kv: -kv[1])
+        where = ", ".join(f"{n:,} from {src}" for src, n in top[:3]) + (" and more" if len(top) > 3 else "")
+        out += (f"; the record server refused {sum(refused_from.values()):,} unauthenticated connections meanwhile "
+                f"({where})")
+    return out
 
 
 def silent_nodes(reported: set[int], world_size: int, nnodes: int) -> list[int]:

@@ -17,15 +17,17 @@ rather than replacing it, so a duplicate or stale sender can never cut into a li
 connection frees its place within the idle timeout (the live sender pings, a dead one cannot).
 
 Bounds. A line is at most ``MAX_LINE_BYTES`` (``HELLO_MAX_BYTES`` before admission); a longer one closes the
-connection and nothing of it is written. At most ``max_connections`` are open (default 4 x the ranks of
-all runs + nnodes, at least 64, at most half the descriptor limit); more are closed at once. A connection is
-closed when it completes no message for ``idle_timeout_s`` (30 s), or is not admitted within
-``handshake_timeout_s`` (10 s), which also ends half-sent lines; answers a peer does not read are capped.
+connection and nothing of it is written. Connections not yet admitted have a pool of their own
+(``max_pending``, 32; ``max_pending_per_source`` from one address, 8) and ``handshake_timeout_s`` (5 s) to be
+admitted, so a flood without the secret never takes an admitted sender's or a heartbeat's place; admitted
+ones are at most ``max_connections`` (default 4 x the ranks of all runs + nnodes, at least 64, at most half
+the descriptor limit). A connection is closed when it completes no message for ``idle_timeout_s`` (30 s);
+answers a peer does not read are capped. Refusals are counted by reason (``refused``) and, for connections
+never admitted, by source address (``refused_from``); ``heard`` is when each other node last got a message
+through (a beat, a record, a ping), what its liveness is judged on.
 
-One thread, ``selectors``: the work per message is tiny (check, append a line, flush), so one loop keeps up,
-and a flood of connections costs a descriptor and a small buffer each, never a thread or a blocked worker
-(a bounded pool would still be filled by slow peers and need a timeout per socket); timeouts are a sweep
-over deadlines. ``secret=None`` / ``runs=None`` / ``nnodes=None`` mean a caller not wired to them yet:
+One thread, ``selectors``: the work per message is tiny, so one loop keeps up; a flood of connections costs
+a descriptor and a small buffer each, never a thread; timeouts are a sweep over deadlines. ``secret=None`` / ``runs=None`` / ``nnodes=None`` mean a caller not wired to them yet:
 no MAC is asked, any run name of the preset grammar (one path component) and any rank or node number below
 a fixed cap is taken; bounds and timeouts hold all the same.
 """
@@ -33,7 +35,6 @@ a fixed cap is taken; bounds and timeouts hold all the same.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import os
 import secrets
 import selectors
@@ -44,27 +45,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardscope.config import dump_json
+from shardscope.core.events import KINDS, decode_line
+from shardscope.core.liveness import beat_problem
 from shardscope.presets.schema import NAME_RE
 from shardscope.core.record_secret import MIN_SECRET_BYTES, proven
-from shardscope.core.record_wire import HELLO_MAX_BYTES, MAX_LINE_BYTES, Lines, LineTooLong, encode, parse_endpoint
+from shardscope.core.record_wire import HELLO_MAX_BYTES, MAX_LINE_BYTES, Lines, LineTooLong, encode
 from shardscope.core.rundir import RunDir
+from shardscope.orchestrator.record_listen import default_max_connections, listen
+from shardscope.orchestrator.record_stats import StatsWriter
 
 IDLE_TIMEOUT_S = 30.0  # no complete message for this long: the connection is closed (senders ping at a third)
-HANDSHAKE_TIMEOUT_S = 10.0  # from accept to an admitted hello or beat
-MIN_CONNECTIONS = 64
+HANDSHAKE_TIMEOUT_S = 5.0  # from accept to an admitted hello or beat
+MAX_PENDING, MAX_PENDING_PER_SOURCE = 32, 8  # connections not admitted yet: in all, from one address
 OUT_MAX_BYTES = 64 << 10  # answers queued for a peer that does not read them
 RECV_BYTES = 64 << 10
 UNWIRED_MAX_RANK, UNWIRED_MAX_NODE = 1 << 16, 1 << 12  # caps while the caller passes no runs / nnodes
-BIND_SETTING = "launch.records_bind"  # named in the errors: where a user gives the address to listen on
 _READ, _RW = selectors.EVENT_READ, selectors.EVENT_READ | selectors.EVENT_WRITE
 
 
-class BindError(OSError):
-    """The record server cannot listen where it was told (one line saying why and what to set)."""
-
-
 class _Conn:
-    __slots__ = ("admitted", "closing", "deadline", "events", "fh", "key", "lines", "nonce", "out", "sock")
+    __slots__ = ("admitted", "closing", "deadline", "events", "fh", "key", "lines", "nonce", "out", "session", "sock",
+                 "source")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock: socket.socket | None = sock
@@ -73,23 +74,23 @@ class _Conn:
         self.nonce = secrets.token_hex(16)
         self.deadline = deadline
         self.key: tuple[str, int] | None = None
+        self.session = ""
+        self.source: str | None = None  # its address while not admitted (it holds a place in the pending pool)
         self.fh: Any = None
         self.admitted = self.closing = False
         self.events = _READ
 
 
 class RecordServer:
-    """A single-threaded TCP server writing received records into ``out_dir``; ``start``/``stop``.
-
-    ``runs``: run name -> world size of this comparison; ``nnodes``: nodes in it; ``secret``: its secret
-    (``record_secret.secret_from_env``); ``bind``: an address to listen on instead of the endpoint's host
-    (``"0.0.0.0"`` or ``"::"``: every interface), the port is always the endpoint's (0: any, for tests).
-    """
+    """A single-threaded TCP server writing received records into ``out_dir``; ``start``/``stop``. ``runs``: run
+    name -> world size; ``nnodes``: nodes; ``secret``: the comparison's key; ``bind``: an address to listen on
+    instead of the endpoint's host (``"0.0.0.0"``: every interface); the port is the endpoint's (0: any)."""
 
     def __init__(self, out_dir: str, endpoint: str, *, secret: bytes | None = None,
                  runs: Mapping[str, int] | None = None, nnodes: int | None = None, bind: str | None = None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 max_connections: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+                 max_connections: int | None = None, max_line_bytes: int = MAX_LINE_BYTES,
+                 max_pending: int = MAX_PENDING, max_pending_per_source: int = MAX_PENDING_PER_SOURCE) -> None:
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"records server: a secret needs at least {MIN_SECRET_BYTES} bytes")
         self.out = RunDir(out_dir)
@@ -102,15 +103,21 @@ class RecordServer:
         self._runs = None if runs is None else {
             str(name): (str(name), range(int(ws) // per_node if per_node > 1 else 0, int(ws)))
             for name, ws in runs.items()}
-        self.max_connections = max_connections or _default_max_connections(runs, nnodes)
+        self.max_connections = max_connections or default_max_connections(runs, nnodes)
         self.written = 0  # record lines appended (duplicates skipped are not counted)
         self.duplicates = 0  # resent lines already written (after a dropped connection)
         self.beats = 0
         self.refused: collections.Counter[str] = collections.Counter()  # connections closed, by reason
+        self.refused_from: collections.Counter[str] = collections.Counter()  # never admitted, by source address
+        self.heard: dict[int, float] = {}  # node -> time.time() of its last message that got through
+        self.max_pending, self.max_pending_per_source = max_pending, max_pending_per_source
+        self._pending: collections.Counter[str] = collections.Counter()  # connections not admitted, by address
+        self._per_node = per_node
+        self._stats = StatsWriter(self.out.record_server_stats())
         self._last: dict[tuple[str, int], int] = {}
         self._live: dict[tuple[str, int], _Conn] = {}
         self._conns: set[_Conn] = set()
-        self._listener = _listen(endpoint, bind, nnodes)
+        self._listener = listen(endpoint, bind, nnodes)
         self._address = self._listener.getsockname()[:2]
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -150,8 +157,8 @@ class RecordServer:
             self._close_all()
 
     def last_seq(self, run: str, rank: int) -> int:
-        """The last sequence number written for (run, rank); -1 for none."""
-        return self._last.get((run, rank), -1)
+        """The last sequence number written for (run, rank) by its latest sender session; -1 for none."""
+        return max((v for (r, k, _), v in self._last.items() if (r, k) == (run, rank)), default=-1)
 
     def _loop(self) -> None:
         try:
@@ -168,21 +175,30 @@ class RecordServer:
                     self._next_sweep = now + 0.1
                     for conn in [c for c in self._conns if now > c.deadline]:
                         self._close(conn, "timed out")
+                    self._stats.maybe_write(self)
         finally:
             self._close_all()
+            self._stats.maybe_write(self, force=True)
 
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:  # none waiting (or out of descriptors: open ones drain by their timeouts)
                 return
-            if len(self._conns) >= self.max_connections:
-                self.refused["too many connections"] += 1
+            source = str(peer[0]) if isinstance(peer, tuple) else "?"
+            full = ("unauthenticated pool full" if sum(self._pending.values()) >= self.max_pending else
+                    "too many unauthenticated from one address" if self._pending[source] >= self.max_pending_per_source
+                    else "")
+            if full:
+                self.refused[full] += 1
+                self.refused_from[source] += 1
                 sock.close()
                 continue
             sock.setblocking(False)
             conn = _Conn(sock, time.monotonic() + self.handshake_timeout_s)
+            conn.source = source
+            self._pending[source] += 1
             self._conns.add(conn)
             self._sel.register(sock, _READ, conn)
             self._send(conn, {"challenge": conn.nonce, "idle_s": self.idle_timeout_s})
@@ -217,6 +233,7 @@ class RecordServer:
         if not conn.admitted:
             return self._admit(conn, msg)
         conn.deadline = time.monotonic() + self.idle_timeout_s
+        self._hear(conn)
         if "seq" in msg:
             seq, line = msg["seq"], msg["line"]
             if type(seq) is not int or not isinstance(line, str) or "\n" in line or "\r" in line:
@@ -237,8 +254,11 @@ class RecordServer:
             return self._refuse(conn, "not authenticated (wrong or missing secret)")
         if "beat" in identity:
             return self._beat(conn, identity["node"], identity["beat"])
+        if len(self._live) >= self.max_connections:
+            return self._refuse(conn, "too many connections")
         hello = identity["hello"]
-        run, rank = (hello.get("run"), hello.get("rank")) if isinstance(hello, dict) else (None, None)
+        run, rank, session = ((hello.get("run"), hello.get("rank"), hello.get("session")) if isinstance(hello, dict)
+                              else (None, None, None))
         if self._runs is None:  # not wired to the run list yet: one safe path component
             name = run if isinstance(run, str) and len(run) <= 200 and NAME_RE.fullmatch(run) else None
             ranks = range(UNWIRED_MAX_RANK)
@@ -248,46 +268,62 @@ class RecordServer:
             return self._refuse(conn, "unknown run")
         if type(rank) is not int or rank not in ranks:
             return self._refuse(conn, "rank out of range")
+        if not (isinstance(session, str) and 0 < len(session) <= 64 and session.isalnum() and session.isascii()):
+            return self._refuse(conn, "no session")
         key = (name, rank)
         if key in self._live:
             return self._refuse(conn, "busy")
         files = self.out.run(name)
         os.makedirs(files.metrics, exist_ok=True)
         conn.fh = open(files.rank_file(rank), "a", encoding="utf-8")  # noqa: SIM115 - closed in _close
-        conn.key, conn.admitted = key, True
+        conn.key, conn.session, conn.admitted = key, session, True
+        self._unpend(conn)
+        self._hear(conn)
         self._live[key] = conn
         conn.lines.max_line = self.max_line_bytes
         conn.deadline = time.monotonic() + self.idle_timeout_s
-        return self.last_seq(*key)
+        return self._last.get((*key, session), -1)
 
     def _beat(self, conn: _Conn, node: Any, beat: Any) -> None:
         top = UNWIRED_MAX_NODE if self.nnodes is None else self.nnodes
         if type(node) is not int or not 1 <= node < top:
             return self._refuse(conn, "node out of range")
-        if not isinstance(beat, dict):
-            return self._refuse(conn, "a heartbeat is a JSON object")
+        if beat_problem(beat, node):
+            return self._refuse(conn, "a malformed heartbeat")
         path = self.out.heartbeat(node)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         dump_json(path, beat)
         self.beats += 1
+        self._unpend(conn)
+        self.heard[node] = time.time()
         conn.closing = True  # one beat per connection: answered, then closed
         self._send(conn, {"ok": True})
         return None
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self.refused[reason] += 1
+        if conn.source is not None:
+            self.refused_from[conn.source] += 1
         conn.closing = True
         self._send(conn, {"refused": reason})
 
     def _append(self, conn: _Conn, seq: int, line: str) -> int:
-        """Append ``line`` if ``seq`` is the next one of the connection's rank; return the last one written."""
+        """Append ``line`` if ``seq`` is the next one of the connection's session (each sender numbers its own
+        records: another session's never displace them) and the line is a record of the connection's run and rank
+        (``events.decode_line``: bounded, typed); a line that is not is counted and skipped, never written.
+        Return the last sequence number the session has had."""
         assert conn.key is not None and conn.fh is not None
-        last = self.last_seq(*conn.key)
+        own = (*conn.key, conn.session)
+        last = self._last.get(own, -1)
         if seq == last + 1:
-            conn.fh.write(line + "\n")
-            conn.fh.flush()
-            self._last[conn.key] = seq
-            self.written += 1
+            record = decode_line(line)
+            if record is None or record.get("kind") not in KINDS or (record.get("run"), record.get("rank")) != conn.key:
+                self.refused["a record line that is not one of this rank's records"] += 1
+            else:
+                conn.fh.write(line + "\n")
+                conn.fh.flush()
+                self.written += 1
+            self._last[own] = seq
             return seq
         if seq <= last:
             self.duplicates += 1
@@ -320,9 +356,25 @@ class RecordServer:
             conn.events = events
             self._sel.modify(conn.sock, events, conn)
 
+    def _hear(self, conn: _Conn) -> None:
+        """The node of an admitted sender got a message through (its rank's run spans the nodes evenly)."""
+        if conn.key is not None and self._runs is not None:
+            self.heard[conn.key[1] // max(1, self._runs[conn.key[0]][1].stop // self._per_node)] = time.time()
+
+    def _unpend(self, conn: _Conn) -> None:
+        if conn.source is not None:
+            self._pending[conn.source] -= 1
+            if self._pending[conn.source] <= 0:
+                del self._pending[conn.source]
+            conn.source = None
+
     def _close(self, conn: _Conn, reason: str | None) -> None:
         if reason is not None:
             self.refused[reason] += 1
+        if conn.source is not None:  # never admitted
+            if reason is not None:
+                self.refused_from[conn.source] += 1
+            self._unpend(conn)
         if conn.sock is not None:
             try:
                 self._sel.unregister(conn.sock)
@@ -346,54 +398,3 @@ class RecordServer:
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
         self._sel.close()
-
-
-def _default_max_connections(runs: Mapping[str, int] | None, nnodes: int | None) -> int:
-    """4 x the ranks of all runs + nnodes, at least MIN_CONNECTIONS (256 when not told the runs), at most half
-    this process's descriptor limit."""
-    wanted = max(MIN_CONNECTIONS, 4 * sum(int(ws) for ws in runs.values()) + (nnodes or 0)) if runs else 256
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return min(wanted, max(16, soft // 2)) if soft > 0 else wanted
-    except (ImportError, OSError, ValueError):
-        return wanted
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def _listen(endpoint: str, bind: str | None, nnodes: int | None) -> socket.socket:
-    """A listening, non-blocking socket on the endpoint's host (or ``bind``) and the endpoint's port."""
-    host, port = parse_endpoint(endpoint, any_port=True)
-    where = host if bind is None else bind.strip("[]")
-    try:
-        infos = socket.getaddrinfo(where or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as err:
-        raise BindError(f"records server: cannot resolve {where!r} ({err}); give the address to listen on "
-                        f"({BIND_SETTING})") from None
-    addrs = sorted({str(info[4][0]) for info in infos})
-    if bind is None and (nnodes is None or nnodes > 1) and not (_is_loopback(host) or host == "localhost") \
-            and all(_is_loopback(a) for a in addrs):
-        raise BindError(f"records server: {host} resolves on this node only to {', '.join(addrs)} (loopback), where "
-                        f"other nodes cannot reach it; give the address to listen on ({BIND_SETTING}: this "
-                        "node's cluster address, or 0.0.0.0 for every interface)")
-    error: OSError | None = None
-    for family, kind, proto, _, addr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-            return sock
-        except OSError as err:
-            sock.close()
-            error = err
-    raise BindError(f"records server: cannot listen on {where}:{port} ({error}); if {host} is how other nodes reach "
-                    f"this one but no address of it (NAT, a proxy), give the address to listen on ({BIND_SETTING})")

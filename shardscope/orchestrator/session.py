@@ -180,6 +180,7 @@ class Session(RunSupervision, SessionEnds, Completion):
                         runs={r.name: config.resolved_world_size(self.comparison, r) for r in self.comparison.runs},
                         nnodes=launch.nnodes, bind=launch.records_bind or None)
                     self._records.start()
+                    self._watch.heard = self._records.heard
             self._watch.start()
             for run in self.comparison.runs:
                 self._define(run)
@@ -268,7 +269,8 @@ class Session(RunSupervision, SessionEnds, Completion):
         lost = self._watch.lost() or self._watch.leader_lost()
         if not lost:
             return
-        message = nodes.lost_message(lost, self._watch.timeout_s)
+        message = nodes.lost_message(lost, self._watch.timeout_s,
+                                     dict(self._records.refused_from) if self._records is not None else None)
         for active in self._active.values():
             active.stop_reason = active.stop_reason or message
         while self._queue:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from shardscope.core.liveness import make_beat
 from shardscope.core.record_secret import comparison_key, secret_from_env
 from shardscope.core.record_wire import Refused, send_beat
 from shardscope.core import outspace
@@ -31,8 +32,7 @@ class SessionEnds:
         deadline = time.monotonic() + launch.node_timeout_s
         while True:
             try:
-                send_beat(launch.records_endpoint, launch.node_rank, {"node": launch.node_rank, "t": time.time(),
-                                                                      "done": False},
+                send_beat(launch.records_endpoint, launch.node_rank, make_beat(launch.node_rank, False),
                            secret=comparison_key(secret_from_env(), self.comparison.to_dict()))
                 return True
             except OSError as err:
