@@ -34,6 +34,12 @@ def _records(path):
 
 
 def test_two_nodes_without_shared_files(tmp_path):
+    """... while a flood without the secret (64 connections from 127.0.0.2, re-opened as soon as node 0 closes
+    them) runs the whole time: every run still ends ok, and node 0's summary counts the refusals by source."""
+    import threading
+
+    from test_record_content import _flood
+
     rdzv = port_block(4)
     records = rdzv + 3  # the runs rendezvous on rdzv and rdzv + 1, the A/A control (ddp again) on rdzv + 2
     common = ["run", "--preset", "smoke", "--headless", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}",
@@ -41,14 +47,24 @@ def test_two_nodes_without_shared_files(tmp_path):
               "--set", "profile.enabled=false"]
     outs = {n: tmp_path / f"node{n}" for n in (0, 1)}
     env = secret_env(tmp_path)
-    procs = {n: subprocess.Popen([*CLI, *common, "--out", str(outs[n]), "--node-rank", str(n),
-                                  "--set", "runs.ddp.fault='rank=1,step=3,kind=netdrop'"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for n in (1, 0)}
-    logs = {n: p.communicate(timeout=400)[0] for n, p in procs.items()}
+    stop = threading.Event()
+    flood = threading.Thread(target=_flood, args=(records, stop), daemon=True)
+    flood.start()
+    try:
+        procs = {n: subprocess.Popen([*CLI, *common, "--out", str(outs[n]), "--node-rank", str(n),
+                                      "--set", "runs.ddp.fault='rank=1,step=3,kind=netdrop'"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                 for n in (1, 0)}
+        logs = {n: p.communicate(timeout=400)[0] for n, p in procs.items()}
+    finally:
+        stop.set()
+        flood.join(30)
     assert procs[0].returncode == 0, logs[0][-3000:] + logs[1][-3000:]
     assert procs[1].returncode == 0, logs[1][-3000:]
     summary = json.loads((outs[0] / "summary.json").read_text())
     assert [r["status"] for r in summary["runs"]] == ["ok"] * len(summary["runs"])
+    refused = summary["record_server"]["refused_from"]
+    assert refused.get("127.0.0.2", 0) > 0 and "127.0.0.1" not in refused, summary["record_server"]
     for run in summary["runs"]:
         name = run["name"]
         sent = _records(outs[1] / name / "metrics" / "rank1.jsonl")  # node 1's own copy

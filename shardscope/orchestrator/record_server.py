@@ -302,7 +302,7 @@ class RecordServer:
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self.refused[reason] += 1
-        if conn.source is not None:
+        if conn.source is not None and reason.startswith(("expected", "not auth")):  # it never proved the secret
             self.refused_from[conn.source] += 1
         conn.closing = True
         self._send(conn, {"refused": reason})
