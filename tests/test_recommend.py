@@ -229,6 +229,12 @@ def test_runs_that_waited_for_cores_are_ranked_by_busy_cpu_time():
     assert rec["no_clear_difference"] == ["ddp", "fsdp2"]
     assert "throughput per busy CPU second not distinguishable" in next(
         x for x in rec["lines"] if x.startswith("fsdp2 vs ddp"))
+    # without the A/A control there is nothing to test busy time against, and the reason says so (not "steps")
+    alone = {**_summary(*runs[:2]), "noise": {**s["noise"], "between": {"measured": False, "why": "control = false"}}}
+    rec = recommend.recommend(alone, {"ddp": 0.01, "fsdp2": 0.01}, "cpu")
+    text = " ".join(rec["lines"])
+    assert "busy CPU time per token is one figure per run, with no step-to-step spread, and no A/A control ran" in text
+    assert "fewer than 4 timed steps" not in text
 
 
 def test_the_verdict_rule():

@@ -72,12 +72,18 @@ class _Measure:
         return speed_verdict(self.of(run), self.of(reference), *spreads, self.between)
 
 
+def untested_reason(busy: bool) -> str:
+    """Why a verdict was not tested against noise: no A/A control, and no step-to-step spread to fall back on."""
+    return ("busy CPU time per token is one figure per run, with no step-to-step spread, and no A/A control ran"
+            if busy else "fewer than 4 timed steps and no A/A control")
+
+
 def verdict_text(v: dict[str, Any], busy: bool = False) -> str:
     """A verdict in words, with its interval or the reason it cannot tell."""
     what = "throughput per busy CPU second" if busy else "throughput"
     ratio = v["ratio"]
     if v["verdict"] == "untested":
-        return f"{what} {ratio:.2f}x, not tested against noise (fewer than 4 timed steps and no A/A control)"
+        return f"{what} {ratio:.2f}x, not tested against noise ({untested_reason(busy)})"
     lo, hi = v["interval"]
     if v["verdict"] == "tie":
         moved = f"A/A moved {v['between']:.1%}" if v.get("between") is not None else "between-run noise not measured"
@@ -86,10 +92,10 @@ def verdict_text(v: dict[str, Any], busy: bool = False) -> str:
     return f"{change} {what} ({ratio:.2f}x, {lo:.2f}x-{hi:.2f}x with the noise)"
 
 
-def _versus(v: dict[str, Any], name: str) -> str:
+def _versus(v: dict[str, Any], name: str, busy: bool = False) -> str:
     """The winner's margin over the runner-up: ``1.43x fsdp (1.30x-1.57x with the noise)``."""
     if v["verdict"] == "untested":
-        return f"{v['ratio']:.2f}x {name} — not tested against noise (fewer than 4 timed steps and no A/A control)"
+        return f"{v['ratio']:.2f}x {name} — not tested against noise ({untested_reason(busy)})"
     lo, hi = v["interval"]
     return f"{v['ratio']:.2f}x {name}, {lo:.2f}x-{hi:.2f}x with the noise"
 
@@ -149,7 +155,7 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             second = ranked[1] if len(ranked) > 1 else None
             top = ranked[0]
             how = f"{_rate(top):,.0f} {unit}" if not measure.busy else f"{measure.of(top):,.0f} tokens per busy CPU s"
-            versus = f", {_versus(measure.verdict(top, second), second['name'])}" if second else ""
+            versus = f", {_versus(measure.verdict(top, second), second['name'], measure.busy)}" if second else ""
             lines.append(f"fastest run{fits_note}: {fastest} ({how}{versus})")
     elif runs:
         lines.append("no run finished ok" + (" within the device memory" if device_memory_bytes else "")
