@@ -1,8 +1,8 @@
-"""Every ``shardscope ...`` line of README.md runs and exits as documented (0).
+"""Every ``shardscope ...`` line of README.md and of the docs pages (``docs/*.md``) runs and exits as documented (0).
 
 Lines that launch torchrun jobs run with ``--dry-run`` (which still validates the preset for this
 machine and prints the exact torchrun commands). A line that cannot run here is listed in
-``EXCEPTIONS`` with the reason; a listed line that is no longer in the README fails the test, so
+``EXCEPTIONS`` with the reason; a listed line that is no longer in the README or the docs fails the test, so
 the list cannot go stale. Each line runs in a scratch directory holding what the README assumes
 exists (``./mine.toml``; ``runs/mine``, a recorded run directory).
 """
@@ -20,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))  # the docs pages: their command lines are checked as the README's
 REPLAY = Path(__file__).parent / "data" / "replay-smoke"
 USER = Path(__file__).parent / "data" / "user"
 
@@ -30,15 +31,19 @@ EXCEPTIONS = {
 
 
 def readme_commands() -> list[str]:
-    """Every line of a fenced code block in README.md that starts with ``shardscope``, without its
-    trailing ``# comment`` and output redirection."""
-    text = README.read_text(encoding="utf-8")
-    lines = []
-    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
-        for line in block.splitlines():
-            line = line.split(" #", 1)[0].strip()
-            if line == "shardscope" or line.startswith("shardscope "):
-                lines.append(re.sub(r"\s*>\s*\S+$", "", line))
+    """Every line of a fenced code block in README.md, then in each docs page, that starts with ``shardscope``,
+    without its trailing ``# comment`` and output redirection; a line the README or another page already has is
+    taken once."""
+    lines: list[str] = []
+    for page in (README, *DOCS):
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+            for line in block.splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if line == "shardscope" or line.startswith("shardscope "):
+                    line = re.sub(r"\s*>\s*\S+$", "", line)
+                    if line not in lines:
+                        lines.append(line)
     return lines
 
 

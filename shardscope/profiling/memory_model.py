@@ -12,7 +12,7 @@ The optimizer is AdamW (two fp32 moments per element plus a 4-byte step counter 
 tensor, as ``torch.optim.AdamW`` keeps it). Low-precision parameters with an fp32 master copy
 are modelled for strategies that declare ``needs_deepspeed`` (DeepSpeed keeps bf16/fp16 params
 and fp32 masters in the optimizer); FSDP keeps its sharded parameters in fp32 and gathers them in
-the compute dtype. Activations follow Korthikanti et al. 2022 (REFERENCE.md), scaled to the
+the compute dtype. Activations follow Korthikanti et al. 2022 (docs/REFERENCE.md), scaled to the
 compute dtype, with full recomputation when activation checkpointing is on.
 """
 

@@ -262,7 +262,7 @@ def analyse_run(run_dir: str) -> dict[str, Any]:
 
 # --- MFU -----------------------------------------------------------------------------------------
 
-PEAK_TFLOPS = (  # dense bf16/fp16, no sparsity (REFERENCE.md); first match wins
+PEAK_TFLOPS = (  # dense bf16/fp16, no sparsity (docs/REFERENCE.md); first match wins
     ("H100 NVL", 835.0), ("H100 PCIE", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0), ("B200", 2250.0),
 )
 

@@ -6,12 +6,12 @@ collectives at the table's bus bandwidth (NVLink inside a node, InfiniBand acros
 streams (the schedules' GPU overlap). Every assumption is listed with the prediction.
 
 Sources (checked against the vendors' datasheets):
-- bf16 dense peaks: ``traces.PEAK_TFLOPS`` (REFERENCE.md, the table MFU uses).
+- bf16 dense peaks: ``traces.PEAK_TFLOPS`` (docs/REFERENCE.md, the table MFU uses).
 - fp32 without tensor cores (torch leaves TF32 off for matmuls by default, so fp32 runs use it):
   A100 19.5 TFLOP/s (NVIDIA A100 datasheet), H100 SXM 67 and H200 67 (H100 / H200 datasheets),
   B200 75 (HGX B200: 600 TFLOP/s FP32 for 8 GPUs).
 - HBM: A100 80GB SXM 2.04 TB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s (datasheets).
-- NVLink: nccl-tests busbw about 360 GB/s inside an 8-GPU H100/H200 node (REFERENCE.md; NVLink 4 carries
+- NVLink: nccl-tests busbw about 360 GB/s inside an 8-GPU H100/H200 node (docs/REFERENCE.md; NVLink 4 carries
   450 GB/s per direction, so 80%); A100 NVLink 3 carries 300 GB/s per direction and B200 NVLink 5
   900 GB/s, taken at the same 80%.
 - InfiniBand, one NIC per GPU: DGX A100 8x HDR 200 Gb/s (25 GB/s per GPU), DGX H100 / H200 / B200 8x
