@@ -1,10 +1,10 @@
 """Make the README's pictures of the app: SVG screenshots taken by the app itself, headless.
 
-    .venv/bin/python docs/make_screenshots.py   # writes docs/images/dashboard.svg, report.svg and loss.png
+    .venv/bin/python docs/make_screenshots.py   # writes docs/images/dashboard.svg and report.svg
 
 It copies the recorded smoke comparison in ``tests/data/replay-smoke`` (DDP vs FSDP2, and a run failed on
 purpose) to a temporary directory (the test data is never touched), regenerates its report there
-(``shardscope report``, which also draws the plots: ``plots/loss.png`` is kept as docs/images/loss.png), opens
+(``shardscope report``), opens
 it exactly as ``shardscope open`` would, waits until every run is replayed, and saves the dashboard, then the
 report screen (key ``o``). The figures are those of the recording; only the dates and paths change.
 """
@@ -66,8 +66,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "shardscope.cli", "report", "runs/smoke"], cwd=tmp, env=env,
                        check=True, stdout=subprocess.DEVNULL)
         IMAGES.mkdir(parents=True, exist_ok=True)
-        shutil.copy(run_dir / "plots" / "loss.png", IMAGES / "loss.png")
-        print((IMAGES / "loss.png").relative_to(ROOT))
+        # docs/images/loss.png is a real comparison's plot (zero-stages, see docs/report.md), not the fixture's
         here = os.getcwd()
         os.chdir(tmp)  # the app shows paths relative to the current directory: runs/smoke/..., as a user sees them
         try:
