@@ -89,3 +89,24 @@ def test_damaged_records_and_files_are_counted_never_a_traceback(tmp_path):
     assert summary["record_server"]["refused"] == {"unauthenticated pool full": 3412}
     report = (run / "report.md").read_text()
     assert "Refused: 3,412 unauthenticated pool full." in report and "10.0.0.9 3,412" in report
+
+
+def test_a_directory_whose_path_holds_glob_characters_is_read(tmp_path):
+    """Records are found by pattern inside the run directory: the directory's own name is never a pattern."""
+    run = tmp_path / "run[1]*?"
+    shutil.copytree(FIXTURE, run)
+    proc = _cli("report", str(run))
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert all(r.get("steps_completed", 0) > 0 for r in summary["runs"] if r["status"] == "ok"), summary["runs"]
+
+
+def test_a_figure_of_the_wrong_type_is_counted_not_raised():
+    from shardscope.profiling.state import RunState
+
+    st = RunState(name="ddp", strategy="ddp")
+    st.apply_record({"kind": "step", "run": "ddp", "rank": 0, "step": 1, "t": 1.0, "tokens_per_s": "fast",
+                     "step_time_s": "slow"})
+    st.apply_record({"kind": "step", "run": "ddp", "rank": 0, "step": 2, "t": 2.0, "tokens_per_s": 10.0,
+                     "step_time_s": 0.5})
+    assert st.unfoldable == 1 and "fast" in st.unfoldable_why and st.step_times[-1] == (2, 0.5)

@@ -1,7 +1,9 @@
 """The view of ``shardscope diff`` (and ``shardscope run --against``): a rich table, JSON, plots.
 
 The figures come from ``profiling.diff``; this module only lays them out and picks the exit code
-(0 passed, 1 a difference beyond tolerance, 2 bad input — the caller prints that line).
+(0 passed, 1 a difference beyond tolerance, 2 bad input — the caller prints that line). Names, statuses, paths
+and reasons come from the directories' files: table cells are ``Text`` and printed lines have markup off, with
+their control characters spelled ``\\xNN`` (``core.text.clean``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from shardscope.cli.headless import fmt_num
+from shardscope.cli.headless import cell, fmt_num, say
 from shardscope.config import MAX_NAME, NAME_RE
 from shardscope.core.text import clean
 from shardscope.core.numbers import fmt_bytes
@@ -57,7 +59,7 @@ def _comm_cell(comm: dict[str, Any]) -> str:
 
 def diff_table(result: dict[str, Any]) -> Table:
     """Return the per-run table of a ``diff.diff_dirs`` result."""
-    table = Table(title=f"diff {result['old']} → {result['new']}")
+    table = Table(title=cell(f"diff {result['old']} → {result['new']}"))  # paths: "[" in them is no markup
     kinds = {r["memory"].get("kind") for r in result["runs"]}
     mem_col = "peak RSS new/old" if kinds == {"process RSS"} else "peak mem new/old"  # CPU: the process's RSS
     for col in ("run", "status", "loss |Δ|", "throughput new/old", mem_col, "bytes/step", "verdict"):
@@ -65,14 +67,15 @@ def diff_table(result: dict[str, Any]) -> Table:
                          else "right", overflow="fold")
     for r in result["runs"]:
         label = r["old_run"] if r["old_run"] == r["new_run"] else f"{r['old_run']}→{r['new_run']}"
-        table.add_row(label, f"{r['old_status']}→{r['new_status']}", _loss_cell(r["loss"]),
-                      _ratio(r["speed"]["ratio"], r["speed"]["noise_range"]), _mem_cell(r["memory"], len(kinds) > 1),
-                      _comm_cell(r["communication"]),
+        # every cell holding a name, a status or a reason from the files is text
+        table.add_row(cell(label), cell(f"{r['old_status']}→{r['new_status']}"), cell(_loss_cell(r["loss"])),
+                      cell(_ratio(r["speed"]["ratio"], r["speed"]["noise_range"])),
+                      cell(_mem_cell(r["memory"], len(kinds) > 1)), cell(_comm_cell(r["communication"])),
                       "[red]differs[/]" if r["failures"] else "[green]same within tolerance[/]")
     for name in result["only_old"]:
-        table.add_row(name, "only in old", "-", "-", "-", "-", "[yellow]not compared[/]")
+        table.add_row(cell(name), "only in old", "-", "-", "-", "-", "[yellow]not compared[/]")
     for name in result["only_new"]:
-        table.add_row(name, "only in new", "-", "-", "-", "-", "[yellow]not compared[/]")
+        table.add_row(cell(name), "only in new", "-", "-", "-", "-", "[yellow]not compared[/]")
     return table
 
 
@@ -129,10 +132,16 @@ def report(old_dir: str, new_dir: str, maps: list[str] | tuple[str, ...], tol: d
         console = Console()
         if not console.is_terminal:  # logs and pipes: wide enough for the table
             console = Console(width=max(console.width, 160))
-    result = diff.diff_dirs(old_dir, new_dir, diff.parse_map(maps), tol)
+    try:
+        result = diff.diff_dirs(old_dir, new_dir, diff.parse_map(maps), tol)
+    except diff.DiffInputError as err:
+        raise diff.DiffInputError(clean(str(err))) from None  # it may quote a path: no control gets through
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as err:
+        # a record or summary of the wrong shape (a crafted or damaged file): the one line of bad input, exit 2
+        raise diff.DiffInputError(clean(f"unreadable run directory ({type(err).__name__}: {err})")) from None
     where = plots_dir or RunDir(new_dir).diff
     if plots_dir is None and os.path.lexists(where) and not RunDir(new_dir).contains(where):
-        print(f"shardscope: diff: {where} is a link out of {new_dir}: plots not written", file=sys.stderr)
+        print(clean(f"shardscope: diff: {where} is a link out of {new_dir}: plots not written"), file=sys.stderr)
         plot_paths: dict[str, str] = {}
     else:
         plot_paths = write_plots(result, where)
@@ -148,14 +157,13 @@ def report(old_dir: str, new_dir: str, maps: list[str] | tuple[str, ...], tol: d
     for r in result["runs"]:
         for key, part in (("throughput", r["speed"]), ("memory", r["memory"]), ("bytes/step", r["communication"])):
             if part.get("reason"):
-                console.print(f"{r['new_run']}: {key} {part['reason']}", highlight=False, markup=False)
+                say(console, f"{r['new_run']}: {key} {part['reason']}")
     for name in result["only_old"] + result["only_new"]:
         side = "old" if name in result["only_old"] else "new"
-        console.print(f"{name}: only in the {side} directory, not compared", highlight=False, markup=False)
+        say(console, f"{name}: only in the {side} directory, not compared")
     for line in result["failures"]:
-        console.print(f"diff: {line}", highlight=False, markup=False, style="red")
+        say(console, f"diff: {line}", style="red")
     tols = result["tolerances"]
-    console.print(f"{'passed' if result['passed'] else 'FAILED'} (loss-tol {tols['loss']:g}, speed-tol "
-                  f"{tols['speed']:g}, mem-tol {tols['mem']:g}); plots: {', '.join(plot_paths.values()) or 'none'}",
-                  highlight=False, markup=False)
+    say(console, f"{'passed' if result['passed'] else 'FAILED'} (loss-tol {tols['loss']:g}, speed-tol "
+                 f"{tols['speed']:g}, mem-tol {tols['mem']:g}); plots: {', '.join(plot_paths.values()) or 'none'}")
     return 0 if result["passed"] else 1

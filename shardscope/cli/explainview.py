@@ -16,11 +16,12 @@ from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.core import registry
 from shardscope.core.rundir import SUMMARY, load_summary
+from shardscope.core.text import clean
 from shardscope.analysis import explain
 
 
 def _fail(message: str) -> None:
-    click.echo(f"shardscope: error: {message}", err=True)
+    click.echo(clean(f"shardscope: error: {message}"), err=True)  # it may quote a file: no control gets through
     sys.exit(2)
 
 
@@ -43,18 +44,25 @@ def explain_dir(out_dir: str, strategy: str | None, run_name: str | None) -> dic
             raise explain.ExplainError(f"{out_dir} has no run of strategy {strategy!r}; its runs: "
                                        + ", ".join(f"{r.name} ({r.strategy})" for r in comparison.runs))
         run_name = mine[0]
-    return explain.explain_summary(comparison, summary, run_name)
+    try:
+        return explain.explain_summary(comparison, summary, run_name)
+    except explain.ExplainError:
+        raise
+    except (TypeError, KeyError, AttributeError, IndexError, ValueError) as err:  # a summary.json of another shape
+        raise explain.ExplainError(f"{out_dir}: {SUMMARY} unreadable ({type(err).__name__}: {err})") from None
 
 
 def print_explanation(result: dict[str, Any], console: Any = None) -> None:
-    """Print an explanation (``explain.explain_preset``/``explain_summary``'s dict) as rich markdown."""
+    """Print an explanation (``explain.explain_preset``/``explain_summary``'s dict) as rich markdown (markdown is
+    never markup; names and figures from a run directory with their control characters spelled)."""
     from rich.console import Console
     from rich.markdown import Markdown
+    from rich.markup import escape
 
     console = console or Console()
-    console.print(Markdown(result["text"]))
+    console.print(Markdown(clean(result["text"])))
     for note in result.get("notes", []):
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(clean(str(note)))}", highlight=False)
 
 
 def _sizing_host() -> config.HostInfo:
@@ -92,8 +100,8 @@ def explain_cmd(strategy: str, out_dir: str | None, preset: str | None, run_name
         else:
             comparison = config.load_preset(preset or "smoke", list(overrides), host=_sizing_host())
             if comparison.size_profile == "cpu":
-                click.echo(f"sizes as a run of {comparison.name} on this machine uses them (no GPU: the preset's "
-                           "[cpu_overrides] applied)")
+                click.echo(clean(f"sizes as a run of {comparison.name} on this machine uses them (no GPU: the "
+                                 "preset's [cpu_overrides] applied)"))
             result = explain.explain_preset(comparison, strategy, run_name)
     except (ConfigError, explain.ExplainError) as err:
         _fail(str(err))

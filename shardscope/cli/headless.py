@@ -4,6 +4,10 @@ Consumes the same update stream as the Textual app (``profiling/state.py``'s upd
 session's thread and the device sampler's). On a terminal it
 draws a rich ``Live`` table; elsewhere (CI logs, pipes) it prints one line per status change and
 per tenth of progress, so logs stay readable.
+
+Run names, strategies, statuses, hosts, errors and notices come from files, records and ranks: every table cell
+holding one is a ``Text`` (a str cell is markup to rich) and every printed line has its control characters spelled
+``\\xNN`` (``core.text.clean``), so no byte from outside reaches the terminal as markup or as a control.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from shardscope.core.numbers import fmt_bytes
+from shardscope.core.text import clean
 from shardscope.profiling import state
 from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.analysis import straggler_report
@@ -24,13 +30,27 @@ from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 
 
 def fmt_num(x: float | None, spec: str = ".4f") -> str:
-    """Format a number or return ``-`` for None."""
-    return "-" if x is None else format(x, spec)
+    """Format a number or return ``-`` for None (or what a file held that is not a number)."""
+    return format(x, spec) if _number(x) else "-"
 
 
 def fmt_rate(x: float | None) -> str:
     """Format a throughput with thousands separators."""
-    return "-" if x is None else f"{x:,.0f}"
+    return f"{x:,.0f}" if _number(x) else "-"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def cell(value: Any, style: str = "") -> Text:
+    """A table cell from outside (a name, a status, an error): text, never markup, its controls spelled."""
+    return Text(clean(str(value)), style)
+
+
+def say(console: Console, line: str, **kwargs: Any) -> None:
+    """Print one line from outside as text: no markup read, no highlighting, control characters spelled."""
+    console.print(clean(line), highlight=False, markup=False, **kwargs)
 
 
 def fmt_eta(seconds: float | None) -> str:
@@ -65,7 +85,7 @@ class HeadlessView:
                     self.notices.append(u)
             fresh = self._new_stragglers(changed)
         for line in fresh if not self.live else ():
-            self.console.print(line, highlight=False, markup=False)
+            say(self.console, line)
         if not self.live:
             self._print_plain(updates, changed)
 
@@ -87,15 +107,13 @@ class HeadlessView:
                 extra = f": {u.error}" if u.error else ""
                 busy = [n for n, other in self.states.items() if n != u.run and other.status == state.RUNNING]
                 if u.status == state.STARTING and busy:  # launched ahead, during the last steps of the run before it
-                    self.console.print(f"[{u.run}] preparing (its first step waits until {busy[0]} has ended)",
-                                       highlight=False, markup=False)
+                    say(self.console, f"[{u.run}] preparing (its first step waits until {busy[0]} has ended)")
                     continue
-                self.console.print(f"[{u.run}] {u.status}{extra}", highlight=False, markup=False)
+                say(self.console, f"[{u.run}] {u.status}{extra}")
                 if st and u.status in state.FINISHED and st.loss is not None:
-                    self.console.print(f"[{u.run}] steps {st.steps_completed}/{st.steps_total} loss {st.loss:.4f}",
-                                       highlight=False, markup=False)
+                    say(self.console, f"[{u.run}] steps {st.steps_completed}/{st.steps_total} loss {fmt_num(st.loss)}")
             elif isinstance(u, state.Notice) and u.level != "info":
-                self.console.print(f"{u.level}: {u.text}", highlight=False, markup=False)
+                say(self.console, f"{u.level}: {u.text}")
         for name in changed:
             st = self.states[name]
             if not st.steps_total or st.loss is None:
@@ -103,15 +121,15 @@ class HeadlessView:
             tenth = int(10 * st.progress)
             if tenth > self._plain_marks.get(name, 0):
                 self._plain_marks[name] = tenth
-                self.console.print(
-                    f"[{name}] step {st.steps_completed}/{st.steps_total} loss {st.loss:.4f} "
+                say(self.console,
+                    f"[{name}] step {st.steps_completed}/{st.steps_total} loss {fmt_num(st.loss)} "
                     f"median {st.unit} {fmt_rate(st.median)} {'mem' if on_gpu(st) else 'RSS'} "
-                    f"{fmt_bytes(st.peak_mem_bytes)}",
-                    highlight=False, markup=False)
+                    f"{fmt_bytes(st.peak_mem_bytes)}")
 
     def table(self) -> Table:
         """Return the live progress table."""
-        table = Table(title="shardscope", expand=False, caption="\n".join(self.straggler_lines.values()) or None)
+        caption = "\n".join(self.straggler_lines.values())  # hosts and devices from the ranks' records: text
+        table = Table(title="shardscope", expand=False, caption=cell(caption) if caption else None)
         with self._lock:
             units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
             gpu = any(on_gpu(st) for st in self.states.values())  # else every figure is the process's RSS
@@ -126,8 +144,8 @@ class HeadlessView:
                     continue
                 unit_rate = fmt_rate(st.median) + (f" {st.unit}" if len(units) > 1 else "")
                 table.add_row(
-                    name, st.strategy, str(st.world_size),
-                    f"[{STATUS_STYLE.get(st.status, '')}]{st.status}[/]",
+                    cell(name), cell(st.strategy), str(st.world_size),
+                    cell(st.status, STATUS_STYLE.get(st.status, "")),
                     f"{max(st.steps_completed, 0)}/{st.steps_total}", fmt_num(st.loss), unit_rate,
                     fmt_bytes(st.peak_mem_bytes), fmt_eta(st.eta_s) if st.status == "running" else "-",
                 )
@@ -148,11 +166,11 @@ class HeadlessView:
 def loss_table(summary: dict[str, Any]) -> Table:
     """Return per-run loss statistics and differences from the baseline, from a summary dict."""
     base = summary.get("baseline", "")
-    table = Table(title=f"loss per run, and |difference| from {base} at common steps")
+    table = Table(title=cell(f"loss per run, and |difference| from {base} at common steps"))
     for col in ("run", "initial", "final", "min", "mean", "max |Δ|", "mean |Δ|", "final |Δ|"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in summary.get("runs", []):
-        table.add_row(r["name"], *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
+        table.add_row(cell(r["name"]), *(fmt_num(r.get(k)) for k in ("initial_loss", "final_loss", "min_loss", "mean_loss")),
                       *(fmt_num(r.get(k), ".2e") for k in ("loss_max_abs_diff", "loss_mean_abs_diff",
                                                            "loss_final_abs_diff")))
     return table
@@ -161,7 +179,7 @@ def loss_table(summary: dict[str, Any]) -> Table:
 def comparison_table(summary: dict[str, Any]) -> Table:
     """Return the final comparison table built from a summary dict."""
     base = summary.get("baseline", "")
-    table = Table(title=f"{summary.get('preset', '')}: comparison with baseline {base}")
+    table = Table(title=cell(f"{summary.get('preset', '')}: comparison with baseline {base}"))
     runs = summary.get("runs", [])
     with_notes = any(r.get("fairness_flags") or r.get("error") for r in runs)
     peak, ratio = memory_headers(runs)
@@ -172,17 +190,19 @@ def comparison_table(summary: dict[str, Any]) -> Table:
                          overflow="fold")
     for r in runs:
         rate = r.get("median_tokens_per_s") or r.get("median_samples_per_s")
-        flags = "; ".join(r.get("fairness_flags") or [])
+        flags = "; ".join(map(str, r.get("fairness_flags") or []))
         if r.get("error"):
             flags = (flags + "; " if flags else "") + str(r["error"])[:80]
-        table.add_row(
-            r["name"] + (" (baseline)" if r["name"] == base else " (A/A control)" if r.get("control_of") else ""), r.get("strategy", ""),
-            str(r.get("world_size", "")), f"[{STATUS_STYLE.get(r.get('status', ''), '')}]{r.get('status')}[/]",
-            str(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
+        status = str(r.get("status"))
+        table.add_row(  # names, statuses and notes as the summary holds them: text
+            cell(str(r["name"]) + (" (baseline)" if r["name"] == base else " (A/A control)" if r.get("control_of") else "")),
+            cell(r.get("strategy", "")), cell(r.get("world_size", "")), cell(status, STATUS_STYLE.get(status, "")),
+            cell(r.get("steps_completed", 0)), fmt_num(r.get("final_loss")),
             fmt_num(r.get("loss_max_abs_diff"), ".2e"), fmt_rate(rate),
             fmt_num(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
-            fmt_bytes(r.get("peak_mem_bytes")), fmt_num(r.get("mem_ratio"), ".2f"),
-            *((flags,) if with_notes else ()),
+            fmt_bytes(r.get("peak_mem_bytes") if _number(r.get("peak_mem_bytes")) else None),
+            fmt_num(r.get("mem_ratio"), ".2f"),
+            *((cell(flags),) if with_notes else ()),
         )
     return table
 
@@ -196,11 +216,11 @@ def rank_timing_table(summary: dict[str, Any]) -> Table | None:
     for col in ("run", *straggler_report.HEADER):
         table.add_column(col, justify="left" if col in ("run", "rank", "host", "device") else "right")
     for name, entry in section.items():
-        for row in straggler_report.rows(entry):
-            table.add_row(name, *row)
+        for row in straggler_report.rows(entry):  # hosts and devices from the ranks' records: text
+            table.add_row(cell(name), *map(cell, row))
     notes = [f"{name}: {e['reason']}" for name, e in section.items() if e.get("per_rank") and e.get("reason")]
     notes += [f"⚠ {f['line']}" for e in section.values() for f in (e.get("trace") or {}).get("flagged", [])]
     notes += [line for name, e in section.items() if (line := straggler_report.contention_line(name, e))]
     if notes:  # CUDA runs: the stream-time split, not judged live; stragglers judged from the traces
-        table.caption = "\n".join(notes)
+        table.caption = cell("\n".join(notes))
     return table

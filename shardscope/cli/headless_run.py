@@ -14,6 +14,7 @@ from shardscope import config
 from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage
 from shardscope.cli.recommendview import print_recommendation, refit
 from shardscope.core.rundir import RunDir, read_json_or_none
+from shardscope.core.text import clean
 
 
 def slurm_node_rank(given: int | None) -> int:
@@ -36,19 +37,21 @@ def print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
     for run, shown in zip(comparison.runs, resolved.get("runs", [])):  # what each run will use, not "inherit"
         shown.update(world_size=resolved_world_size(comparison, run), precision=resolved_precision(comparison, run),
                      options=resolved_options(run))
-    click.echo(f"# dry run: nothing is written or launched. preset {comparison.name} ({comparison.source}) on "
-               f"{device}; a real run would write {out}")
-    click.echo(json.dumps(resolved, indent=2))
+    click.echo(clean(f"# dry run: nothing is written or launched. preset {comparison.name} ({comparison.source}) on "
+                     f"{device}; a real run would write {out}"))
+    click.echo(json.dumps(resolved, indent=2))  # JSON spells every control character
     for plan in Session(comparison, out, device=device).plans():
         click.echo(f"# run {plan.run}: would write its spec and launch")
-        click.echo(plan.shell_line())
+        click.echo(clean(plan.shell_line()))  # a path or value with a control character: spelled, never sent
 
 
 def run_headless(session, device_memory_bytes: int | None = None) -> int:
     """Drive ``session`` with the live table, then print the final tables; return the exit code."""
     from rich.console import Console
 
-    from shardscope.cli.headless import HeadlessView, comparison_table, loss_table, rank_timing_table
+    from rich.markup import escape
+
+    from shardscope.cli.headless import HeadlessView, comparison_table, loss_table, rank_timing_table, say
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -89,20 +92,20 @@ def run_headless(session, device_memory_bytes: int | None = None) -> int:
             console.print(timing)
         for entry in (summary.get("stragglers") or {}).values():
             for flag in entry.get("flagged", []):
-                console.print(f"[bold yellow]{flag['line']}[/]", highlight=False)
+                say(console, str(flag["line"]), style="bold yellow")  # hosts from the ranks' records: text
     for notice in view.notices:
         if notice.level != "info":
-            console.print(f"[yellow]{notice.level}:[/] {notice.text}", markup=True, highlight=False)
+            console.print(f"[yellow]{notice.level}:[/] {escape(clean(notice.text))}", markup=True, highlight=False)
     if session.comparison.launch.node_rank > 0:
         launch = session.comparison.launch
         where = ("its own --out, sent over TCP to " + launch.records_endpoint if launch.records_endpoint
                  else "the shared run directory")
-        console.print(f"node {launch.node_rank}: this node's files are in {session.out_dir}; node 0 writes the "
-                      f"summary and reports in {where}", highlight=False)
+        say(console, f"node {launch.node_rank}: this node's files are in {session.out_dir}; node 0 writes the "
+                     f"summary and reports in {where}")
         return code
     console.print("written:")
     for label, path in sorted((session.paths or {}).items()):
-        console.print(f"  {label}: {path}", highlight=False)
+        say(console, f"  {label}: {path}")  # a path is text: "[" in it is no markup
     print_recommendation(summary or {}, console)
     return code
 
@@ -118,15 +121,15 @@ def check_parity(summary: dict[str, Any]) -> int:
     baseline = summary.get("baseline", "")
     bad = []
     for r in summary.get("runs", []):
-        name, diff = r.get("name", "?"), r.get("loss_max_abs_diff")
-        if name == baseline:
+        name, diff = clean(str(r.get("name", "?"))), r.get("loss_max_abs_diff")
+        if r.get("name") == baseline:
             click.echo(f"parity: {name} is the baseline")
         elif r.get("fairness_flags"):
-            click.echo(f"parity: {name} skipped (not like-for-like: {'; '.join(r['fairness_flags'])})")
+            click.echo(clean(f"parity: {name} skipped (not like-for-like: {'; '.join(map(str, r['fairness_flags']))})"))
         elif r.get("status") != "ok":
-            click.echo(f"parity: {name} not checked: it ended {r.get('status')}")
+            click.echo(clean(f"parity: {name} not checked: it ended {r.get('status')}"))
         elif diff is None:
-            click.echo(f"parity: {name} not checked: no loss at steps it shares with {baseline}")
+            click.echo(clean(f"parity: {name} not checked: no loss at steps it shares with {baseline}"))
         elif diff > tol:
             bad.append(name)
             click.echo(f"parity: {name} FAILED: max |Δloss| {diff:.3e} > loss_tolerance {tol:g}", err=True)

@@ -2,7 +2,8 @@
 preset, predicted from a finished comparison of this machine (or, with ``--device``, as a what-if on GPUs).
 
 The figures come from ``profiling.predict``; this module only loads the preset for the machine the
-prediction is for and prints. No torch is imported.
+prediction is for and prints: names, notes and reasons from presets and run directories as text (table cells are
+``Text``, lines print with markup off and control characters spelled ``\\xNN``). No torch is imported.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ import click
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.core.numbers import fmt_bytes, json_ready
+from shardscope.core.text import clean
 
 
 def _fail(message: str) -> None:
-    click.echo(f"shardscope: error: {message}", err=True)
+    click.echo(clean(f"shardscope: error: {message}"), err=True)
+
+
+def _text(value: Any) -> Any:
+    """A table cell or title from outside (a run, a strategy, a preset's path): text, never markup."""
+    from rich.text import Text
+
+    return Text(clean(str(value)))
     sys.exit(2)
 
 
@@ -133,7 +142,7 @@ def print_beside(summary: dict[str, Any]) -> None:
     if lines:
         click.echo("predicted beside measured")
     for line in lines:
-        click.echo(f"  {line}")
+        click.echo(clean(f"  {line}"))
 
 
 def _ms(seconds: Any) -> str:
@@ -156,7 +165,7 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
     what_if = result["what_if"]
     title = (f"WHAT-IF on {result['device']} GPUs (not measured here): {result['preset']}" if what_if
              else f"predicted for this machine: {result['preset']}")
-    table = Table(title=title, title_justify="left")
+    table = Table(title=_text(title), title_justify="left")
     units = {predict.unit(r) for r in result["runs"] if not r["why"]}
     for name, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), (" or ".join(sorted(units)) or "tokens/s", "right"),
                           ("step ms", "right"), ("compute", "right"), ("exposed comm", "right"), ("rest", "right"),
@@ -166,30 +175,31 @@ def print_prediction(result: dict[str, Any], console: Any) -> None:
         ranks = str(r["world_size"] or "-")
         mem = fmt_bytes(r["peak_mem_bytes"])
         if r["why"]:
-            table.add_row(r["name"], r["strategy"], ranks, "[yellow]not predicted[/]", "", "", "", "", mem, "")
+            table.add_row(_text(r["name"]), _text(r["strategy"]), ranks, "[yellow]not predicted[/]", "", "", "", "", mem, "")
             continue
-        table.add_row(r["name"], r["strategy"], ranks, ("≤ " if r.get("bound") else "") + f"{predict.rate(r):,.0f}",
+        table.add_row(_text(r["name"]), _text(r["strategy"]), ranks,
+                      ("≤ " if r.get("bound") else "") + f"{predict.rate(r):,.0f}",
                       ("≥ " if r.get("bound") else "") + _ms(r["step_time_s"]),
-                      _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem, r.get("method", ""))
+                      _ms(r["compute_s"]), _ms(r["exposed_comm_s"]), _ms(r["rest_s"]), mem, _text(r.get("method", "")))
     console.print(table)
     runs = result["runs"]
     whys = {r["why"] for r in runs}
     if len(runs) > 1 and len(whys) == 1 and None not in whys:  # one reason for all: said once
-        console.print(f"  every run: not predicted: {whys.pop()}", highlight=False, markup=False)
+        console.print(clean(f"  every run: not predicted: {whys.pop()}"), highlight=False, markup=False)
         whys = set()
     shared = set.intersection(*(set(r["notes"]) for r in runs)) if len(runs) > 1 else set()
     for note in sorted(shared):
-        console.print(f"  every run: {note}", highlight=False, markup=False)
+        console.print(clean(f"  every run: {note}"), highlight=False, markup=False)
     for r in runs:
         if r["why"] and whys:
-            console.print(f"  {r['name']}: not predicted: {r['why']}", highlight=False, markup=False)
+            console.print(clean(f"  {r['name']}: not predicted: {r['why']}"), highlight=False, markup=False)
         for note in r["notes"]:
             if note not in shared:
-                console.print(f"  {r['name']}: {note}", highlight=False, markup=False)
+                console.print(clean(f"  {r['name']}: {note}"), highlight=False, markup=False)
     if result["assumptions"]:
         console.print("[bold]assumptions[/]")
     for line in result["assumptions"]:
-        console.print(f"  - {line}", highlight=False, markup=False)
+        console.print(clean(f"  - {line}"), highlight=False, markup=False)
     if not what_if:  # a GPU what-if is priced from the datasheet: this machine's collective fits say nothing of it
         _print_fit(result.get("calibration"), result.get("fit_error"), console)
 
@@ -199,15 +209,18 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
 
     if not calibration:
         return
-    console.print(f"[bold]calibration[/]: {', '.join(calibration['runs'])} ({calibration['backend']}, "
-                  f"{calibration['cores']} cores)", highlight=False)
+    from rich.markup import escape
+
+    console.print("[bold]calibration[/]: " + escape(clean(f"{', '.join(map(str, calibration['runs']))} "
+                                                        f"({calibration['backend']}, {calibration['cores']} cores)")),
+                  highlight=False)
     fits = Table(title="collectives: time = latency x ring steps + bytes x bus factor / bus bandwidth",
                  title_justify="left")
     for name in ("type", "source", "latency/step µs", "bus GB/s", "calls", "fit |error| (rms)"):
         fits.add_column(name, justify="left" if name in ("type", "source") else "right")
     for kind, f in sorted(calibration["collectives"].items()):
         err = f["rel_rms_error"]
-        fits.add_row(kind, f["source"], _latencies(f), f"{f['busbw_Bps'] / 1e9:.3g}",
+        fits.add_row(_text(kind), _text(f["source"]), _latencies(f), f"{f['busbw_Bps'] / 1e9:.3g}",
                      str(f["points"]), "-" if err is None else f"{err:.0%}")
     if calibration["collectives"]:
         console.print(fits)
@@ -217,7 +230,7 @@ def _print_fit(calibration: dict[str, Any] | None, fit_error: dict[str, Any] | N
         for name in ("run", "predicted step ms", "measured step ms", "error"):
             back.add_column(name, justify="left" if name == "run" else "right")
         for name, e in runs.items():
-            back.add_row(name, _ms(e["predicted_step_s"]), _ms(e["measured_step_s"]), f"{e['error']:+.1%}")
+            back.add_row(_text(name), _ms(e["predicted_step_s"]), _ms(e["measured_step_s"]), f"{e['error']:+.1%}")
         console.print(back)
 
 
@@ -328,9 +341,9 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
     from rich.console import Console
 
     if first_line:
-        click.echo(first_line)
+        click.echo(clean(first_line))
     for line in comparison.adjustments:
-        click.echo(f"shardscope: note: {line}")
+        click.echo(clean(f"shardscope: note: {line}"))
     console = Console()
     if not console.is_terminal:  # pipes and logs: the tables keep their columns, as `run` does
         console = Console(width=max(console.width, 160))

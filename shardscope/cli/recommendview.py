@@ -1,6 +1,7 @@
 """The recommendation in the terminal: after ``run --headless``, and ``shardscope recommend DIR --device-memory``.
 
-The figures come from ``profiling.recommend``; this module only prints. No torch is imported.
+The figures come from ``profiling.recommend``; this module only prints, every line from a run directory's files
+as text (markup off, control characters spelled ``\\xNN``). No torch is imported.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import click
 
 from shardscope.core.rundir import load_summary
 from shardscope.core.sizes import parse_size
+from shardscope.core.text import clean
+
+# What folding or reading a run directory's files of the wrong shape raises (a crafted or damaged file).
+DATA_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError)
 
 
 def _fail(message: str) -> None:
-    click.echo(f"shardscope: error: {message}", err=True)
+    click.echo(clean(f"shardscope: error: {message}"), err=True)
     sys.exit(2)
 
 
@@ -30,12 +35,12 @@ def print_recommendation(summary: dict[str, Any], console: Any) -> None:
     said = answer.lines(summary)
     console.print("[bold]answer[/]")
     for line in said:
-        console.print(f"  {line}", highlight=False, markup=False)
+        console.print(clean(f"  {line}"), highlight=False, markup=False)
     rest = [line for line in rec["lines"] if not any(line in s for s in said)]
     if rest:
         console.print("[bold]each run against the baseline[/]")
         for line in rest:
-            console.print(f"  {line}", highlight=False, markup=False)
+            console.print(clean(f"  {line}"), highlight=False, markup=False)
 
 
 def refit(out_dir: str, device_memory_bytes: int) -> dict[str, Any] | None:
@@ -77,18 +82,24 @@ def print_at_scale(out_dir: str, world_size: int, device: str | None, limit: int
     from shardscope.cli.predictview import what_if
 
     device, first_line = what_if(world_size, device)
-    console.print(f"[bold]predicted at {world_size} ranks[/] (shardscope predict, calibrated on {out_dir})"
-                  + (f": {first_line}" if first_line else ""), highlight=False)
+    from rich.markup import escape
+
+    said = f"(shardscope predict, calibrated on {out_dir})" + (f": {first_line}" if first_line else "")
+    console.print(f"[bold]predicted at {world_size} ranks[/] " + escape(clean(said)), highlight=False)
     try:
         result = recommend_scale.at_scale(out_dir, world_size, device_spec(device) if device else None, limit)
     except NotPredicted as err:
-        console.print(f"  not predicted: {err}", highlight=False, markup=False)
+        console.print(clean(f"  not predicted: {err}"), highlight=False, markup=False)
+        return
+    except DATA_ERRORS as err:  # a file of the wrong shape
+        console.print(clean(f"  not predicted: {out_dir} unreadable ({type(err).__name__}: {err})"), highlight=False,
+                      markup=False)
         return
     for line in [*result["notes"], *result["lines"]]:
-        console.print(f"  {line}", highlight=False, markup=False)
+        console.print(clean(f"  {line}"), highlight=False, markup=False)
     console.print("  assumptions:", highlight=False)
     for line in result["assumptions"]:
-        console.print(f"    - {line}", highlight=False, markup=False)
+        console.print(clean(f"    - {line}"), highlight=False, markup=False)
 
 
 @click.command("recommend")
@@ -120,8 +131,14 @@ def recommend_cmd(out_dir: str, device_memory: str | None, world_size: int | Non
         summary = load_summary(out_dir)
     except (OSError, ValueError) as err:
         _fail(f"{out_dir}: not a finished shardscope run directory ({err})")
-    summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary, limit)
+    try:
+        summary["recommendation"] = recommend.section(comparison, fold.replay_states(out_dir), summary, limit)
+    except DATA_ERRORS as err:  # a file of the wrong shape: one line, never a traceback
+        _fail(f"{out_dir}: unreadable ({type(err).__name__}: {err})")
     console = Console()
-    print_recommendation(summary, console)
+    try:
+        print_recommendation(summary, console)
+    except DATA_ERRORS as err:
+        _fail(f"{out_dir}: its summary is unreadable ({type(err).__name__}: {err})")
     if world_size is not None:
         print_at_scale(out_dir, world_size, device, limit, console)

@@ -1,6 +1,7 @@
 """The commands that read or plan rather than run: ``presets``, ``diff``, ``report``, ``estimate``, ``slurm``.
 
-Torch-free at import; ``estimate --traced`` loads torch when asked.
+Torch-free at import; ``estimate --traced`` loads torch when asked. Paths, names and preset text are printed as
+text: control characters spelled ``\\xNN`` (``core.text.clean``), table cells as ``Text`` (never markup).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from shardscope.cli.common import EXIT_FAILED, fail_usage, gate, say_adjustments
 from shardscope.config import ConfigError
 from shardscope.core.rundir import COMPARISON, SUMMARY, RunDir, read_summary
 from shardscope.core.sizes import parse_size
+from shardscope.core.text import clean
+
+# What folding or reading a run directory's files of the wrong shape raises (a crafted or damaged file).
+DATA_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError)
 
 
 @click.group("presets", invoke_without_command=True)
@@ -43,14 +48,14 @@ def presets_show_cmd(name: str) -> None:
         text = path.read_text(encoding="utf-8")
         config.read_preset(path)  # the same checks as a run: one line when it is not a preset
     except (ConfigError, OSError) as err:
-        fail_usage(str(err))
+        fail_usage(clean(str(err)))
         return
-    click.echo(f"# {path}")
-    click.echo(text.rstrip("\n"))
+    click.echo(clean(f"# {path}"))
+    click.echo(clean(text.rstrip("\n")))  # a preset file's bytes: no control reaches the terminal
     shrink = config.cpu_overrides(name)
     if shrink and not _gpu_here():
-        click.echo("\n# here (no GPU) its [cpu_overrides] apply: "
-                   + ", ".join(f"{k} = {v!r}" for k, v in shrink.items()))
+        click.echo(clean("\n# here (no GPU) its [cpu_overrides] apply: "
+                         + ", ".join(f"{k} = {v!r}" for k, v in shrink.items())))
     elif shrink:
         click.echo("\n# a GPU is here: the sizes above are used as written ([cpu_overrides] apply without one)")
 
@@ -66,22 +71,23 @@ def presets_copy_cmd(name: str, file: str) -> None:
         text = path.read_text(encoding="utf-8")
         config.read_preset(path)
     except (ConfigError, OSError) as err:
-        fail_usage(str(err))
+        fail_usage(clean(str(err)))
         return
     try:
         with open(file, "x", encoding="utf-8") as fh:  # exclusive: refuses a file that exists, never follows one
             fh.write(text)
     except FileExistsError:
-        fail_usage(f"{file}: already exists; choose a new file (shardscope never overwrites it)")
+        fail_usage(clean(f"{file}: already exists; choose a new file (shardscope never overwrites it)"))
     except OSError as err:
-        fail_usage(f"{file}: cannot write: {err.strerror or err}")
-    click.echo(f"wrote {file} (preset {name}); run it with: shardscope run --preset {file}")
+        fail_usage(clean(f"{file}: cannot write: {err.strerror or err}"))
+    click.echo(clean(f"wrote {file} (preset {name}); run it with: shardscope run --preset {file}"))
 
 
 def _list_presets() -> None:
     """The table of built-in presets."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from shardscope.core import model_facts
 
@@ -98,7 +104,7 @@ def _list_presets() -> None:
             what = model_facts.short_label(c.model, c.data)
         except ConfigError as err:
             what = f"does not load: {err}"
-        table.add_row(name, desc, what)
+        table.add_row(*(Text(clean(x)) for x in (name, desc, what)))  # a preset's words: text, never markup
     Console().print(table)
     click.echo("shardscope presets show NAME prints one; shardscope presets copy NAME FILE writes it to a file to edit. "
                "Your own model and data: model.kind = \"hf\" (model.path) or \"module\" (model.entry), data.kind = "
@@ -141,7 +147,7 @@ def report_cmd(out_dir: str, calibrate_dirs: tuple[str, ...], probe: bool) -> No
     try:
         comparison = fold.load_comparison(out_dir)
     except (OSError, ValueError) as err:
-        fail_usage(f"{out_dir}: not a shardscope run directory ({COMPARISON}: {err})")
+        fail_usage(clean(f"{out_dir}: not a shardscope run directory ({COMPARISON}: {err})"))
     if probe and not calibrate_dirs:
         fail_usage("--probe needs --calibrate DIR (a finished comparison of this machine; DIR itself will do)")
     calibrations = checked_calibrations(calibrate_dirs) if calibrate_dirs else []
@@ -150,22 +156,31 @@ def report_cmd(out_dir: str, calibrate_dirs: tuple[str, ...], probe: bool) -> No
     except OSError as err:
         held = f"{out_dir}: cannot be locked: {err.strerror or err}"
     if held:  # a comparison still writing here: its own end writes the reports
-        fail_usage(held)
-    states = fold.replay_states(out_dir)
-    before = {r.get("name"): r for r in (read_summary(out_dir) or {}).get("runs", []) if isinstance(r, dict)}
+        fail_usage(clean(held))
+    try:
+        states = fold.replay_states(out_dir)
+    except DATA_ERRORS as err:  # a file of the wrong shape: one line, never a traceback
+        fail_usage(clean(f"{out_dir}: unreadable ({type(err).__name__}: {err})"))
+    before = {r.get("name"): r for r in (read_summary(out_dir) or {}).get("runs", [])
+              if isinstance(r, dict) and isinstance(r.get("name"), str)}
     poorer = []
     for name, st in states.items():
         if not st.start and not st.steps_completed:
-            click.echo(f"{name}: no records (nothing readable under {RunDir(out_dir).run(name).metrics})", err=True)
-        had = before.get(name, {}).get("steps_completed")
+            click.echo(clean(f"{name}: no records (nothing readable under {RunDir(out_dir).run(name).metrics})"), err=True)
+        had = before.get(name, {}).get("steps_completed")  # bool is an int: a file's true is no count
+        had = None if isinstance(had, bool) else had
         if isinstance(had, int) and had > st.steps_completed:
             poorer.append(f"{name} ({had} steps in {SUMMARY}, {st.steps_completed} readable now)")
     if poorer:  # the summary may be the only copy of those figures: never replace it with less
-        click.echo(f"{SUMMARY} kept: its runs hold more than the records now readable: {', '.join(poorer)}", err=True)
+        click.echo(clean(f"{SUMMARY} kept: its runs hold more than the records now readable: {', '.join(poorer)}"),
+                   err=True)
         sys.exit(EXIT_FAILED)
-    paths = write_reports(out_dir, comparison, states)
+    try:
+        paths = write_reports(out_dir, comparison, states)
+    except DATA_ERRORS as err:
+        fail_usage(clean(f"{out_dir}: unreadable ({type(err).__name__}: {err})"))
     for label, path in sorted(paths.items()):
-        click.echo(f"{label}: {path}")
+        click.echo(clean(f"{label}: {path}"))  # a path with a control character: spelled, never sent
     if calibrations and not paths.failed:
         print_beside(repredict(out_dir, calibrations, probe) or {})
     if paths.failed:  # write_reports named it on stderr; a report that failed is a failed command
@@ -229,7 +244,7 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
         fail_usage(str(err))
     say_adjustments(at_size, err=True)  # stdout is the script
     for item in node_local_paths(at_size):
-        click.echo(f"shardscope: warning: {item}: every node reads it; this folder is often local to one node "
+        click.echo(f"shardscope: warning: {clean(str(item))}: every node reads it; this folder is often local to one node "
                    "(copy it to a filesystem the nodes share, or to the same path on every node)", err=True)
     click.echo(sbatch_script(preset, nodes=nodes, shape=shape, time_limit=time_limit, overrides=list(overrides)),
                nl=False)

@@ -18,6 +18,7 @@ import click
 
 from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, terminate_on
 from shardscope.core.numbers import json_ready
+from shardscope.core.text import clean
 from shardscope.analysis.why import verdict as why
 from shardscope.analysis.why.verdict import WhyError
 
@@ -27,29 +28,32 @@ GOOD = ("explained", "nothing to explain")
 def print_result(res: dict[str, Any], console: Any = None) -> None:
     """Print a why result: the re-runs' table, the cause (or why none) and the module comparison."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     if console is None:
         console = Console(soft_wrap=True)  # one line a sentence, in a terminal and in a log
         if not console.is_terminal:  # logs and pipes: wide enough for the table
             console = Console(soft_wrap=True, width=max(console.width, 160))
     if res.get("cached"):
-        console.print(f"(from an earlier `shardscope why` of {res['run']}; --again runs it again)", highlight=False)
+        console.print(clean(f"(from an earlier `shardscope why` of {res['run']}; --again runs it again)"),
+                      highlight=False, markup=False)
     if res.get("variants") or res["status"] not in GOOD:
-        table = Table(title=f"why {res['run']} differs from {res['baseline']} (tolerance {res['tolerance']:g}, "
-                            f"{res['steps']} steps)")
+        table = Table(title=Text(clean(f"why {res['run']} differs from {res['baseline']} (tolerance "
+                                       f"{res['tolerance']:g}, {res['steps']} steps)")))
         for i, name in enumerate(why.HEADER):
             table.add_column(name, justify="right" if i >= 3 else "left", overflow="fold")
-        for row in why.rows(res):
-            table.add_row(*row)
+        for row in why.rows(res):  # settings and values from the runs' files: text, never markup
+            table.add_row(*(Text(clean(str(c))) for c in row))
         console.print(table)
     style = "green" if res["status"] in GOOD else "yellow"
-    console.print(f"[{style}]{res['message']}[/]", highlight=False)
+    console.print(f"[{style}]{escape(clean(str(res['message'])))}[/]", highlight=False)
     if res.get("quirk"):
-        console.print(f"known quirk: {res['quirk']}", highlight=False)
+        console.print(clean(f"known quirk: {res['quirk']}"), highlight=False, markup=False)
     module = res.get("module") or {}
     if module.get("finding"):
-        console.print(f"module by module: {module['finding']}", highlight=False)
+        console.print(clean(f"module by module: {module['finding']}"), highlight=False, markup=False)
     if res.get("same_initial_weights") is False:
         console.print("[yellow]note:[/] the re-runs' initial weights differ from the original's", highlight=False)
 
@@ -69,11 +73,11 @@ def why_cmd(out_dir: str, run_name: str, as_json: bool, dry_run: bool, again: bo
     """
     from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
 
-    say = (lambda line: click.echo(line, err=True)) if as_json else click.echo
+    say = (lambda line: click.echo(clean(line), err=True)) if as_json else (lambda line: click.echo(clean(line)))
     try:
         plan = why.load_plan(out_dir, run_name)
     except WhyError as err:
-        fail_usage(str(err))
+        fail_usage(clean(str(err)))
     runner = WhyRunner(plan, progress=say)
     for line in describe_plan(plan):
         say(line)
@@ -84,7 +88,7 @@ def why_cmd(out_dir: str, run_name: str, as_json: bool, dry_run: bool, again: bo
     try:
         res = runner.run(again=again)
     except WhyError as err:
-        fail_usage(str(err))
+        fail_usage(clean(str(err)))
     except KeyboardInterrupt:
         click.echo("shardscope: interrupted: the re-runs were stopped", err=True)
         sys.exit(EXIT_FAILED)

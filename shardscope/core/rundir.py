@@ -93,7 +93,8 @@ def record_file_rank(path: str) -> int | None:
 
 def rank_record_files(metrics_dir: str) -> list[str]:
     """Every rank's record file (``rank<R>.jsonl``) present in a ``metrics`` directory, in rank order."""
-    found = [p for p in glob.glob(os.path.join(metrics_dir, "rank*" + RECORDS_SUFFIX)) if record_file_rank(p) is not None]
+    found = [p for p in glob.glob(os.path.join(glob.escape(metrics_dir), "rank*" + RECORDS_SUFFIX))
+             if record_file_rank(p) is not None]
     return sorted(found, key=lambda p: record_file_rank(p) or 0)
 
 
@@ -152,7 +153,7 @@ class RunFiles:
 
     def rank_spares(self) -> list[str]:
         """Spare files ranks keep beside their record files (``rank<R>.jsonl.spare``) that still exist."""
-        return sorted(glob.glob(os.path.join(self.metrics, "rank*.jsonl" + RANK_SPARE_SUFFIX)))
+        return sorted(glob.glob(os.path.join(glob.escape(self.metrics), "rank*.jsonl" + RANK_SPARE_SUFFIX)))
 
     @property
     def traces(self) -> str:
@@ -170,26 +171,26 @@ class RunFiles:
 
     def chrome_traces(self) -> list[str]:
         """Every rank's Chrome trace present (``.trace.json`` or ``.trace.json.gz``), unsorted."""
-        pattern = os.path.join(self.traces, "rank*" + CHROME_SUFFIX)
+        pattern = os.path.join(glob.escape(self.traces), "rank*" + CHROME_SUFFIX)
         return glob.glob(pattern) + glob.glob(pattern + ".gz")
 
     def tb_files(self, rank: int | None = None) -> list[str]:
         """The TensorBoard plugin's trace files (of ``rank`` only, when given), sorted by name."""
         worker = "*" if rank is None else tb_worker(rank) + ".*"
-        return sorted(glob.glob(os.path.join(self.tb, worker + TB_SUFFIX)))
+        return sorted(glob.glob(os.path.join(glob.escape(self.tb), worker + TB_SUFFIX)))
 
     def tb_partials(self, rank: int) -> list[str]:
         """Half-written temporary traces torch's handler left for ``rank`` (``<file>.tmp``)."""
-        return glob.glob(os.path.join(self.tb, tb_worker(rank) + ".*" + PARTIAL_SUFFIX))
+        return glob.glob(os.path.join(glob.escape(self.tb), tb_worker(rank) + ".*" + PARTIAL_SUFFIX))
 
     def trace_partials(self) -> list[str]:
         """Every rank's half-written temporary traces (``traces/tb/*.tmp``): a rank killed while torch's handler
         wrote its trace (its peer failed first) leaves one that no one else removes."""
-        return sorted(glob.glob(os.path.join(self.tb, "*" + PARTIAL_SUFFIX)))
+        return sorted(glob.glob(os.path.join(glob.escape(self.tb), "*" + PARTIAL_SUFFIX)))
 
     def trace_files(self) -> list[str]:
         """Every file under ``traces/`` (TensorBoard's included), sorted."""
-        return sorted(glob.glob(os.path.join(self.traces, "**", "*.*"), recursive=True))
+        return sorted(glob.glob(os.path.join(glob.escape(self.traces), "**", "*.*"), recursive=True))
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class RunDir:
 
     def plot_files(self) -> list[str]:
         """Every report plot present, sorted."""
-        return sorted(glob.glob(plot_file(self.plots, "*")))
+        return sorted(glob.glob(plot_file(glob.escape(self.plots), "*")))
 
     @property
     def merged_trace(self) -> str:
@@ -268,7 +269,7 @@ class RunDir:
 
     def why_results(self) -> list[str]:
         """Every why result present, sorted."""
-        return sorted(glob.glob(os.path.join(self.path, WHY, "*", WHY_RESULT)))
+        return sorted(glob.glob(os.path.join(glob.escape(self.path), WHY, "*", WHY_RESULT)))
 
     @property
     def init_weights(self) -> str:

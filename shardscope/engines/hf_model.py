@@ -133,7 +133,7 @@ def weight_files(path: str) -> list[str]:
         with open(index, encoding="utf-8") as fh:
             weight_map = json.load(fh).get("weight_map") or {}
         return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
-    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
 
 
 def load_weights(model: nn.Module, files: list[str]) -> None:

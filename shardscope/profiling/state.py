@@ -156,6 +156,8 @@ class RunState:
     error: str = ""
     traceback: str = ""
     invalid_lines: int = 0
+    unfoldable: int = 0  # records whose figures were not of their type (left out of the state)
+    unfoldable_why: str = ""
     tokens_per_step: int | None = None
     started_at: float | None = None
     ended_at: float | None = None
@@ -250,7 +252,16 @@ class RunState:
             self.nonfinite_what = " and ".join(k for k in ("loss", "grad_norm") if k in both)
 
     def apply_record(self, r: dict[str, Any]) -> None:
-        """Fold one metric record (see ``events``) into the state."""
+        """Fold one metric record (see ``events``) into the state. A record whose figures are not of their type (a
+        string where a number belongs: a damaged or crafted file) is counted in ``unfoldable`` (the error in
+        ``unfoldable_why``) and left out of what it did not reach, never an exception for the reader."""
+        try:
+            self._apply_record(r)
+        except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as err:
+            self.unfoldable += 1
+            self.unfoldable_why = str(err)[:200]
+
+    def _apply_record(self, r: dict[str, Any]) -> None:
         kind, rank = r.get("kind"), int(r.get("rank", 0))
         if kind == events.STEP:
             peak = r.get("mem_peak_bytes")

@@ -10,7 +10,8 @@ from typing import Any
 
 from shardscope.config import write_atomic
 from shardscope.core.rundir import SCREENSHOT, RunDir
-from shardscope.tui.format import display_path
+from shardscope.core.text import clean
+from shardscope.tui.format import display_path, literal
 
 
 class ScreenActions:
@@ -39,8 +40,16 @@ class ScreenActions:
         if not run or self.comparison is None:
             self.notify("Select a run first.")
             return
-        result = explanation_for(self.comparison, run, self.out_dir)
-        self.push_screen(ExplainScreen("\n\n".join([result["text"], *result["notes"]])))
+        from shardscope.analysis.explain import ExplainError
+
+        try:
+            result = explanation_for(self.comparison, run, self.out_dir)
+        except (ExplainError, TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
+            # no such run, or a summary.json of the wrong shape: said, never a crash
+            self.notify(f"Cannot explain {literal(run)}: {literal(err)}", severity="error", timeout=10)
+            return
+        # markdown, never markup; a run directory's names and notes with their control characters spelled
+        self.push_screen(ExplainScreen(clean("\n\n".join([result["text"], *map(str, result["notes"])]))))
 
     def action_why(self) -> None:
         """Why the selected run's loss differs from the baseline's: ``shardscope why``'s re-runs, with progress."""
@@ -78,10 +87,10 @@ class ScreenActions:
             write_atomic(target, lambda fh: fh.write(svg))
             lines.append(target)
         except OSError as err:
-            self.notify(f"Cannot write the screenshot: {err}", severity="error")
+            self.notify(f"Cannot write the screenshot: {literal(err)}", severity="error")
         out = RunDir(self.out_dir)
         for path in (out.summary, out.report, out.plots):
             if os.path.exists(path):
                 lines.append(os.path.abspath(path))
         self.copy_to_clipboard("\n".join(lines))
-        self.notify("Copied to the clipboard:\n" + "\n".join(display_path(p) for p in lines), timeout=8)
+        self.notify("Copied to the clipboard:\n" + "\n".join(literal(display_path(p)) for p in lines), timeout=8)

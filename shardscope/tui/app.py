@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from rich.markup import escape
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -30,10 +29,11 @@ from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset, with_control
 from shardscope.orchestrator.preflight import check_space, claim_out_dir
-from shardscope.profiling.state import Update
+from shardscope.profiling.state import Notice, Update
 from shardscope.tui import source as sources
 from shardscope.tui.actions import ScreenActions
 from shardscope.tui.board import Board
+from shardscope.tui.format import literal
 from shardscope.tui.messages import CommAnalysed, UpdatesArrived
 from shardscope.tui.screens.dialogs import ConfirmQuit, TooSmall
 from shardscope.tui.screens.presets import PresetsScreen
@@ -86,14 +86,15 @@ class ShardscopeApp(ScreenActions, App):
             try:
                 comparison = load_preset(self.preset, self.overrides, host=self.host)
             except ConfigError as err:
-                self.notify(str(err), severity="error", timeout=15)
+                self.notify(literal(err), severity="error", timeout=15)
             else:
                 self.launch(comparison, self.preset, self.overrides)
         else:
             self.push_screen(PresetsScreen(self.preset))
 
     def open_replay(self, run_dir: str) -> None:
-        """Show a recorded run directory on the dashboard and replay it."""
+        """Show a recorded run directory on the dashboard and replay it (one whose comparison.json cannot be read
+        shows the dashboard with a notice saying why: ``source.replay_source``)."""
         comparison = sources.read_comparison(run_dir)
         self.out_dir = run_dir
         if self.source_factory is not None and comparison is not None:
@@ -101,7 +102,10 @@ class ShardscopeApp(ScreenActions, App):
         else:
             source = sources.replay_source(run_dir, self.replay_speed)
         name = comparison.name if comparison else os.path.basename(os.path.normpath(run_dir))
-        self.attach(source, comparison, f"{name} (recorded)")
+        self.attach(source, comparison, f"{literal(name)} (recorded)")
+        why = sources.unreadable_summary(run_dir)
+        if why:  # the runs replay from their records; the comparison's own figures are lost: said, in red
+            self.board.ingest([Notice(why, "error")])
         self.replaying = True
         self.action_start()
 
@@ -125,20 +129,20 @@ class ShardscopeApp(ScreenActions, App):
         try:
             source = factory(comparison, self.out_dir)
         except (OSError, RuntimeError, ValueError, ImportError) as err:  # ConfigError is a ValueError
-            self.notify(f"Cannot start: {err}", severity="error", timeout=10)
+            self.notify(f"Cannot start: {literal(err)}", severity="error", timeout=10)
             return
-        extra = f" [dim]{escape(' '.join(overrides))}[/dim]" if overrides else ""
-        self.attach(source, comparison, comparison.name + extra)
+        extra = f" [dim]{literal(' '.join(overrides))}[/dim]" if overrides else ""
+        self.attach(source, comparison, literal(comparison.name) + extra)
         self.action_start()
 
     def refuse_launch(self, message: str) -> None:
         """Say why a comparison cannot start, under the launch button when the presets screen is open."""
         if isinstance(self.screen, PresetsScreen):
             self.screen.show_launch_error(message)
-        self.notify(message, severity="error", timeout=10)
+        self.notify(literal(message), severity="error", timeout=10)
 
     def attach(self, source: sources.Source, comparison: Comparison | None, title: str) -> None:
-        """Subscribe to ``source`` and switch to the dashboard."""
+        """Subscribe to ``source`` and switch to the dashboard (``title`` is markup: its names escaped)."""
         from shardscope.tui.screens.dashboard import DashboardScreen
 
         self.source, self.comparison = source, comparison
@@ -174,8 +178,8 @@ class ShardscopeApp(ScreenActions, App):
 
         try:
             analysis = analyse_run(run_dir)
-        except (OSError, ValueError, KeyError) as err:
-            analysis = {"unreadable": [str(err)]}
+        except Exception as err:  # noqa: BLE001 - a crafted trace file: said in the panel, never a crashed worker
+            analysis = {"unreadable": [f"{type(err).__name__}: {err}"]}
         self.post_message(CommAnalysed(run, analysis, seq))
 
     def on_comm_analysed(self, message: CommAnalysed) -> None:
@@ -201,7 +205,7 @@ class ShardscopeApp(ScreenActions, App):
         board = self.board
         for notice in board.new_notices:
             if notice.level in ("warning", "error"):
-                self.notify(notice.text, severity=notice.level, timeout=8)
+                self.notify(literal(notice.text), severity=notice.level, timeout=8)
         board.new_notices = []
         dashboard = self.dashboard
         if dashboard is not None and dashboard.ready:
@@ -243,14 +247,14 @@ class ShardscopeApp(ScreenActions, App):
         run = self._selected()
         if self.source is not None and run:
             self.source.stop_run(run)
-            self.notify(f"Stopping {run}…")
+            self.notify(f"Stopping {literal(run)}…")
 
     def action_restart_run(self) -> None:
         """Restart the selected run (stopping it first if it is active)."""
         run = self._selected()
         if self.source is not None and run:
             self.source.restart_run(run)
-            self.notify(f"Restarting {run}…")
+            self.notify(f"Restarting {literal(run)}…")
 
     def action_set_baseline(self) -> None:
         """Make the selected run the baseline of the difference chart."""
@@ -258,7 +262,7 @@ class ShardscopeApp(ScreenActions, App):
         if run:
             self.board.baseline = run
             self.board.dirty_charts = True
-            self.notify(f"Baseline: {run}")
+            self.notify(f"Baseline: {literal(run)}")
 
     async def action_quit(self) -> None:
         """Quit; with runs still going, ask first, then stop them all and wait for them."""

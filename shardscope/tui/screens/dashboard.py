@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, HorizontalScroll
@@ -18,7 +17,7 @@ from textual.widgets import Footer, Static
 from shardscope.analysis import straggler_report
 from shardscope.profiling.state import STATUSES
 from shardscope.tui.board import Board
-from shardscope.tui.format import display_path, run_colour
+from shardscope.tui.format import display_path, literal, run_colour
 from shardscope.tui.messages import RunSelected
 from shardscope.tui.widgets.charts import diff_note, StepChart, loss_diff, series_of
 from shardscope.tui.widgets.comm_panel import CommPanel
@@ -54,6 +53,7 @@ class DashboardScreen(Screen):
     ]
 
     def __init__(self, title: str, out_dir: str) -> None:
+        """``title``: markup, with every name in it escaped (``format.literal``); ``out_dir`` as it is."""
         super().__init__()
         self.heading = title
         self.out_dir = out_dir
@@ -181,16 +181,19 @@ class DashboardScreen(Screen):
         counts = {s: 0 for s in STATUSES}
         for state in board.states.values():
             counts[state.status] = counts.get(state.status, 0) + 1
-        parts = [f"{n} {s}" for s, n in counts.items() if n]
+        parts = [f"{n} {literal(s)}" for s, n in counts.items() if n]  # a status read from a file: text
         if board.finished is not None:
             parts.append("finished — press o for the report")
         elif not started:
             parts.append("not started — press s to start")
-        # The last warning or error; launch lines (info) are in each run's console, not repeated here.
-        shown = [n for n in board.notices if n.level != "info"]
-        note = shown[-1].text.splitlines()[0] if shown else ""
-        title = f"[b]shardscope[/b] · {self.heading} · [dim]{display_path(self.out_dir)}[/dim]"
-        status = " · ".join(parts) + (f"   [dim]{escape(note)}[/dim]" if note else "")
+        # The last error, else the last warning (a file that cannot be read stays said); launch lines (info) are in
+        # each run's console, not repeated here.
+        shown = [n for n in board.notices if n.level == "error"] or [n for n in board.notices if n.level != "info"]
+        note = (shown[-1].text.splitlines() or [""])[0] if shown else ""
+        title = f"[b]shardscope[/b] · {self.heading} · [dim]{literal(display_path(self.out_dir))}[/dim]"
+        # an error (a file that cannot be read) in red, not dim: the one thing on an otherwise empty screen
+        style = "red" if shown and shown[-1].level == "error" else "dim"
+        status = " · ".join(parts) + (f"   [{style}]{literal(note)}[/{style}]" if note else "")
         if (title, status) != self._bars:  # the same text again would still cost a repaint
             self._bars = (title, status)
             self.title_bar.update(title)

@@ -8,6 +8,8 @@ from textual.containers import Grid
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from shardscope.tui.format import literal
+
 
 class ConfirmQuit(ModalScreen[bool]):
     """Asks before stopping active runs. Dismisses with True to stop them and quit."""
@@ -21,7 +23,7 @@ class ConfirmQuit(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         """A question and two buttons."""
         with Grid(id="confirm"):
-            runs = ", ".join(self.active) or "queued runs"
+            runs = literal(", ".join(self.active)) or "queued runs"
             yield Static(f"Runs still going: [b]{runs}[/b].\nStop them all and quit? "
                          "Finished results and reports are kept.", id="confirm-text")
             yield Button("Stop and quit (y)", variant="error", id="yes")

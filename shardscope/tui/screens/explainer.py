@@ -37,5 +37,5 @@ class ExplainScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         """The explainer's markdown in a scroll view."""
         with VerticalScroll(id="explainer"):
-            yield Markdown(self.text, id="explainer-text")
+            yield Markdown(self.text, id="explainer-text", open_links=False)  # text from a run directory: no link opens
         yield Footer()  # the keys, and the way back

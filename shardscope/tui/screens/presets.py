@@ -1,12 +1,12 @@
 """Choose a preset (built-in or a file), see its runs, edit common knobs, launch.
 
 Every change re-validates through ``config.load_preset`` with ``--set``-style overrides; a
-``ConfigError`` is shown next to the field it is about, never raised.
+``ConfigError`` is shown next to the field it is about, never raised. A preset file is text from outside: its
+names, description and values, and errors quoting them, are shown as text (``format.plain``/``literal``).
 """
 
 from __future__ import annotations
 
-from rich.markup import escape
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -19,7 +19,8 @@ from textual.widgets.option_list import Option, OptionDoesNotExist
 from shardscope.core import model_facts
 from shardscope.config import Comparison, ConfigError, cpu_overrides, list_presets, load_preset, resolved_precision, \
     resolved_world_size
-from shardscope.tui.format import display_path
+from shardscope.core.text import clean
+from shardscope.tui.format import display_path, literal, plain
 from shardscope.tui.screens.knobs import KNOBS, choices, current_value, overrides, route_error, without_source
 
 
@@ -104,21 +105,21 @@ class PresetsScreen(Screen):
         try:
             base = load_preset(name_or_path, host=self.app.host)
         except ConfigError as err:
-            path_error.update(str(err))
+            path_error.update(plain(err))
             return False
         path_error.update("")
         self.preset, self.base, self.comparison, self.overrides = name_or_path, base, base, []
         shrunk = ""
         if base.size_profile == "cpu":  # the description gives the full sizes: say what a run here uses
-            sizes = ", ".join(f"{k.removeprefix('model.')} {v}" for k, v in cpu_overrides(name_or_path).items())
+            sizes = literal(", ".join(f"{k.removeprefix('model.')} {v}" for k, v in cpu_overrides(name_or_path).items()))
             shrunk = f"\n[yellow]No GPU here: its \\[cpu_overrides] shrink it ({sizes}); the runs and fields below " \
                      "are what will run.[/yellow]"
-        what = Text.assemble(("model: ", "bold"), model_facts.label(base.model), ("\ndata: ", "bold"),
-                             model_facts.data_label(base.data, base.model),
-                             *[("\nnote: " + line, "yellow") for line in base.adjustments])
-        self.query_one("#preset-desc", Static).update(Text.assemble(
-            Text.from_markup(f"[b]{escape(base.name)}[/b] — "), base.description or "(no description)",
-            Text.from_markup(shrunk), "\n", what, "\n", (display_path(base.source), "dim")))
+        what = Text.assemble(("model: ", "bold"), clean(model_facts.label(base.model)), ("\ndata: ", "bold"),
+                             clean(model_facts.data_label(base.data, base.model)),
+                             *[(clean("\nnote: " + line), "yellow") for line in base.adjustments])
+        self.query_one("#preset-desc", Static).update(Text.assemble(  # plain strings in assemble: never markup
+            Text.from_markup(f"[b]{literal(base.name)}[/b] — "), clean(base.description or "(no description)"),
+            Text.from_markup(shrunk), "\n", what, "\n", (clean(display_path(base.source)), "dim")))
         for knob in KNOBS:
             value = current_value(base, knob.key)
             if knob.kind == "int":
@@ -127,7 +128,7 @@ class PresetsScreen(Screen):
                 field.value, field.disabled = value, not knob.applies(base)
             else:
                 select = self.query_one(f"#{knob.field_id}", Select)
-                select.set_options([(c, c) for c in choices(base, knob.key)])
+                select.set_options([(plain(c), c) for c in choices(base, knob.key)])
                 select.value = value
         self._show(base, {}, "")
         return True
@@ -173,19 +174,19 @@ class PresetsScreen(Screen):
         for knob in KNOBS:
             field = self.query_one(f"#{knob.field_id}")
             field.set_class(knob.key in errors, "-invalid")
-            self.query_one(f"#{knob.field_id}-error", Static).update(errors.get(knob.key, ""))
-        self.query_one("#preset-error", Static).update(general)
+            self.query_one(f"#{knob.field_id}-error", Static).update(plain(errors.get(knob.key, "")))
+        self.query_one("#preset-error", Static).update(plain(general))
         table = self.query_one("#preset-runs", DataTable)
         table.clear()
         for run in comparison.runs:
             opts = ", ".join(f"{k}={v}" for k, v in run.options.items()) or "defaults"
-            table.add_row(run.name, run.strategy, str(resolved_world_size(comparison, run)),
-                          resolved_precision(comparison, run), opts)
+            table.add_row(*map(plain, (run.name, run.strategy, str(resolved_world_size(comparison, run)),
+                                       resolved_precision(comparison, run), opts)))  # str cells are markup
         valid = self.comparison is not None
         self.query_one("#launch", Button).disabled = not valid
         sets = " ".join(f"--set '{s}'" for s in self.overrides)
         self.query_one("#cli-line", Static).update(
-            f"[dim]same from a shell:[/dim] shardscope run --preset {self.preset} {sets}".rstrip()
+            f"[dim]same from a shell:[/dim] shardscope run --preset {literal(self.preset)} {literal(sets)}".rstrip()
             if valid else "[dim]fix the fields marked in red to start[/dim]")
 
     # -- launch ----------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class PresetsScreen(Screen):
 
     def show_launch_error(self, message: str) -> None:
         """Show why the comparison could not start, under the launch button."""
-        self.query_one("#preset-error", Static).update(Text(message, "bold red"))
+        self.query_one("#preset-error", Static).update(plain(message, "bold red"))
 
     def action_focus_path(self) -> None:
         """Move the cursor to the preset path field."""
@@ -217,7 +218,7 @@ def _entry(name: str, description: str, limit: int = 48) -> Text:
     if len(description) > limit:
         head = description[: limit - 1]
         short = (head.rsplit(" ", 1)[0] if " " in head else head).rstrip(" ,;:—-") + "…"
-    return Text.assemble((name, "bold"), "\n", (short, "dim"))
+    return Text.assemble((clean(name), "bold"), "\n", (clean(short), "dim"))
 
 
 def _has_option(option_list: OptionList, option_id: str) -> bool:

@@ -1,7 +1,9 @@
 """The final comparison table from ``<out>/summary.json``, and where the artefacts were written.
 
 Before the summary exists (runs still going, or stopped before reports), the table is built from
-the live run states instead and says so.
+the live run states instead and says so; a summary.json that cannot be read (damaged, crafted) is said in red
+("summary.json unreadable: why") above those live figures. Every name, path and line from the files is shown as
+text (``format.plain``/``literal``); a figure that is not a number is shown as missing.
 """
 
 from __future__ import annotations
@@ -9,20 +11,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rich.markup import escape
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from shardscope.config import MAX_NAME, NAME_RE
 from shardscope.core.numbers import fmt_sig, median_rate
 from shardscope.analysis import answer, noise
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
-from shardscope.core.rundir import SUMMARY, RunDir, read_summary
-from shardscope.tui.board import Board
-from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate
+from shardscope.core.rundir import SUMMARY, RunDir, load_summary
+from shardscope.tui.board import FOLD_ERRORS, Board
+from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate, literal, number, plain
+from shardscope.tui.source import unreadable
 
 COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "{peak}",
            "Δloss max", "Δloss mean", "speedup", "{ratio}")
@@ -30,7 +34,8 @@ COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} 
 
 def columns(summary: dict[str, Any]) -> tuple[str, ...]:
     """Return the table's headers, the throughput one in the runs' unit (tokens/s or samples/s)."""
-    runs = [r for r in summary.get("runs", []) if isinstance(r, dict)]
+    runs = [r for r in summary.get("runs", [])
+            if isinstance(r, dict) and not isinstance(r.get("peak_mem_kind"), (list, dict))]  # a file's any shape
     peak, ratio = memory_headers(runs)
     return tuple(c.format(unit=throughput_unit(runs), peak=peak, ratio=ratio) for c in COLUMNS)
 
@@ -47,23 +52,37 @@ def live_summary(board: Board) -> dict[str, Any]:
     return {"baseline": board.baseline, "runs": runs}
 
 
-def summary_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Return one row of display text per run of a summary."""
+def read_report_summary(out_dir: str) -> tuple[dict[str, Any] | None, str]:
+    """Return (``<out>/summary.json``, "") when it reads, (None, "") before it is written, and (None, why) when it
+    is there but cannot be read ("summary.json unreadable: nested too deeply")."""
+    path = RunDir(out_dir).summary
+    if not os.path.lexists(path):
+        return None, ""
+    try:
+        return load_summary(out_dir), ""
+    except (OSError, ValueError) as err:
+        return None, unreadable(path, err)
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[Text, ...]]:
+    """Return one row per run of a summary, each cell a ``Text`` (a name or status from the file is never markup;
+    a figure that is not a number is "–")."""
     rows = []
     for r in summary.get("runs", []):
         if not isinstance(r, dict):
             continue
-        speed = r.get("speedup")
-        ratio = r.get("mem_ratio")
-        rows.append((
+        speed = number(r.get("speedup"))
+        ratio = number(r.get("mem_ratio"))
+        rate = number(r.get("median_tokens_per_s")) or number(r.get("median_samples_per_s"))
+        rows.append(tuple(plain(cell) for cell in (
             str(r.get("name", "?")) + (" (baseline)" if r.get("name") == summary.get("baseline") else " (A/A control)" if r.get("control_of") else ""),
             str(r.get("strategy", "")), str(r.get("world_size", "")), str(r.get("status", "")),
             str(r.get("steps_completed", "")), fmt_loss(r.get("final_loss")),
-            human_rate(r.get("median_tokens_per_s") or r.get("median_samples_per_s")), human_bytes(r.get("peak_mem_bytes")),
-            fmt_sig(r.get("loss_max_abs_diff")), fmt_sig(r.get("loss_mean_abs_diff")),
+            human_rate(rate), human_bytes(number(r.get("peak_mem_bytes"))),
+            fmt_sig(number(r.get("loss_max_abs_diff"))), fmt_sig(number(r.get("loss_mean_abs_diff"))),
             "–" if speed is None else f"{fmt_float(speed, '.2f')}×",
             "–" if ratio is None else f"{fmt_float(ratio, '.2f')}×",
-        ))
+        )))
     return rows
 
 
@@ -113,37 +132,63 @@ class ReportScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        """Fill the table from summary.json, or from the live states if there is none yet."""
-        summary = read_summary(self.out_dir)
+        """Fill the table from summary.json, or from the live states when there is none yet or it cannot be read
+        (a red line says why); a section of a summary of the wrong shape is said in red, never a crash."""
+        summary, why = read_report_summary(self.out_dir)
         if summary is None:
             summary = live_summary(self.board)
-            note = (f"[yellow]{SUMMARY} is not written yet[/yellow] — live figures; differences, speedup and "
-                    "memory ratio appear when the comparison finishes.")
+            head = f"[red]{literal(why)}[/red]" if why else f"[yellow]{SUMMARY} is not written yet[/yellow]"
+            note = head + (" — live figures; differences, speedup and memory ratio appear when the comparison "
+                           "finishes." if not why else " — the live figures from the runs' records instead.")
         else:
-            note = f"From {display_path(RunDir(self.out_dir).summary)}."
+            note = f"From {literal(display_path(RunDir(self.out_dir).summary))}."
         baseline = summary.get("baseline") or self.board.baseline
-        self.query_one("#title", Static).update(
-            f"[b]shardscope[/b] · report · {summary.get('preset', '')} · baseline [b]{baseline}[/b]")
-        self.query_one("#report-note", Static).update(note)
+        preset = literal(summary.get("preset", ""))
+        self.query_one("#title", Static).update(f"[b]shardscope[/b] · report · {preset} · baseline [b]{literal(baseline)}[/b]")
+        problems = [f"{SUMMARY}: its {what} cannot be shown: {type(err).__name__}: {err}"
+                    for what, fill in (("runs table", self._table), ("answer", self._answer),
+                                       ("prediction", self._prediction))
+                    if (err := _failure(fill, summary)) is not None]
+        self.query_one("#report-note", Static).update(
+            note + "".join(f"\n[red]{literal(line)}[/red]" for line in problems))
+        names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
+        names = [n for n in names if NAME_RE.match(n) and len(n) <= MAX_NAME]  # a name from the file names no path
+        written = artefacts(self.out_dir, names or self.board.names)
+        self.query_one("#report-paths", Static).update("[b]Written[/b]\n" + "\n".join(map(literal, written)))
+
+    def _table(self, summary: dict[str, Any]) -> None:
         table = self.query_one("#report-table", DataTable)
         table.add_columns(*columns(summary))
         for row in summary_rows(summary):
             table.add_row(*row)
+
+    def _answer(self, summary: dict[str, Any]) -> None:
         rec = summary.get("recommendation") or {}
         shown = self.query_one("#report-recommendation", Static)
-        shown.display = bool(rec.get("lines"))  # no empty row where there is no recommendation
-        if rec.get("lines"):
+        lines = rec.get("lines") if isinstance(rec, dict) else None
+        shown.display = False  # no empty row where there is no recommendation (or it cannot be shown)
+        if lines:
             said = answer.lines(summary)
-            rest = [line for line in rec["lines"] if not any(line in s for s in said)]
-            shown.update("\n[b]Answer[/b]\n" + "\n".join(escape(f"• {line}") for line in said) + "\n"
-                         + ("\n[b]Each run against the baseline[/b]\n" + "\n".join(escape(f"• {line}") for line in rest)
+            rest = [line for line in lines if not any(line in s for s in said)]
+            shown.update("\n[b]Answer[/b]\n" + "\n".join(literal(f"• {line}") for line in said) + "\n"
+                         + ("\n[b]Each run against the baseline[/b]\n" + "\n".join(literal(f"• {line}") for line in rest)
                             + "\n" if rest else ""))
-        predicted = predict_report.plain_lines(summary.get("prediction") or {}, noise.line(summary.get("noise") or {}) if summary.get("noise") else "")
+            shown.display = True
+
+    def _prediction(self, summary: dict[str, Any]) -> None:
         shown = self.query_one("#report-prediction", Static)
-        shown.display = bool(predicted)
+        shown.display = False
+        predicted = predict_report.plain_lines(summary.get("prediction") or {}, noise.line(summary.get("noise") or {}) if summary.get("noise") else "")
         if predicted:
+            shown.display = True
             shown.update("[b]Predicted beside measured[/b] (shardscope predict)\n"
-                         + "\n".join(escape(f"• {line}") for line in predicted) + "\n")
-        names = [str(r.get("name")) for r in summary.get("runs", []) if isinstance(r, dict)]
-        self.query_one("#report-paths", Static).update(
-            "[b]Written[/b]\n" + "\n".join(artefacts(self.out_dir, names or self.board.names)))
+                         + "\n".join(literal(f"• {line}") for line in predicted) + "\n")
+
+
+def _failure(fill: Any, summary: dict[str, Any]) -> Exception | None:
+    """Run ``fill(summary)``; return what a summary of the wrong shape raised in it (None when it filled)."""
+    try:
+        fill(summary)
+    except FOLD_ERRORS as err:
+        return err
+    return None

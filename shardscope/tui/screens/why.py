@@ -17,9 +17,11 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown, Static
 
+from shardscope.core.text import clean
 from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
 from shardscope.analysis.why import verdict as why
 from shardscope.analysis.why.verdict import WhyError
+from shardscope.tui.format import literal
 
 
 class WhyProgress(Message):
@@ -56,8 +58,8 @@ class WhyScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         """The progress lines above the result's markdown, in a scroll view."""
         with VerticalScroll(id="why"):
-            yield Static(f"why {self.run_name}: reading {self.out_dir}…", id="why-progress")
-            yield Markdown("", id="why-result")
+            yield Static(f"why {literal(self.run_name)}: reading {literal(self.out_dir)}…", id="why-progress")
+            yield Markdown("", id="why-result", open_links=False)  # a link in a result from the files opens nothing
         yield Footer()  # the keys, and the way back
 
     def on_mount(self) -> None:
@@ -66,6 +68,9 @@ class WhyScreen(ModalScreen[None]):
             plan = why.load_plan(self.out_dir, self.run_name)
         except WhyError as err:
             self._finish(None, str(err))
+            return
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError) as err:  # a damaged file
+            self._finish(None, f"unreadable: {type(err).__name__}: {err}")
             return
         self.lines = describe_plan(plan)
         self.runner = WhyRunner(plan, progress=lambda line: self.post_message(WhyProgress(line)))
@@ -98,11 +103,13 @@ class WhyScreen(ModalScreen[None]):
             self.lines.append(f"cannot explain: {error}")
         self._show()
         if result is not None:
-            self.query_one("#why-result", Markdown).update(why.markdown(result))
+            self.query_one("#why-result", Markdown).update(clean(why.markdown(result)))  # markdown, controls spelled
 
     def _show(self) -> None:
         state = "re-running… (escape stops)" if self.running else "done"
-        self.query_one("#why-progress", Static).update("\n".join([f"why {self.run_name}: {state}", *self.lines]))
+        # progress lines name runs, settings and errors from the files: text, never markup
+        self.query_one("#why-progress", Static).update(
+            "\n".join(literal(line) for line in [f"why {self.run_name}: {state}", *self.lines]))
 
     def action_close(self) -> None:
         """Close; re-runs still going are stopped."""

@@ -15,6 +15,7 @@ from rich.text import Text
 from textual_plotext import PlotextPlot
 
 from shardscope.core.numbers import common_steps, fmt_sig
+from shardscope.core.text import clean
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import rgb
 
@@ -128,11 +129,11 @@ class StepChart(PlotextPlot):
         plt.clear_figure()
         drawn = [s for s in self._series if s.xs]
         if not drawn:  # plotext drops a title wider than the chart: say it as wrapped text, not an empty frame
-            return Align.center(Text(f"{self.title} by step\n\n{self.empty}", style="dim", justify="center"),
+            return Align.center(Text(clean(f"{self.title} by step\n\n{self.empty}"), style="dim", justify="center"),
                                 vertical="middle")
-        plt.title(f"{self.title} by step")
+        plt.title(clean(f"{self.title} by step"))  # plotext's output is read as ANSI: no control gets in
         for s in drawn:
-            plt.plot(list(s.xs), list(s.ys), label=s.label, color=rgb(s.colour), marker="braille")
+            plt.plot(list(s.xs), list(s.ys), label=clean(s.label), color=rgb(s.colour), marker="braille")
         ticks = y_ticks([y for s in drawn for y in s.ys])
         if ticks:  # plotext would write 0.000000119; tiny differences read better as 1.19e-07
             plt.yticks(ticks, [fmt_sig(t) for t in ticks])

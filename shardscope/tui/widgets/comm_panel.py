@@ -13,8 +13,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from shardscope.core.text import clean
 from shardscope.profiling.state import RunState
-from shardscope.tui.format import human_bytes
+from shardscope.tui.format import human_bytes, is_number, number, plain
 from shardscope.tui.widgets.scroll_panel import ScrollPanel
 
 EMPTY = ("No communication figures yet. Each run's collectives (all-reduce, all-gather, reduce-scatter…) "
@@ -24,7 +25,7 @@ EMPTY = ("No communication figures yet. Each run's collectives (all-reduce, all-
 def _first(figs: dict[str, Any], *keys: str) -> Any:
     for key in keys:
         if figs.get(key) is not None:
-            return figs[key]
+            return number(figs[key])  # a record's figure: a string there is no figure
     return None
 
 
@@ -52,7 +53,7 @@ def collectives(record: dict[str, Any]) -> list[tuple[str, float | None, float |
         if not isinstance(figs, dict):
             continue
         t = _first(figs, "time_per_step_s", "time_s")
-        if t is None and figs.get("time_ms") is not None:
+        if t is None and is_number(figs.get("time_ms")):
             t = figs["time_ms"] / 1000
         out.append((str(name), t, _first(figs, "count_per_step", "count"), _first(figs, "bytes_per_step", "bytes")))
     return sorted(out, key=lambda row: -(row[1] or 0))
@@ -65,10 +66,10 @@ EMPTY_FINISHED = ("No communication figures: no run recorded a profiler window. 
 def theory_text(theory: dict[str, Any] | None, compact: bool = False) -> Text:
     """Observed/theory bytes of a run's trace analysis (``1.00× th``); "" before the analysis, "th ?" when the
     theory could not be computed or some sizes were unknown (the report says which)."""
-    if not theory:
+    if not theory or not isinstance(theory, dict):
         return Text("")
     ratio = theory.get("ratio")
-    if ratio is None:
+    if not is_number(ratio):
         return Text("th ?", "dim")
     style = "green" if abs(ratio - 1) <= 0.02 else "yellow"
     return Text(f"{ratio:.2f}×th" if compact else f"{ratio:.2f}× th", style)
@@ -76,7 +77,7 @@ def theory_text(theory: dict[str, Any] | None, compact: bool = False) -> Text:
 
 def _heading(name: str, colour: str, exposed: Any, theory: dict[str, Any] | None, compact: bool) -> Text:
     """A run's line above its collectives: name, exposed communication per step, observed/theory bytes."""
-    heading = Text.assemble((f"■ {name}", f"bold {colour}"))
+    heading = Text.assemble((clean(f"■ {name}"), f"bold {colour}"))
     if isinstance(exposed, (int, float)):
         heading.append(f" {exposed * 1000:.1f}ms {'exp.' if compact else 'exposed'}", "dim")
     ratio = theory_text(theory, compact=compact)
@@ -118,9 +119,10 @@ class CommPanel(ScrollPanel):
             else:
                 reason = analyses.get(state.name, {}).get("not_measured")
                 if reason:
-                    notes.append(Text.assemble((f"■ {state.name}", f"bold {colour}"), (f" not measured: {reason}", "dim")))
+                    notes.append(Text.assemble((clean(f"■ {state.name}"), f"bold {colour}"),
+                                               (clean(f" not measured: {reason}"), "dim")))
                 continue
-            per_step = source.get("per_step") or {}
+            per_step = source.get("per_step") if isinstance(source.get("per_step"), dict) else {}
             exposed = per_step.get("exposed_comm_s")
             heading = _heading(state.name, colour, exposed, analyses.get(state.name, {}).get("theory"), False)
             if len(heading) > width > 0:  # by rule: short words before a wrapped line
@@ -130,7 +132,8 @@ class CommPanel(ScrollPanel):
                 any_rows = True
                 shown = SHORT.get(name, name) if narrow else name.replace("_", "-")
                 used.update([name] if narrow and name in SHORT else [])
-                table.add_row(" " + shown, "–" if t is None else f"{t * 1000:.1f}ms",
+                # a str cell is markup to rich: the name (from a record or a trace) goes in as Text
+                table.add_row(plain(" " + shown), "–" if t is None else f"{t * 1000:.1f}ms",
                               "–" if count is None else f"×{count:g}", human_bytes(nbytes).replace(" ", ""))
             blocks += [heading, table]
         # The abbreviations' legend: on the border where it fits whole, else as the last lines (the panel

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardscope.core.rundir import devices_name
+from shardscope.core.text import clean
 from shardscope.orchestrator.device_history import DeviceHistory
 from shardscope.profiling.state import DeviceReading
 from shardscope.tui.format import human_bytes
@@ -49,7 +50,7 @@ class DevicePanel(ScrollPanel):
         parts: list[Any] = [Text("GPU memory used/total (peak) · utilisation (NVML)", "dim italic")]
         for k in rows:
             r = k.last
-            label = Text.assemble((r.label, "bold"), ("  " + _who(r), "dim"))
+            label = Text.assemble((clean(r.label), "bold"), (clean("  " + _who(r)), "dim"))  # names: text
             if not k.live:
                 label.append(" (last reading)", "dim italic")
             table = _grid(width, narrow=False)
@@ -72,7 +73,7 @@ class DevicePanel(ScrollPanel):
             if room and len(text) > room and k.last.run and k.last.ranks:  # the run's name gives way, never the rank
                 suffix = text[len(k.last.run):]
                 text = k.last.run[:max(1, room - len(suffix) - 1)] + "…" + suffix
-            who = Text(text, "" if k.live else "dim")
+            who = Text(clean(text), "" if k.live else "dim")
             if not k.live and ended:  # without room, dim alone says the run ended
                 who.append(" ended", "dim italic")
             return who

@@ -1,4 +1,8 @@
-"""The selected run's console tail, and a failed run's error with the end of its traceback."""
+"""The selected run's console tail, and a failed run's error with the end of its traceback.
+
+A rank prints what it likes: every line is written as a ``Text`` (never markup) with its control characters
+spelled ``\\xNN`` (``core.text.clean``), so ``[@click=app.quit]`` or a terminal's title sequence is shown, not obeyed.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,9 @@ from rich.text import Text
 from textual.widgets import RichLog
 
 from shardscope.profiling.state import FINISHED, RunState
+from shardscope.core.text import clean
 from shardscope.tui.board import Console
-from shardscope.tui.format import short_command
+from shardscope.tui.format import literal, short_command
 
 TRACEBACK_LINES = 25
 
@@ -29,14 +34,14 @@ class LogPane(RichLog):
         self.run, self._seen, self._error_shown = run, 0, ""
         self._hinted = self._printed = self._silent_said = False
         self.clear()
-        self.border_title = f"console · {run}"
+        self.border_title = f"console · {literal(run)}"
         self.show(console, state)
 
     def show(self, console: Console, state: RunState | None) -> None:
         """Append the console lines not shown yet; write the failure once it is known."""
         lines = console.since(self._seen)
         self._seen = console.total
-        for line in lines:
+        for line in map(clean, lines):
             if line.startswith("$ "):  # the launch line: one dim line, not a screenful (console.log has it all)
                 self.write(Text(short_command(line), "dim", no_wrap=True, overflow="ellipsis"))
                 if not self._hinted:
@@ -48,11 +53,11 @@ class LogPane(RichLog):
         if (state is not None and state.status in FINISHED and self._hinted and not self._printed
                 and not self._silent_said):  # the hint promised output: say there was none
             self._silent_said = True
-            self.write(Text(f"(no output from the ranks; {state.name} ended {state.status})", "dim italic"))
+            self.write(Text(clean(f"(no output from the ranks; {state.name} ended {state.status})"), "dim italic"))
         if state is not None and state.status == "failed" and (state.error or state.traceback) \
                 and self._error_shown != state.error + state.traceback:
             self._error_shown = state.error + state.traceback
-            self.write(Text(f"── {state.name} failed: {state.error or 'see traceback'}", "bold red"))
-            tail = state.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
+            self.write(Text(clean(f"── {state.name} failed: {state.error or 'see traceback'}"), "bold red"))
+            tail = clean(state.traceback).rstrip().splitlines()[-TRACEBACK_LINES:]
             for line in tail:
                 self.write(Text(line, "red"))

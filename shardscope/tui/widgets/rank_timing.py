@@ -16,7 +16,9 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.analysis import straggler_report
+from shardscope.core.text import clean
 from shardscope.profiling.state import RunState
+from shardscope.tui.format import literal
 
 REFRESH_S = 1.0
 # straggler_report.HEADER, shortened for a panel a third of the screen wide (device is on the flag line).
@@ -48,7 +50,7 @@ class RankTiming(Static):
         if not force and (key == self._drawn or now - self._t < REFRESH_S):
             return
         self.run, self._t, self._drawn, self._last = state.name, now, key, (state, analysis)
-        self.border_title = f"rank timing · {state.name} (median ms)"
+        self.border_title = f"rank timing · {literal(state.name)} (median ms)"
         self.update(render(state, analysis, width or None))
 
     def on_resize(self) -> None:
@@ -80,16 +82,18 @@ def render(state: RunState, analysis: dict | None = None, width: int | None = No
     (columns are left out to fit, and a line says which)."""
     entry = straggler_report.section({state.name: state}, {state.name: analysis or {}})[state.name]
     if entry.get("per_rank") is None:
-        return Text("waiting for steps" if state.steps_completed == 0 else entry.get("reason", ""), style="dim")
+        why = "waiting for steps" if state.steps_completed == 0 else entry.get("reason", "")
+        return Text(clean(str(why)), style="dim")
     # rank, host, then busy, data, fwd, bwd, opt, idle, core wait (the device is on the flag line)
-    rows = [[row[0], row[1], *row[3:]] for row in straggler_report.rows(entry)]
+    # host names come from the ranks' start records: every cell is text (a str cell would be markup to rich)
+    rows = [[clean(str(c)) for c in (row[0], row[1], *row[3:])] for row in straggler_report.rows(entry)]
     keep = fit_columns(rows, width)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), expand=False)
     for c in keep:
         table.add_column(COLUMNS[c], justify="left" if COLUMNS[c] in ("rank", "host") else "right", no_wrap=True)
     for row in rows:
-        table.add_row(*(row[c] for c in keep), style="bold red" if "⚠" in row[0] else None)
-    lines = [Text(f"⚠ {f['line']}", style="bold red") for f in entry["flagged"]]
+        table.add_row(*(Text(row[c]) for c in keep), style="bold red" if "⚠" in row[0] else None)
+    lines = [Text(clean(f"⚠ {f['line']}"), style="bold red") for f in entry["flagged"]]
     hidden = [COLUMNS[c] for c in range(len(COLUMNS)) if c not in keep]
     if hidden:
         lines.append(Text(f"{', '.join(hidden)} left out at this width (report, headless table: all)", style="dim"))
@@ -98,13 +102,13 @@ def render(state: RunState, analysis: dict | None = None, width: int | None = No
         lines.append(Text(f"waited for a core {share:.0%} of its ready time: wall-clock figures slowed by other "
                           "load, busy times not", style="yellow"))
     if entry.get("reason"):  # CUDA: the stream-time split, not judged
-        lines.append(Text(entry["reason"], style="dim"))
+        lines.append(Text(clean(str(entry["reason"])), style="dim"))
     traced = entry.get("trace")
     if traced:  # after the profiler window: each rank's compute in its trace (judged on GPU traces)
         ranks = " · ".join(f"{r} {1000 * v:.1f}" for r, v in traced["compute_s"].items())
         unjudged = " (CPU traces: not judged)" if traced.get("note") else ""
-        lines.append(Text(f"trace compute ms/step by rank: {ranks}{unjudged}", style="dim"))
-        lines += [Text(f"⚠ {f['line']}", style="bold red") for f in traced["flagged"]]
+        lines.append(Text(clean(f"trace compute ms/step by rank: {ranks}{unjudged}"), style="dim"))
+        lines += [Text(clean(f"⚠ {f['line']}"), style="bold red") for f in traced["flagged"]]
     caption = Text(f"busy: own CPU time · wait: ready, no free core · ⚠ above {entry['threshold']:g}x peers' median "
                    f"for {entry['window']} steps",
                    style="dim")

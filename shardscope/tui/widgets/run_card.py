@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.core import registry
+from shardscope.core.text import clean
 from shardscope.profiling.state import RunState
 from shardscope.analysis.summary import on_gpu
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
@@ -29,7 +30,10 @@ def _bar(fraction: float, width: int, colour: str) -> Text:
 
 def chosen_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options that differ from the strategy's defaults (a live run's start record lists them all)."""
-    defaults = registry.option_defaults(strategy) if strategy in registry.STRATEGIES else {}
+    if not isinstance(options, dict):  # a spec.json of another shape: no options to show
+        return {}
+    known = isinstance(strategy, str) and strategy in registry.STRATEGIES
+    defaults = registry.option_defaults(strategy) if known else {}
     return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
 
 
@@ -67,7 +71,7 @@ class RunCard(Static):
             return
         self._drawn = key
         self.set_class(state.status in ("failed", "diverged"), "-failed")
-        title = Text.assemble(("■ ", self.colour), (state.name, "bold"))
+        title = Text.assemble(("■ ", self.colour), (clean(state.name), "bold"))  # .markup below escapes it
         if baseline:
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
@@ -75,8 +79,8 @@ class RunCard(Static):
         for rank in sorted({*state.stragglers.flagged, *traced}):  # named live: run (this card), rank, host, device
             start = state.start.get(rank) or {}
             source = " (trace)" if rank not in state.stragglers.flagged else ""
-            subtitle.append(f" ⚠ straggler rank {rank} {start.get('host', '')} {start.get('device', '')}".rstrip()
-                            + source, "bold yellow")
+            where = f"{start.get('host', '')} {start.get('device', '')}"  # as a record gave them: text
+            subtitle.append(clean(f" ⚠ straggler rank {rank} {where}".rstrip() + source), "bold yellow")
         self.border_subtitle = subtitle.markup
         self.update(self._body(state, width))
 
@@ -86,10 +90,12 @@ class RunCard(Static):
             self.show(self._state, baseline=self._baseline, traced=self._traced)
 
     def _body(self, s: RunState, width: int) -> Text:
-        opts = ", ".join(f"{k}={v}" for k, v in chosen_options(s.strategy, s.options).items())
-        head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}" + (f" · {opts}" if opts else ""), "dim")]
+        # strategy, precision and options as a spec or start record gave them: text, controls spelled
+        opts = clean(", ".join(f"{k}={v}" for k, v in chosen_options(s.strategy, s.options).items()))
+        what = clean(f"{s.strategy} ×{s.world_size} · {s.precision}")
+        head = [Text(what + (f" · {opts}" if opts else ""), "dim")]
         if opts and len(head[0]) > width:  # by rule: the options on a line of their own before anything is cut
-            head = [Text(f"{s.strategy} ×{s.world_size} · {s.precision}", "dim"), Text(opts, "dim")]
+            head = [Text(what, "dim"), Text(opts, "dim")]
         for line in head:
             line.truncate(width, overflow="ellipsis")
         eta = f"ETA {human_duration(s.eta_s)}" if s.status == "running" else ""
