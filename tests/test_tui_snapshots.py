@@ -87,3 +87,26 @@ def test_presets_screen_small(snap_compare, monkeypatch):
 
 def test_finished_dashboard_small(snap_compare):
     assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=SMALL, run_before=_settle)
+
+
+async def _press(pilot, *keys: str) -> None:
+    """Settle, then press ``keys`` one by one (each given time to open its screen)."""
+    await _settle(pilot)
+    for key in keys:
+        await pilot.press(key)
+        await pilot.pause(0.5)
+    pilot.app.redraw(force=True)
+    await pilot.pause(0.2)
+
+
+# Every screen the dashboard opens, at the smallest promised size and at 160x48: the report, a strategy's
+# explanation (i), the keys (?), the per-rank timing (t), why on the baseline (w: nothing to explain, said so).
+SCREENS = {"report": ("o",), "explain": ("i",), "keys": ("question_mark",), "ranks": ("t",), "why-baseline": ("w",)}
+
+
+@pytest.mark.parametrize("size", [SMALL, SIZE], ids=["100x30", "160x48"])
+@pytest.mark.parametrize("screen", list(SCREENS))
+def test_every_screen(snap_compare, screen, size):
+    keys = SCREENS[screen]
+    assert snap_compare(_app(replay_dir="tests/data/replay-smoke"), terminal_size=size,
+                        run_before=lambda pilot: _press(pilot, *keys))

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from rich.align import Align
+from rich.console import Group
 from rich.text import Text
 from textual_plotext import PlotextPlot
 
@@ -87,7 +88,8 @@ def diff_note(diffs: dict[str, list[tuple[int, float]]]) -> str:
 
 
 class StepChart(PlotextPlot):
-    """A titled chart of several runs over steps, with a legend."""
+    """A titled chart of several runs over steps, its legend on a line of its own beneath the plot (plotext draws
+    one inside the data, over the curves)."""
 
     DEFAULT_CSS = "StepChart { height: 1fr; width: 1fr; min-height: 5; }"
 
@@ -133,10 +135,24 @@ class StepChart(PlotextPlot):
                                 vertical="middle")
         plt.title(clean(f"{self.title} by step"))  # plotext's output is read as ANSI: no control gets in
         for s in drawn:
-            plt.plot(list(s.xs), list(s.ys), label=clean(s.label), color=rgb(s.colour), marker="braille")
+            plt.plot(list(s.xs), list(s.ys), color=rgb(s.colour), marker="braille")
         ticks = y_ticks([y for s in drawn for y in s.ys])
         if ticks:  # plotext would write 0.000000119; tiny differences read better as 1.19e-07
             plt.yticks(ticks, [fmt_sig(t) for t in ticks])
         steps = step_ticks([x for s in drawn for x in s.xs])
         plt.xticks(steps, [str(t) for t in steps])
-        return super().render()
+        width, height = self.size.width, max(3, self.size.height - 1)
+        plt.theme(self._get_plotext_theme_name(self.app.theme))
+        built = ""
+        for asked in (height, height - 1, height - 2):  # plotext may draw a line more than asked: ask for fewer
+            plt.plotsize(width, max(3, asked))
+            plt._set_size(width, max(3, asked))  # as PlotextPlot.render does (textual-plotext issue 5)
+            built = plt.build()
+            if built.count("\n") + 1 <= height:
+                break
+        legend = Text(no_wrap=True, overflow="ellipsis", justify="center")
+        for s in drawn:
+            legend.append("■ ", style=s.colour).append(clean(s.label) + "  ")
+        legend.rstrip()
+        legend.truncate(width, overflow="ellipsis")
+        return Group(Text.from_ansi(built), legend)
