@@ -110,3 +110,20 @@ def test_a_figure_of_the_wrong_type_is_counted_not_raised():
     st.apply_record({"kind": "step", "run": "ddp", "rank": 0, "step": 2, "t": 2.0, "tokens_per_s": 10.0,
                      "step_time_s": 0.5})
     assert st.unfoldable == 1 and "fast" in st.unfoldable_why and st.step_times[-1] == (2, 0.5)
+
+
+def test_damaged_devices_identity_and_traces_are_skipped(tmp_path):
+    """devices.jsonl with a nested line and a 500-digit time, an identity file nested past the decoder and a trace
+    that is no trace: report still answers; the unreadable trace is named, not raised."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    name = json.loads((run / "comparison.json").read_text())["runs"][0]["name"]
+    with open(run / "devices.jsonl", "a", encoding="utf-8") as fh:
+        fh.write("[" * 100000 + "]" * 100000 + "\n")
+        fh.write('{"readings": [], "t": ' + "9" * 500 + "}\n")
+    (run / "orchestrator.json").write_text("{" + '"a":{' * 50000 + "}" * 50001)
+    traces = run / name / "traces"
+    traces.mkdir(exist_ok=True)
+    (traces / "rank0.trace.json").write_text('{"traceEvents": ' + "[" * 100000 + "]" * 100000 + "}")
+    proc = _cli("report", str(run))
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -126,8 +126,8 @@ def device_samples(out_dir: str) -> list[state.DeviceSample]:
             data = json.loads(line)
             readings = tuple(state.DeviceReading(**{**r, "ranks": tuple(r.get("ranks", ()))}) for r in data["readings"])
             out.append(state.DeviceSample(readings, str(data.get("source", "")), float(data.get("t", 0.0))))
-        except (ValueError, KeyError, TypeError):
-            continue
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
+            continue  # a line of another shape (a damaged or crafted file): skipped
     return out
 
 

@@ -34,7 +34,7 @@ def orchestrator_state(out_dir: str) -> str:
         with open(RunDir(out_dir).identity, encoding="utf-8") as fh:
             info = json.load(fh)
         pid, created, host = int(info["pid"]), float(info["create_time"]), str(info["host"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, OverflowError):
         return "unknown"
     if host != socket.gethostname():
         return "unknown"

@@ -217,7 +217,7 @@ def analyse_traces(paths: list[str], window_steps: int | None = None) -> dict[st
     for path in paths:
         try:
             per_rank.append(analyse_rank(load_rank_trace(path, window_steps)))
-        except (OSError, ValueError, KeyError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as err:
             unreadable.append(f"{path}: {err}")
     out = combine_ranks(per_rank)
     if out:  # each rank's own work (its compute, waits left out): stragglers judged from the traces
