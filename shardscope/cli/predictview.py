@@ -24,6 +24,7 @@ from shardscope.core.text import clean
 
 def _fail(message: str) -> None:
     click.echo(clean(f"shardscope: error: {message}"), err=True)
+    sys.exit(2)
 
 
 def _text(value: Any) -> Any:
@@ -31,7 +32,6 @@ def _text(value: Any) -> Any:
     from rich.text import Text
 
     return Text(clean(str(value)))
-    sys.exit(2)
 
 
 def load_for(preset: str, overrides: list[str], backend: str | None, what_if: bool) -> config.Comparison:
