@@ -133,7 +133,8 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
     resolved["options"] = resolved_options(run)
     info = registry.get(run.strategy)
     resolved["tp"] = info.tp_degree(resolved["options"])
-    resolved["dp"] = resolved["world_size"] // resolved["tp"]
+    resolved["pp"] = info.pp_degree(resolved["options"])
+    resolved["dp"] = resolved["world_size"] // (resolved["tp"] * resolved["pp"])
     comp = c.to_dict()
     comp.pop("runs")
     if run.steps:  # the A/A control: fewer steps on the baseline's lr schedule, the same losses step by step

@@ -54,7 +54,8 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             continue
         per_rank, errors = {}, []
         for rank, rec in sorted(st.memory.items()):
-            pred = memory_model.model_state_bytes(params, layout, _dp_rank(st, rank))
+            # the ("dp", "pp") mesh of a pipeline: consecutive ranks form one pipeline
+            pred = memory_model.model_state_bytes(params, layout, _dp_rank(st, rank), pp_rank=rank % layout.pp)
             meas = {k: rec.get(k) for k in ("param_bytes", "grad_bytes", "optim_bytes", "model_state_bytes")}
             row: dict[str, Any] = {"predicted": pred, "measured": meas}
             if isinstance(meas["model_state_bytes"], (int, float)) and meas["model_state_bytes"]:

@@ -14,6 +14,7 @@ from shardscope import config
 from shardscope.config import Comparison
 from shardscope.core import model_facts
 from shardscope.core.numbers import loss_difference, loss_differences, median_rate
+from shardscope.profiling import bubble
 from shardscope.profiling.state import FINISHED, STOPPED, RunState
 
 SUMMARY_VERSION = 1
@@ -143,6 +144,9 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
         "invalid_lines": state.invalid_lines,
         "wall_time_s": (state.ended_at - state.started_at) if state.started_at and state.ended_at else None,
     }
+    pipeline = bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {})
+    if pipeline is not None:
+        entry["pipeline"] = pipeline
     if state.error:
         entry["error"] = state.error
         entry["traceback_tail"] = "\n".join(state.traceback.splitlines()[-15:])

@@ -27,6 +27,7 @@ from shardscope.profiling.state import STATUS_STYLE, RunState, Update
 from shardscope.analysis import straggler_report
 from shardscope.profiling import stragglers
 from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
+from shardscope.profiling import bubble
 
 
 def fmt_num(x: float | None, spec: str = ".4f") -> str:
@@ -133,9 +134,11 @@ class HeadlessView:
         with self._lock:
             units = {st.unit for st in self.states.values() if st.rate is not None} or {"tokens/s"}
             gpu = any(on_gpu(st) for st in self.states.values())  # else every figure is the process's RSS
+            piped = any(_pipeline_of(st) for st in self.states.values())
         for col, justify in (("run", "left"), ("strategy", "left"), ("ranks", "right"), ("status", "left"),
                              ("step", "right"), ("loss", "right"), ("median " + " or ".join(sorted(units)), "right"),
-                             ("peak mem" if gpu else "peak RSS", "right"), ("eta", "right")):
+                             ("peak mem" if gpu else "peak RSS", "right"), ("eta", "right")) + (
+                                 (("bubble", "right"),) if piped else ()):
             table.add_column(col, justify=justify)
         with self._lock:
             for name in self.order:
@@ -148,6 +151,7 @@ class HeadlessView:
                     cell(st.status, STATUS_STYLE.get(st.status, "")),
                     f"{max(st.steps_completed, 0)}/{st.steps_total}", fmt_num(st.loss), unit_rate,
                     fmt_bytes(st.peak_mem_bytes), fmt_eta(st.eta_s) if st.status == "running" else "-",
+                    *((bubble.bubble_text(_pipeline_of(st)) or "-",) if piped else ()),
                 )
         return table
 
@@ -161,6 +165,41 @@ class HeadlessView:
             while not wait_step():
                 live.update(self.table())
             live.update(self.table())
+
+
+def _pipeline_of(st: Any) -> dict[str, Any] | None:
+    """A pipeline run's bubble entry so far (profiling/bubble.py), None for any other run."""
+    return bubble.pipeline_entry(st.bubble, (st.start.get(0) or {}).get("notes") or {})
+
+
+def pipeline_table(summary: dict[str, Any]) -> Table | None:
+    """The pipeline runs' schedules, bubbles (measured per rank beside theory) and point-to-point bytes; None when
+    no run is a pipeline."""
+    runs = [r for r in summary.get("runs", []) if isinstance(r.get("pipeline"), dict)]
+    if not runs:
+        return None
+    comm = (summary.get("communication") or {}).get("runs") or {}
+    table = Table(title="pipeline: the bubble (idle share of each rank's schedule span) and point-to-point bytes")
+    for col in ("run", "schedule", "pp × v", "m", "bubble", "theory", "per rank", "p2p sent / step", "vs theory"):
+        table.add_column(col, justify="left" if col in ("run", "schedule", "per rank") else "right")
+    formulas = []
+    for r in runs:
+        p = r["pipeline"]
+        c = comm.get(r["name"]) or {}
+        sent = ((c.get("collectives") or {}).get("send") or {}).get("bytes_per_step")
+        theory = ((c.get("theory") or {}).get("by_type") or {}).get("send")
+        measured, expected = p.get("bubble_measured"), p.get("bubble_theory")
+        table.add_row(cell(r["name"]), cell(p.get("schedule", "")), cell(f"{p.get('pp')} × {p.get('stages_per_rank')}"),
+                      cell(p.get("microbatches", "")),
+                      "not measured" if measured is None else f"{measured:.1%}",
+                      "-" if expected is None else f"{expected:.1%}",
+                      cell(" ".join(f"{float(v):.0%}" for v in (p.get("bubble_by_rank") or {}).values())),
+                      fmt_bytes(sent) if _number(sent) else "not profiled",
+                      fmt_num(sent / theory, ".3f") if _number(sent) and _number(theory) and theory else "-")
+        formulas.append(f"{p.get('schedule')}: {p.get('bubble_formula')}")
+    table.caption = cell("theory: " + "; ".join(dict.fromkeys(formulas)) + ". Measured: 1 − the rank's stage "
+                         "compute / its schedule span (waits for inputs and the transfers themselves are idle)")
+    return table
 
 
 def loss_table(summary: dict[str, Any]) -> Table:

@@ -51,7 +51,8 @@ def run_headless(session, device_memory_bytes: int | None = None) -> int:
 
     from rich.markup import escape
 
-    from shardscope.cli.headless import HeadlessView, comparison_table, loss_table, rank_timing_table, say
+    from shardscope.cli.headless import (HeadlessView, comparison_table, loss_table, pipeline_table, rank_timing_table,
+                                         say)
 
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough for the comparison table
@@ -86,6 +87,9 @@ def run_headless(session, device_memory_bytes: int | None = None) -> int:
         summary = refit(session.out_dir, device_memory_bytes) or summary
     if summary is not None:
         console.print(comparison_table(summary))
+        piped = pipeline_table(summary)
+        if piped is not None:
+            console.print(piped)
         console.print(loss_table(summary))
         timing = rank_timing_table(summary)
         if timing is not None:

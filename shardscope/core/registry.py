@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardscope.core.hybrid import HybridSharding, split_data_parallel
+
+__all__ = ["HybridSharding", "split_data_parallel", "StrategyInfo", "OptionSpec", "Suspect", "STRATEGIES", "LOOP_OPTIONS",
+           "register", "get", "names", "option_defaults"]
+
 
 @dataclass(frozen=True)
 class OptionSpec:
@@ -62,6 +67,10 @@ class StrategyInfo:
     needs_deepspeed: bool = False
     min_world_size: int = 1
     tp_option: str | None = None  # name of the option holding the tensor-parallel degree
+    # Pipeline parallelism (engines/pipeline.py): the option holding the pipeline degree (ranks per pipeline), and
+    # which torch.distributed.pipelining schedule runs the micro-batches ("" = not a pipeline strategy).
+    pp_option: str | None = None
+    schedule: str = ""
     models: tuple[str, ...] = ("transformer", "hf", "vit", "module")
     # What it needs of a user's model beyond its kind, each a ``<need>_refusal`` the model check fills in
     # (engines/describe.py): "tp_plan" (a tensor-parallel plan it can apply), "autotp" (an architecture whose AutoTP
@@ -115,41 +124,15 @@ class StrategyInfo:
             return 1
         return int(options.get(self.tp_option, self.options[self.tp_option].default))
 
+    def pp_degree(self, options: dict[str, Any]) -> int:
+        """Return the pipeline degree (ranks each pipeline spans) these options ask for (1 without pipelining)."""
+        if self.pp_option is None:
+            return 1
+        return int(options.get(self.pp_option, self.options[self.pp_option].default))
 
-def split_data_parallel(dp: int, *, shard: int = 0, replicas: int = 0, name: str = "hybrid sharding") -> tuple[int, int]:
-    """Return (replicas, shard group size) for ``dp`` data-parallel ranks given one of the two.
-
-    Raises ValueError, in one line starting with ``name``, when the size does not divide ``dp`` or leaves
-    shard groups of one rank (FSDP1 would fall back to NO_SHARD within the group and skip the all-reduce
-    across replicas; FSDP2 would have nothing to shard)."""
-    size = shard if shard else dp // max(1, replicas)
-    what = f"shard group size {shard}" if shard else f"replicate = {replicas}"
-    if size < 1 or dp % size or (replicas and dp % replicas):
-        raise ValueError(f"{name}: {what} must divide the {dp} data-parallel ranks")
-    if size == 1 and dp > 1:
-        raise ValueError(f"{name} with a shard group of 1 rank ({what}): nothing is sharded across the {dp} "
-                         "replicas; use NO_SHARD or ddp instead")
-    return dp // size, size
-
-
-@dataclass(frozen=True)
-class HybridSharding:
-    """How a strategy's options ask for hybrid sharding (HSDP) over a 2-D ("replicate", "shard") mesh."""
-
-    name: str  # what the messages call it
-    option: str  # the option holding the size
-    counts: str  # "shard": the option is the shard group's size (0 = the ranks of one node); "replicas": the groups
-    when: tuple[str, tuple[Any, ...]] | None = None  # hybrid only while this option holds one of these values
-
-    def groups(self, options: dict[str, Any], dp: int, ranks_per_node: int) -> tuple[int, int] | None:
-        """(replicas, shard group size) these options ask for on ``dp`` data-parallel ranks; None when they
-        ask for no hybrid sharding. Raises ValueError when the size does not divide ``dp``."""
-        if self.when is not None and options.get(self.when[0]) not in self.when[1]:
-            return None
-        value = int(options.get(self.option) or 0)
-        if self.counts == "replicas":
-            return None if value <= 1 else split_data_parallel(dp, replicas=value, name=self.name)
-        return split_data_parallel(dp, shard=value or min(dp, ranks_per_node), name=self.name)
+    def model_parallel(self, options: dict[str, Any]) -> int:
+        """Ranks one model replica spans (tensor parallel x pipeline): the world size over this is dp."""
+        return self.tp_degree(options) * self.pp_degree(options)
 
 
 # Options of the shared training loop that any run may set (not filled in by default: a run that sets none
@@ -342,6 +325,42 @@ register(
         extra_checks=("heads_divisible_by_tp", "vit_heads_divisible_by_tp"),
     )
 )
+
+# Pipeline parallelism on torch.distributed.pipelining (engines/pipeline.py): one name per schedule, because
+# each holds activations and idles differently (the bubble), which the memory model and the report read.
+_PP_OPTIONS = {
+    "pp": OptionSpec(int, 2, "pipeline degree: ranks one pipeline spans; data-parallel replicas = world / pp "
+                     "(gradients averaged across them after each step's schedule)", minimum=2),
+    "microbatches": OptionSpec(int, 4, "micro-batches each data-parallel rank's batch is split into per step "
+                               "(the pipeline's m)", minimum=1),
+}
+for _name, _schedule, _v, _what in (
+        ("pp-gpipe", "gpipe", 1, "GPipe: every micro-batch forward, then every one backward (holds all m "
+                                 "micro-batches' activations)"),
+        ("pp-1f1b", "1f1b", 1, "1F1B: one forward, one backward in turn after a warm-up (holds at most p "
+                               "micro-batches' activations)"),
+        ("pp-interleaved", "interleaved-1f1b", 2, "interleaved 1F1B: v stages per rank, looped, a bubble v "
+                                                  "times smaller"),
+        ("pp-zero-bubble", "zero-bubble", 2, "interleaved zero bubble: backward split into input- and "
+                                             "weight-gradient passes, the weight passes fill the bubble")):
+    register(
+        StrategyInfo(
+            name=_name,
+            entry="shardscope.engines.pipeline:apply_" + _name[3:].replace("-", "_"),
+            description=f"Pipeline parallel, {_what}; torch.distributed.pipelining",
+            options={**_PP_OPTIONS,
+                     "stages_per_rank": OptionSpec(int, _v, "model stages each rank holds (v); 1 for GPipe and 1F1B",
+                                                   minimum=_v, choices=None if _v > 1 else (1,))},
+            min_world_size=2,
+            pp_option="pp",
+            schedule=_schedule,
+            models=("transformer",),
+            shards="none",
+            extra_checks=("pipeline_split",),
+            comm_quirks=("pipeline-p2p",),
+        )
+    )
+
 
 def get(name: str) -> StrategyInfo:
     """Return the strategy named ``name``; raises KeyError naming the allowed strategies."""

@@ -33,6 +33,9 @@ class RankContext:
     mesh: Any = None  # DeviceMesh: 1-D ("dp",) or 2-D ("dp", "tp")
     dp_group: Any = None  # ProcessGroup of this rank's data-parallel peers (None = world)
     tp_group: Any = None  # ProcessGroup of this rank's tensor-parallel peers (None without TP)
+    pp_size: int = 1  # pipeline degree: ranks one pipeline spans (mesh ("dp", "pp"))
+    pp_rank: int = 0
+    pp_group: Any = None  # ProcessGroup of this rank's pipeline (None without pipelining)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ class Prepared:
     # which is not divergence); None: a strategy whose steps are never skipped by itself.
     step_applied: Callable[[], bool] | None = None
     notes: dict[str, Any] = field(default_factory=dict)  # strategy facts for the start record
+    # A strategy that runs a step's micro-batches itself (pipeline schedules): ``run_micro_batches(micro, divisor)``
+    # runs forward and backward over every micro-batch (each loss divided by ``divisor``) and returns the detached
+    # sum of the micro-batches' mean losses, as the loop's own path does, on every rank.
+    run_micro_batches: Callable[[list[Any], int], torch.Tensor] | None = None
+    # Its own per-step figures for the step record (pipeline: compute and span seconds), read after each step.
+    step_fields: Callable[[], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.zero_grad is None and self.optimizer is not None:

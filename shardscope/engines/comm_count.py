@@ -33,6 +33,7 @@ _TYPES = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
     "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all",
     "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv",  # pipeline stages' point to point (c10d::send, c10d::recv_)
 }
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _PLAIN = torch.Tensor.__torch_dispatch__  # a type with its own is a subclass such as DTensor

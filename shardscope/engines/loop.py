@@ -223,6 +223,8 @@ class Trainer:
             if skipped:
                 record["skipped"] = True  # fp16 overflow: no optimizer step
             record.update(clock.fields())
+            if prep.step_fields is not None:
+                record.update(prep.step_fields())
             writer.write(events.STEP, step=step, **record, **device_memory(ctx.device))
         if cfg.probe is not None:
             cfg.probe.end_step(step, writer)
@@ -282,6 +284,10 @@ def _forward_backward(prep: Prepared, ctx: RankContext, micro: list[Batch], auto
                       probe: ModuleProbe | None = None, loss_divisor: int = 1) -> torch.Tensor:
     """Run every micro-batch forward and backward, each loss divided by ``loss_divisor`` (grad_accum: the gradient
     of the mean loss) before backward; return the detached sum of their undivided losses."""
+    if prep.run_micro_batches is not None:  # a pipeline schedule runs them all, lapping the clock per action
+        loss_sum = prep.run_micro_batches(micro, loss_divisor, clock)
+        clock.lap("backward")  # the schedule's tail after its last action (its last sends, DDP's last reduce)
+        return loss_sum
     losses: list[torch.Tensor] = []
     for i, (inputs, targets) in enumerate(micro):
         inputs = inputs.to(ctx.device, non_blocking=True)

@@ -107,10 +107,15 @@ def init_distributed(spec: dict[str, Any]) -> RankContext:
     timeout = datetime.timedelta(seconds=max(300.0, 2 * float(comparison.get("stall_timeout_s", 120))))
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, dp = int(run["tp"]), int(run["dp"])
-    if world != run["world_size"] or dp * tp != world:
+    tp, dp, pp = int(run["tp"]), int(run["dp"]), int(run.get("pp", 1))
+    if world != run["world_size"] or dp * tp * pp != world:
         raise ValueError(f"launched world size {world} does not match the spec: world_size {run['world_size']}, "
-                         f"dp {dp} x tp {tp}")
+                         f"dp {dp} x tp {tp} x pp {pp}")
+    if pp > 1:  # consecutive ranks form one pipeline; the dp dimension joins the same stage of every pipeline
+        mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        return RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
+                           dp_size=dp, dp_rank=mesh.get_local_rank("dp"), mesh=mesh, dp_group=mesh.get_group("dp"),
+                           pp_size=pp, pp_rank=mesh.get_local_rank("pp"), pp_group=mesh.get_group("pp"))
     if tp > 1:
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
@@ -191,7 +196,8 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     writer.write(events.START, spec=run, world_size=ctx.world_size, device=str(ctx.device), backend=ctx.backend,
                  device_name=device_name(ctx.device), host=socket.gethostname(), init_sha256=init_sha256,
                  versions=versions(), precision=settings.precision.describe(), params=n_params,
-                 dp=ctx.dp_size, tp=ctx.tp_size, micro_batch_size=settings.micro_batch_size,
+                 dp=ctx.dp_size, tp=ctx.tp_size, **({"pp": ctx.pp_size} if ctx.pp_size > 1 else {}),
+                 micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes,
                  straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window},
                  startup=marks, forked=bool(marks.get("process")) and _T_IMPORTED < marks["process"])

@@ -16,6 +16,7 @@ from typing import Any
 from shardscope.core import model_facts, registry
 from shardscope.core.record_wire import parse_endpoint
 from shardscope.presets.files import ConfigError
+from shardscope.presets import pipeline_checks
 from shardscope.presets.inputs import model_refusal
 from shardscope.presets.schema import (
     DATA_KINDS, DEVICES, HF_ARCHS, MAX_NAME, MODEL_INPUTS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, START_METHODS,
@@ -250,10 +251,13 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
                 f"{src}: {where}.precision = 'fp16': {run.strategy} runs fp16 on CPU only with AVX512-FP16 or "
                 f"AMX-FP16, which this CPU lacks; use fp32 or bf16-params here, or a GPU"
             )
-    tp = info.tp_degree(resolved_options(run))
+    tp, pp = info.tp_degree(resolved_options(run)), info.pp_degree(resolved_options(run))
     if ws % tp:
         raise ConfigError(f"{src}: {where}: world_size {ws} is not dp x tp with tp = {tp} (dp would be {ws / tp:g})")
-    dp = ws // tp
+    if ws % pp:
+        raise ConfigError(f"{src}: {where}: world_size {ws} is not dp x pp with options.pp = {pp} (dp would be "
+                          f"{ws / pp:g})")
+    dp = ws // (tp * pp)
     if c.global_batch % (dp * c.grad_accum):
         raise ConfigError(
             f"{src}: global_batch = {c.global_batch}: must be divisible by dp ({dp}) x grad_accum ({c.grad_accum}) "
@@ -307,4 +311,5 @@ def _check_vit_heads_divisible(c: Comparison, run: RunSpec, tp: int, dp: int) ->
 
 
 LAYOUT_CHECKS["autotp_zero_stage"] = _check_autotp_zero_stage
+LAYOUT_CHECKS["pipeline_split"] = pipeline_checks.check_pipeline
 LAYOUT_CHECKS["vit_heads_divisible_by_tp"] = _check_vit_heads_divisible

@@ -34,6 +34,7 @@ from typing import Any
 
 from shardscope.config import Comparison, RunSpec
 from shardscope.core import model_facts, registry
+from shardscope.profiling import pipeline_model
 from shardscope.profiling.memory_model import (
     ARCHS,
     FLAT_VIEW_ALIGN,
@@ -105,6 +106,8 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                        "communication_data_type to fp32, so bf16 gradients are not summed in bf16)")
     accum = max(1, comp.grad_accum)
     dp = layout.dp
+    if layout.pp > 1:
+        return _pipeline_comm(comp, layout, params, g_bytes)
     one_rank = dp == 1 and layout.tp == 1 and "one-rank-collectives" in quirks
     if one_rank:
         reasons.append("at one rank it still hands its tensors to collectives, on a group of one (no bytes cross "
@@ -202,6 +205,25 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                            "layer's input")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis) or "no communication",
             "reasons": reasons, "dp": dp, "tp": layout.tp, "shards": layout.shards}
+
+
+def _pipeline_comm(comp: Comparison, layout: Any, params: list, grad_bytes: int) -> dict[str, Any]:
+    """A pipeline's bytes per step, the mean over ranks (profiling/pipeline_model.py): each stage boundary's
+    activations and gradients sent and received, the global gradient norm's all-reduce across the stages, and,
+    with several pipelines, one all-reduce of each rank's stage gradients across them."""
+    p2p = pipeline_model.p2p_bytes(comp, layout, layout.dp)
+    parts: dict[str, float] = {"send": p2p, "recv": p2p, "all_reduce": 4}
+    n_stages = layout.pp * layout.v
+    basis = [f"{n_stages - 1} stage boundaries x {layout.microbatches} micro-batches of activations forward and "
+             "gradients back (point to point)", "the gradient norm's all-reduce across the stages (4 B)"]
+    if layout.dp > 1:
+        held = [sum(p.numel for p in pipeline_model.rank_params(params, layout.pp, layout.v, r)) for r in range(layout.pp)]
+        parts["all_reduce"] += sum(held) * grad_bytes / layout.pp
+        basis.append(f"one all-reduce of each rank's stage gradients across the {layout.dp} pipelines")
+    return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis),
+            "reasons": ["pipeline stages exchange activations point to point; the figure is the mean over ranks "
+                        "(the first and last ranks hold fewer boundaries)"], "dp": layout.dp, "tp": layout.tp,
+            "shards": layout.shards}
 
 
 def column_linears(params: list) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 from shardscope.config import Comparison, RunSpec, resolved_options, resolved_precision, resolved_world_size
 from shardscope.core import registry
 from shardscope.core import model_facts
+from shardscope.profiling import pipeline_model
 from shardscope.core.hf_archs import ARCHS  # noqa: F401  (memory_model.ARCHS: callers read the table through here)
 # The shapes live in param_shapes; callers read them through this module too.
 from shardscope.profiling.param_shapes import (  # noqa: F401
@@ -94,6 +95,10 @@ class Layout:
     shard_group: int = 0  # hybrid sharding: ranks each sharded state is split over (0 = all dp ranks)
     hybrid: bool = False  # hybrid sharding: gradient shards all-reduced across the dp / shard_size replicas
     head_split: str = ""  # an untied output layer's weight split by vocabulary under tp (registry "vocab-split-head")
+    pp: int = 1  # pipeline: ranks per pipeline, stages per rank (v), micro-batches (m), schedule (profiling/pipeline_model)
+    v: int = 1
+    microbatches: int = 1
+    schedule: str = ""
 
     @property
     def shard_size(self) -> int:
@@ -144,12 +149,14 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     master = low or (info.needs_deepspeed and copy)
     by_option = next((t[options[k]] for k, t in LAYOUT_BY_OPTION.items() if k in info.options and options.get(k) in t), "")
     shard_layout = str((notes or {}).get("shard_layout") or by_option or info.shard_layout or "flat")
-    dp = max(1, ws // tp)  # hybrid sharding (the registry's ``hybrid``): sharded over a group, replicated across
+    pp = info.pp_degree(options)
+    dp = max(1, ws // (tp * pp))  # hybrid sharding (the registry's ``hybrid``): sharded over a group, replicated across
     groups = info.hybrid.groups(options, dp, max(1, ws // c.launch.nnodes)) if info.hybrid else None
     head = model_facts.untied_head(c.model) if tp > 1 and "vocab-split-head" in info.comm_quirks else ""
     return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
                   shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups),
-                  head)
+                  head, pp, int(options.get("stages_per_rank") or 1), int(options.get("microbatches") or 1),
+                  info.schedule)
 
 
 def params_for(m: Any, layout: Layout) -> list[Param]:
@@ -221,12 +228,15 @@ def overlapping_tensor_numel(sizes: list[int], dp: int, rank: int, align: int = 
     return held
 
 
-def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0) -> dict[str, int]:
+def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0, pp_rank: int = 0) -> dict[str, int]:
     """Predicted ``param_bytes``, ``grad_bytes``, ``optim_bytes`` and ``model_state_bytes`` on ``rank``.
 
     ``rank`` is the data-parallel rank (it matters only where dim-0 chunks are uneven). States are
     split over ``layout.shard_size`` ranks: the shard group under hybrid sharding (replicas hold the same).
+    Under pipeline parallelism, of the parameters the stages of pipeline rank ``pp_rank`` hold.
     """
+    if layout.pp > 1:
+        params = pipeline_model.rank_params(params, layout.pp, layout.v, pp_rank)
     p_bytes, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
     if layout.low_precision_params:
         p_bytes = g_bytes = compute_bytes
@@ -274,6 +284,8 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
     """
     m = c.model
     micro = max(1, c.global_batch // max(1, layout.dp * c.grad_accum))
+    if layout.pp > 1:  # one chunk: a micro-batch of the pipeline's schedule
+        micro = max(1, c.global_batch // max(1, layout.dp * layout.microbatches))
     if model_facts.is_described(m):
         return described_activation_bytes(c, layout, micro)
     scale = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2] / 2
@@ -286,6 +298,9 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
         # 10 units replicated (norm inputs, residuals), 24 split by tp; the MLP's share (19 of 24) scales with d_ff/4h.
         per_layer = sbh * (10 + (5 + 19 * ffn_ratio) / layout.tp)
     logits = 2 * micro * s * vocab * 4 // max(1, layout.tp if vocab else 1) if vocab else 0
+    if layout.pp > 1:  # rank 0's blocks, times the chunks its schedule holds
+        held = pipeline_model.activation_bytes(c, layout, per_layer * scale, int(logits))
+        return {"layers": held["layers"], "logits": held["logits"], "micro_batch": micro}
     return {"layers": int(per_layer * scale * layers), "logits": int(logits), "micro_batch": micro}
 
 
@@ -344,6 +359,7 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
         "world_size": layout.world_size,
         "dp": layout.dp,
         "tp": layout.tp,
+        **({"pp": layout.pp} if layout.pp > 1 else {}),
         "shards": layout.shards,
         "shard_group": layout.shard_size,  # ranks each sharded state is split over (dp unless hybrid)
         "replicas": layout.dp // layout.shard_size if layout.hybrid else 1,

@@ -19,6 +19,7 @@ from typing import Any, Union
 from shardscope.core import events
 from shardscope.core.text import clean
 from shardscope.core.numbers import median_rate
+from shardscope.profiling.bubble import BubbleWatch
 from shardscope.profiling.loss_fold import LossMean
 from shardscope.profiling.stragglers import StragglerWatch
 
@@ -167,6 +168,7 @@ class RunState:
     nonfinite_what: str = ""  # "loss", "grad_norm" or "loss and grad_norm" at that step
     stragglers: StragglerWatch = field(default_factory=StragglerWatch)  # per-rank step timings, flagged ranks
     loss_mean: LossMean = field(default_factory=LossMean)  # ranks' local losses -> the run's loss per step
+    bubble: BubbleWatch = field(default_factory=BubbleWatch)  # pipeline runs: each rank's bubble per step
 
     # -- queries --
     @property
@@ -268,6 +270,7 @@ class RunState:
             if isinstance(peak, (int, float)):
                 self.peak_mem_bytes = max(self.peak_mem_bytes or 0, int(peak))
             self.stragglers.add(rank, int(r.get("step", 0)), r, self.world_size)
+            self.bubble.add(rank, int(r.get("step", 0)), r)
             loss = self.loss_mean.add(rank, int(r.get("step", 0)), r, self.world_size)
             if loss is not None:
                 self._add_loss(int(r.get("step", 0)), loss)

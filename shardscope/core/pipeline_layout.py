@@ -1,0 +1,146 @@
+"""Pipeline parallelism without torch: how a model's units split into stages, which rank holds which stage, and
+the bubble each schedule leaves in theory.
+
+Read by the rank (engines/pipeline.py builds its stages from ``split``), the memory model and the communication
+theory (the same split, so predicted per-stage states are the ones the ranks hold) and the report (theory beside
+the measured bubble). Must not import torch.
+
+Units are the model's in order: the embeddings (every parameter before the first block), one unit per block, the
+head (every parameter after the last block: final norm and output layer). A split is contiguous and balanced by
+parameters: the largest stage is as small as any contiguous split can make it (a linear partition, solved exactly
+by dynamic programming; ties broken towards earlier stages holding fewer units), each stage at least one unit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# schedule -> (how its bubble is figured in theory, the formula named)
+FORMULAS = {
+    "gpipe": "(p−1)/(m+p−1)",
+    "1f1b": "(p−1)/(m+p−1)",
+    "interleaved-1f1b": "(p−1)/(v·m+p−1)",
+    "zero-bubble": "its action grid, simulated with F = I = W = 1 (weight passes fill idle slots)",
+}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of the split: its name ("embeddings", "layers.3", "head") and parameter elements."""
+
+    name: str
+    numel: int
+
+
+def unit_names(names: list[str]) -> list[str]:
+    """The unit of each parameter, given the model's parameter names in module order: ``layers.<i>`` for a
+    block's, "embeddings" for a root parameter before the first block, "head" after it."""
+    out, seen = [], False
+    for name in names:
+        if name.startswith("layers."):
+            out.append(".".join(name.split(".")[:2]))
+            seen = True
+        else:
+            out.append("head" if seen else "embeddings")
+    return out
+
+
+def units_of(names_numels: list[tuple[str, int]]) -> list[Unit]:
+    """The split's units, in order, from the model's parameters in module order (``(name, numel)``)."""
+    sizes: dict[str, int] = {"embeddings": 0}
+    for unit, (_, numel) in zip(unit_names([n for n, _ in names_numels]), names_numels):
+        sizes[unit] = sizes.get(unit, 0) + numel
+    head = sizes.pop("head", 0)
+    return [Unit(k, v) for k, v in sizes.items()] + [Unit("head", head)]
+
+
+def split(sizes: list[int], n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` unit ranges for ``n_stages`` stages minimising the largest stage's size (each
+    stage at least one unit). Raises ValueError when there are fewer units than stages."""
+    n = len(sizes)
+    if n_stages < 1 or n < n_stages:
+        raise ValueError(f"{n} units cannot fill {n_stages} stages (each stage needs at least one)")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+
+    @functools.lru_cache(maxsize=None)
+    def best(i: int, k: int) -> tuple[int, tuple[int, ...]]:
+        """(largest stage, cut points) for units i.. into k stages."""
+        if k == 1:
+            return prefix[n] - prefix[i], ()
+        out: tuple[int, tuple[int, ...]] | None = None
+        for j in range(i + 1, n - k + 2):  # the first stage is units i..j-1
+            rest, cuts = best(j, k - 1)
+            cost = max(prefix[j] - prefix[i], rest)
+            if out is None or cost < out[0]:
+                out = (cost, (j, *cuts))
+        assert out is not None
+        return out
+
+    cuts = (0, *best(0, n_stages)[1], n)
+    return [(cuts[i], cuts[i + 1]) for i in range(n_stages)]
+
+
+def stage_ranks(n_stages: int, pp: int) -> dict[int, int]:
+    """Pipeline rank of each stage: looped (stage s on rank s mod pp), as torch's interleaved schedules place
+    them; with one stage per rank, stage s on rank s."""
+    return {s: s % pp for s in range(n_stages)}
+
+
+def stages_of(pp_rank: int, pp: int, v: int) -> list[int]:
+    """The stages ``pp_rank`` holds, in order."""
+    return [s for s, r in stage_ranks(pp * v, pp).items() if r == pp_rank]
+
+
+def bubble_theory(schedule: str, p: int, m: int, v: int = 1) -> float | None:
+    """The idle fraction of a step's pipeline time in theory (equal forward and backward costs per stage), or None
+    for a schedule whose bubble comes from its action grid (``grid_bubble``)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return None
+
+
+def grid_bubble(order: dict[int, list[tuple[str, int, int]]], stage_rank: dict[int, int],
+                cost: dict[str, float] | None = None) -> float:
+    """The idle fraction of a schedule's action grid: each rank runs its actions (``(kind, stage, microbatch)``,
+    kind F, B (full backward), I (input gradient) or W (weight gradient)) in order, each starting when its inputs
+    are ready: F(s, m) after F(s-1, m); B or I (s, m) after F(s, m) and B/I(s+1, m); W(s, m) after I(s, m).
+    Returns 1 - busy / (ranks x makespan). Raises ValueError when the grid cannot complete (a deadlock)."""
+    cost = cost or {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    n_stages = len(stage_rank)
+    done: dict[tuple[str, int, int], float] = {}
+    clock = {r: 0.0 for r in order}
+    pos = {r: 0 for r in order}
+    busy = {r: 0.0 for r in order}
+
+    def needs(kind: str, s: int, mb: int) -> list[tuple[str, int, int]]:
+        if kind == "F":
+            return [("F", s - 1, mb)] if s > 0 else []
+        if kind in ("B", "I"):
+            return [("F", s, mb)] + ([("BI", s + 1, mb)] if s < n_stages - 1 else [])
+        return [("BI", s, mb)]
+
+    left = sum(len(v) for v in order.values())
+    while left:
+        moved = False
+        for r, actions in order.items():
+            while pos[r] < len(actions):
+                kind, s, mb = actions[pos[r]]
+                deps = needs(kind, s, mb)
+                if not all(d in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                clock[r] = start + cost[kind]
+                busy[r] += cost[kind]
+                done[("BI" if kind in ("B", "I") else kind, s, mb)] = clock[r]
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise ValueError("the action grid cannot complete: an action waits for one that never runs")
+    makespan = max(clock.values())
+    return 1.0 - sum(busy.values()) / (len(order) * makespan) if makespan else 0.0

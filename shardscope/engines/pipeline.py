@@ -1,0 +1,263 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the model split into stages across the ranks of a
+pipeline, a step's micro-batches run by one of torch's schedules (GPipe, 1F1B, interleaved 1F1B, interleaved zero
+bubble), gradients averaged across the pipelines' replicas after each schedule step.
+
+The split is ``core/pipeline_layout.split``: contiguous units (embeddings, each block, the head), balanced by
+parameters, looped over the ranks (stage s on pipeline rank s mod pp), so the memory model and the communication
+theory predict from the same split. Each stage is a view of the built model (its modules, not copies), so the
+comparison's shared initial weights carry over unchanged.
+
+Fair by construction: the step's micro-batches (the loop's, concatenated: the rank's whole share of the global
+batch) are split into ``microbatches`` equal chunks; the loss of a chunk is its summed cross entropy over the rank's
+token count (``scale_grads=False``), so the gradients are those of the mean loss over the rank's batch whatever
+``microbatches`` is, as in every other strategy (a mean per chunk scaled by the schedule would divide a weight
+shared by two stages twice: benchmarks/RESULTS.md, pipeline schedules).
+
+What it measures for the step record (``pp_*``): each stage action's compute time (``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``, timed around the call: the wait for an input happens before
+it, in the schedule) and the schedule's span, whose difference is the rank's bubble. The step clock's forward and
+backward laps close at the end of each action, so the wait before an action counts in that action's phase.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules
+
+from shardscope.core import pipeline_layout, registry
+from shardscope.engines import memory_accounting, norms
+from shardscope.engines.api import Prepared, RankContext, TrainSettings
+from shardscope.engines.comm_count import instrumentation
+from shardscope.engines.optim import make_optimizer
+
+SCHEDULES = {  # registry schedule -> (torch class, whether it takes every stage of the rank)
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", True),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", True),
+}
+
+
+class TransformerStage(nn.Module):
+    """Units ``[start, end)`` of the built-in transformer (0: embeddings, 1..L: blocks, L+1: head), holding the
+    model's own modules under their own names (``layers.<i>`` kept), so per-layer norms and weights match."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> None:
+        super().__init__()
+        n_layers = len(model.layers)
+        self.first, self.last, self.autocast = start == 0, end == n_layers + 2, autocast
+        if self.first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.layers = nn.ModuleDict({str(u - 1): model.layers[u - 1] for u in range(max(1, start), min(end, n_layers + 1))})
+        if self.last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.autocast) if self.autocast else _NULL:
+            if self.first:
+                x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            for block in self.layers.values():
+                x = block(x)
+            return self.lm_head(self.norm(x)) if self.last else x
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NULL = _Null()
+
+
+class StageTimer:
+    """Compute seconds of a rank's stage actions in the current step, and the step clock's laps at their ends."""
+
+    def __init__(self) -> None:
+        self.forward_s = self.backward_s = 0.0
+        self.clock: Any = None
+
+    def wrap(self, stage: PipelineStage) -> None:
+        """Time ``stage``'s compute entry points (wrapped on the instance)."""
+        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                              ("backward_weight_one_chunk", "backward")):
+            setattr(stage, method, self._timed(getattr(stage, method), phase))
+
+    def _timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - t0
+                if phase == "forward":
+                    self.forward_s += spent
+                else:
+                    self.backward_s += spent
+                if self.clock is not None:
+                    self.clock.lap(phase)
+        return timed
+
+
+def average_across_pipelines(params: list[torch.Tensor], group: Any, dp: int) -> None:
+    """Average the stages' gradients across the pipelines' replicas: one all-reduce of one flat buffer after the
+    schedule. Not DDP: DDP's hooks fire in backward and miss the gradients a zero-bubble schedule computes in its
+    separate weight pass (with DDP, ``pp-zero-bubble`` at 2 pipelines left DDP's loss by 0.077 in 8 steps and
+    reduced 140,932 of 473,860 expected bytes: 2026-11-28, torch 2.13.0, gloo); one flat all-reduce is exact for
+    every schedule, at the cost of no overlap with backward."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grid_of(schedule: Any) -> dict[int, list[tuple[str, int, int]]]:
+    """The schedule's action grid as ``{rank: [(kind, stage, microbatch)]}`` (compute actions only)."""
+    out: dict[int, list[tuple[str, int, int]]] = {}
+    for rank, actions in schedule.pipeline_order.items():
+        flat = []
+        for a in actions:
+            for sub in (getattr(a, "sub_actions", None) or (a,)) if a is not None else ():
+                kind = str(sub.computation_type.value if hasattr(sub.computation_type, "value") else sub.computation_type)
+                if kind in ("F", "B", "I", "W"):
+                    flat.append((kind, int(sub.stage_index), int(sub.microbatch_index)))
+        out[int(rank)] = flat
+    return out
+
+
+def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any], *,
+          strategy: str) -> Prepared:
+    """Split ``model`` into this rank's pipeline stages, build the ``strategy``'s schedule; return the Prepared the
+    loop drives. Options: ``pp`` (ranks per pipeline), ``microbatches`` (m), ``stages_per_rank`` (v)."""
+    info = registry.get(strategy)
+    pp, m, v = ctx.pp_size, int(options["microbatches"]), int(options["stages_per_rank"])
+    n_stages = pp * v
+    units = pipeline_layout.units_of([(n, p.numel()) for n, p in model.named_parameters()])
+    ranges = pipeline_layout.split([u.numel for u in units], n_stages)
+    mine = pipeline_layout.stages_of(ctx.pp_rank, pp, v)
+    policy = settings.precision
+    autocast = policy.compute_dtype if policy.autocast else None
+    modules = [TransformerStage(model, *ranges[s], autocast) for s in mine]
+    batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
+    chunk, seq = batch // m, int(model.seq_len)
+    width, vocab = model.tok_emb.weight.shape[1], model.lm_head.weight.shape[0]
+    act = dict(dtype=torch.float32, device=ctx.device)
+    stages = []
+    for s, mod in zip(mine, modules):
+        first, last = s == 0, s == n_stages - 1
+        inp = (torch.zeros(chunk, seq, dtype=torch.long, device=ctx.device) if first
+               else torch.zeros(chunk, seq, width, requires_grad=True, **act))
+        out = (torch.zeros(chunk, seq, vocab, requires_grad=True, dtype=autocast or torch.float32, device=ctx.device)
+               if last else torch.zeros(chunk, seq, width, requires_grad=True, **act))
+        stages.append(PipelineStage(mod, s, n_stages, ctx.device, input_args=(inp,), output_args=(out,),
+                                    group=ctx.pp_group))
+    timer = StageTimer()
+    for stage in stages:
+        timer.wrap(stage)
+    tokens = batch * seq
+    factor = {"value": 1.0}  # grad_accum_loss = "sum": the gradient of grad_accum times the mean loss
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+        return summed * (factor["value"] / tokens)
+
+    cls_name, looped = SCHEDULES[info.schedule]
+    cls = getattr(schedules, cls_name)
+    schedule = cls(stages if looped else stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    stage_rank = pipeline_layout.stage_ranks(n_stages, pp)
+    theory = pipeline_layout.bubble_theory(info.schedule, pp, m, v)
+    # Only where no formula holds (zero bubble): torch 2.13's 1F1B grid labels its last rank's forwards F1..Fm.
+    grid = pipeline_layout.grid_bubble(grid_of(schedule), stage_rank) if theory is None else None
+    has_first, has_last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    last_rank = dist.get_global_rank(ctx.pp_group, stage_rank[n_stages - 1])
+    spans = {"span_s": 0.0}
+
+    def run_micro_batches(micro: list[Any], divisor: int, clock: Any = None) -> torch.Tensor:
+        inputs = torch.cat([x for x, _ in micro]).to(ctx.device)
+        targets = torch.cat([y for _, y in micro]).to(ctx.device)
+        factor["value"] = len(micro) / divisor
+        timer.forward_s = timer.backward_s = 0.0
+        timer.clock = clock
+        losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        args = (inputs,) if has_first else ()
+        if has_last:
+            schedule.step(*args, target=targets, losses=losses)
+        else:
+            schedule.step(*args)
+        spans["span_s"] = time.perf_counter() - t0
+        if ctx.dp_size > 1:
+            average_across_pipelines(params, ctx.dp_group, ctx.dp_size)
+        timer.clock = None
+        mean = (torch.stack([x.detach() for x in losses]).sum() / factor["value"] if has_last
+                else torch.zeros((), device=ctx.device))
+        with instrumentation():  # the loss, for the record, from the stage that computed it: shardscope's own
+            dist.broadcast(mean, src=last_rank, group=ctx.pp_group)
+        return mean * len(micro)
+
+    params = [p for mod in modules for p in mod.parameters()]
+    optimizer = make_optimizer(params, settings)
+
+    def clip_and_step(max_norm: float) -> float:
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=ctx.device)
+        square = (local.float() ** 2).reshape(1)
+        dist.all_reduce(square, group=ctx.pp_group)  # every stage's share of the global norm
+        norm = square.sqrt()[0]
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
+        optimizer.step()
+        return float(norm)
+
+    named = [(n, p) for mod in modules for n, p in mod.named_parameters()]
+
+    def layer_norms() -> dict[str, dict[str, float]]:
+        local = norms.param_and_grad_norms(named)
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, local, group=ctx.pp_group)
+        return {k: {layer: value for part in gathered for layer, value in part[k].items()} for k in ("grad", "param")}
+
+    def step_fields() -> dict[str, Any]:
+        span = spans["span_s"]
+        compute = timer.forward_s + timer.backward_s
+        out = {"pp_forward_s": timer.forward_s, "pp_backward_s": timer.backward_s, "pp_span_s": span}
+        if span > 0:
+            out["pp_bubble"] = max(0.0, 1.0 - compute / span)
+        return out
+
+    notes = {"pp": pp, "microbatches": m, "stages_per_rank": v, "schedule": info.schedule,
+             "stages": mine, "units": [[units[i].name for i in range(*ranges[s])] for s in mine],
+             "stage_params": [sum(units[i].numel for i in range(*ranges[s])) for s in mine],
+             "bubble_theory": theory if theory is not None else grid,
+             "bubble_formula": pipeline_layout.FORMULAS[info.schedule], "chunk": chunk}
+    return Prepared(
+        model=nn.ModuleList(modules), optimizer=optimizer, clip_and_step=clip_and_step,
+        model_state_bytes=lambda: memory_accounting.model_state_bytes(params, optimizer),
+        layer_norms=layer_norms, handles_precision=True, run_micro_batches=run_micro_batches,
+        step_fields=step_fields, notes=notes)
+
+
+def _entry(strategy: str) -> Callable[..., Prepared]:
+    def entry(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: dict[str, Any]) -> Prepared:
+        return apply(model, ctx, settings, options, strategy=strategy)
+    entry.__doc__ = f"``apply`` with the {strategy} schedule (the registry's entry for it)."
+    return entry
+
+
+apply_gpipe = _entry("pp-gpipe")
+apply_1f1b = _entry("pp-1f1b")
+apply_interleaved = _entry("pp-interleaved")
+apply_zero_bubble = _entry("pp-zero-bubble")
