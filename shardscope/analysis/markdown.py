@@ -60,6 +60,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     out.append(_loss_md(s))
     out.append(_memory_md(s.get("memory", {})))
     out.append(_comm_md(s.get("communication", {})))
+    out.append(_pipeline_md(s))
     out.append(_parity_md(s.get("parity", {})))
     out.append(straggler_report.markdown(s.get("stragglers", {}), _table))
     out.append(_traces_md(s))
@@ -70,6 +71,29 @@ def render_markdown(s: dict[str, Any]) -> str:
     out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or "")]
     out.append(_record_server_md(s.get("record_server") or {}))
     return "\n".join(x for x in out if x)
+
+
+def _pipeline_md(s: dict[str, Any]) -> str:
+    """The pipeline runs' schedules and bubbles, measured per rank beside theory; "" without a pipeline run."""
+    runs = [r for r in s["runs"] if isinstance(r.get("pipeline"), dict)]
+    if not runs:
+        return ""
+    rows, formulas = [], {}
+    pct = (lambda v: "not measured" if not isinstance(v, (int, float)) else f"{v:.1%}")  # noqa: E731
+    for r in runs:
+        p = r["pipeline"]
+        rows.append([r["name"], str(p.get("schedule")), f"{p.get('pp')} × {p.get('stages_per_rank')}",
+                     str(p.get("microbatches")), pct(p.get("bubble_measured")), pct(p.get("bubble_theory")),
+                     " ".join(pct(v) for v in (p.get("bubble_by_rank") or {}).values())])
+        formulas[str(p.get("schedule"))] = str(p.get("bubble_formula"))
+    return ("## Pipeline: the bubble\n\n" + _table(["run", "schedule", "pp × v (stages per rank)", "m (micro-batches)",
+                                                     "bubble measured", "theory", "per rank"], rows)
+            + "\nMeasured: the share of each rank's schedule span outside its stages' compute (waiting for an input "
+            "or a gradient, and the point-to-point transfers themselves), the median over steps after the first, "
+            "outside the profiler's window; the run's figure is the mean over ranks. Theory: "
+            + "; ".join(f"{k}: {v}" for k, v in formulas.items())
+            + " (p ranks per pipeline, m micro-batches, v stages per rank). On a CPU whose ranks wait for a core, "
+            "the waits count as bubble too.\n")
 
 
 def _record_server_md(rs: dict[str, Any]) -> str:

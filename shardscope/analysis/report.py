@@ -15,7 +15,8 @@ from shardscope.config import Comparison, dump_json, write_atomic
 from shardscope.profiling.state import RunState
 from shardscope.core.outspace import describe, disk_error
 from shardscope.core.rundir import MERGED_TRACE, PLOTS, REPORT, SUMMARY, TRACES, RunDir, RunFiles, read_json_or_none
-from shardscope.analysis import divergence, explain_report, fold, noise, plots, recommend, straggler_report, summary
+from shardscope.analysis import (divergence, explain_report, fold, noise, pipeline_plot, plots, recommend, straggler_report,
+                                 summary)
 from shardscope.analysis.markdown import render_markdown  # noqa: F401  (report.render_markdown for callers)
 from shardscope.analysis.predict import report as predict_report
 from shardscope.profiling import framework_fixes, memory_model, traces
@@ -214,6 +215,7 @@ def _full_reports(out_dir: str, stage: list[str]) -> Reports:  # stage[0]: what 
             made = plots.write_plots(data, losses, out.plots)
             timing = straggler_report.plot(states, out.plot("rank_timing"))
             made.update({"rank_timing": timing} if timing else {})
+            made.update(pipeline_plot.write_timelines(data, out.plots))
             data["plots"] = {k: os.path.relpath(v, out_dir) for k, v in made.items()}
             paths["plots"] = out.plots
         dump_json(paths["summary"], data)

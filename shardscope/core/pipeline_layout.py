@@ -104,18 +104,12 @@ def bubble_theory(schedule: str, p: int, m: int, v: int = 1) -> float | None:
     return None
 
 
-def grid_bubble(order: dict[int, list[tuple[str, int, int]]], stage_rank: dict[int, int],
-                cost: dict[str, float] | None = None) -> float:
-    """The idle fraction of a schedule's action grid: each rank runs its actions (``(kind, stage, microbatch)``,
-    kind F, B (full backward), I (input gradient) or W (weight gradient)) in order, each starting when its inputs
-    are ready: F(s, m) after F(s-1, m); B or I (s, m) after F(s, m) and B/I(s+1, m); W(s, m) after I(s, m).
-    Returns 1 - busy / (ranks x makespan). Raises ValueError when the grid cannot complete (a deadlock)."""
-    cost = cost or {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    n_stages = len(stage_rank)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = {r: 0.0 for r in order}
-    pos = {r: 0 for r in order}
-    busy = {r: 0.0 for r in order}
+def simulate(order: dict[int, list[tuple[str, int, int]]], n_stages: int,
+             cost: dict[str, float]) -> dict[int, list[tuple[str, int, int, float, float]]]:
+    """Run each rank's actions (``(kind, stage, microbatch)``, kind F, B (full backward), I (input gradient) or W
+    (weight gradient)) in order, each lasting ``cost[kind]`` and starting when its inputs are ready: F(s, m) after
+    F(s-1, m); B or I (s, m) after F(s, m) and B/I(s+1, m); W(s, m) after I(s, m). Returns each rank's actions with
+    their start and end. Raises ValueError when the grid cannot complete (an action waits for one that never runs)."""
 
     def needs(kind: str, s: int, mb: int) -> list[tuple[str, int, int]]:
         if kind == "F":
@@ -124,6 +118,10 @@ def grid_bubble(order: dict[int, list[tuple[str, int, int]]], stage_rank: dict[i
             return [("F", s, mb)] + ([("BI", s + 1, mb)] if s < n_stages - 1 else [])
         return [("BI", s, mb)]
 
+    done: dict[tuple[str, int, int], float] = {}
+    clock = {r: 0.0 for r in order}
+    pos = {r: 0 for r in order}
+    out: dict[int, list[tuple[str, int, int, float, float]]] = {r: [] for r in order}
     left = sum(len(v) for v in order.values())
     while left:
         moved = False
@@ -135,12 +133,23 @@ def grid_bubble(order: dict[int, list[tuple[str, int, int]]], stage_rank: dict[i
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
                 clock[r] = start + cost[kind]
-                busy[r] += cost[kind]
                 done[("BI" if kind in ("B", "I") else kind, s, mb)] = clock[r]
+                out[r].append((kind, s, mb, start, clock[r]))
                 pos[r] += 1
                 left -= 1
                 moved = True
         if not moved:
             raise ValueError("the action grid cannot complete: an action waits for one that never runs")
-    makespan = max(clock.values())
-    return 1.0 - sum(busy.values()) / (len(order) * makespan) if makespan else 0.0
+    return out
+
+
+def grid_bubble(order: dict[int, list[tuple[str, int, int]]], stage_rank: dict[int, int],
+                cost: dict[str, float] | None = None) -> float:
+    """The idle fraction of a schedule's action grid (``simulate``, by default with a full backward twice a forward
+    and an input or weight pass as long as a forward): 1 - busy / (ranks x makespan). Raises ValueError when the
+    grid cannot complete."""
+    cost = cost or {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    timed = simulate(order, len(stage_rank), cost)
+    makespan = max((a[-1][4] for a in timed.values() if a), default=0.0)
+    busy = sum(end - start for actions in timed.values() for *_, start, end in actions)
+    return 1.0 - busy / (len(order) * makespan) if makespan else 0.0

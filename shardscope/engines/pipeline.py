@@ -80,29 +80,42 @@ _NULL = _Null()
 
 
 class StageTimer:
-    """Compute seconds of a rank's stage actions in the current step, and the step clock's laps at their ends."""
+    """Compute seconds of a rank's stage actions in the current step, each action's interval (for the timeline),
+    and the step clock's laps at their ends."""
 
     def __init__(self) -> None:
         self.forward_s = self.backward_s = 0.0
         self.clock: Any = None
+        self.t0 = 0.0  # the schedule's start, for the actions' offsets
+        self.actions: list[list[Any]] = []  # [kind, stage, micro-batch, start ms, end ms] of this step
+
+    def begin(self, clock: Any) -> None:
+        """Start a step's schedule."""
+        self.forward_s = self.backward_s = 0.0
+        self.clock, self.actions, self.t0 = clock, [], time.perf_counter()
 
     def wrap(self, stage: PipelineStage) -> None:
         """Time ``stage``'s compute entry points (wrapped on the instance)."""
         for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                               ("backward_weight_one_chunk", "backward")):
-            setattr(stage, method, self._timed(getattr(stage, method), phase))
+            setattr(stage, method, self._timed(getattr(stage, method), phase, method, stage.stage_index))
 
-    def _timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+    def _timed(self, fn: Callable[..., Any], phase: str, method: str, stage_index: int) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 if phase == "forward":
-                    self.forward_s += spent
+                    self.forward_s += t1 - t0
                 else:
-                    self.backward_s += spent
+                    self.backward_s += t1 - t0
+                chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                kind = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(
+                    method, "B" if kwargs.get("full_backward", True) else "I")
+                self.actions.append([kind, stage_index, int(chunk), round((t0 - self.t0) * 1e3, 3),
+                                     round((t1 - self.t0) * 1e3, 3)])
                 if self.clock is not None:
                     self.clock.lap(phase)
         return timed
@@ -183,16 +196,15 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     grid = pipeline_layout.grid_bubble(grid_of(schedule), stage_rank) if theory is None else None
     has_first, has_last = any(st.is_first for st in stages), any(st.is_last for st in stages)
     last_rank = dist.get_global_rank(ctx.pp_group, stage_rank[n_stages - 1])
-    spans = {"span_s": 0.0}
+    spans = {"span_s": 0.0, "steps": 0}
 
     def run_micro_batches(micro: list[Any], divisor: int, clock: Any = None) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in micro]).to(ctx.device)
         targets = torch.cat([y for _, y in micro]).to(ctx.device)
         factor["value"] = len(micro) / divisor
-        timer.forward_s = timer.backward_s = 0.0
-        timer.clock = clock
         losses: list[torch.Tensor] = []
-        t0 = time.perf_counter()
+        timer.begin(clock)
+        t0 = timer.t0
         args = (inputs,) if has_first else ()
         if has_last:
             schedule.step(*args, target=targets, losses=losses)
@@ -233,9 +245,12 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     def step_fields() -> dict[str, Any]:
         span = spans["span_s"]
         compute = timer.forward_s + timer.backward_s
-        out = {"pp_forward_s": timer.forward_s, "pp_backward_s": timer.backward_s, "pp_span_s": span}
+        out: dict[str, Any] = {"pp_forward_s": timer.forward_s, "pp_backward_s": timer.backward_s, "pp_span_s": span}
         if span > 0:
             out["pp_bubble"] = max(0.0, 1.0 - compute / span)
+        spans["steps"] += 1
+        if spans["steps"] == min(2, settings.steps):  # one step's timeline, after the first (its set-up)
+            out["pp_timeline"] = timer.actions
         return out
 
     notes = {"pp": pp, "microbatches": m, "stages_per_rank": v, "schedule": info.schedule,

@@ -383,7 +383,7 @@ def layout_label(pred: dict[str, Any]) -> str:
     """A ``predict_run`` result's layout for tables: ``dp×tp``, and for hybrid sharding how the
     data-parallel ranks split (``4×1 (2-way shard × 2 replicas)``), so that a hybrid run does not read
     as sharded over all of them."""
-    label = f"{pred['dp']}×{pred['tp']}"
+    label = f"{pred['dp']}×{pred['tp']}" + (f"×{pred['pp']} pp" if (pred.get("pp") or 1) > 1 else "")
     replicas = pred.get("replicas") or 1
     if replicas > 1:
         label += f" ({pred.get('shard_group')}-way shard × {replicas} replicas)"

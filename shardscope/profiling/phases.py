@@ -70,6 +70,16 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     dp_reduce = by_type.get("all_reduce", 0.0) - tp_bytes
     bucket = options.get("bucket_cap_mb", options.get("bucket_mb"))
     buckets = f"in buckets of up to {bucket} MiB" if bucket else "in buckets"
+    if layout.pp > 1:  # a pipeline's step runs as one schedule: its transfers and reduction sit in the step
+        stages = layout.pp * layout.v
+        for kind in ("send", "recv"):
+            rows.append(_row("step", kind, None, by_type.get(kind, 0.0),
+                             f"activations forward and gradients back across {stages - 1} stage boundaries, "
+                             f"{layout.microbatches} micro-batches each (mean over ranks)"))
+        rows.append(_row("step", "all_reduce", None, by_type.get("all_reduce", 0.0),
+                         "the gradient norm across the stages" + (f" and each stage's gradients across the "
+                                                                  f"{layout.dp} pipelines" if layout.dp > 1 else "")))
+        return rows
     if layout.dp > 1 and layout.shards in ("none", "optim", "grads") and dp_reduce > 0:
         rows.append(_row("backward", "all_reduce", None, dp_reduce,
                          f"every gradient, {buckets}" + (", launched as each bucket's gradients are ready"

@@ -9,6 +9,7 @@ from textual.widgets import Static
 
 from shardscope.core import registry
 from shardscope.core.text import clean
+from shardscope.profiling import bubble
 from shardscope.profiling.state import RunState
 from shardscope.analysis.summary import on_gpu
 from shardscope.tui.format import STATUS_STYLE, fmt_loss, human_bytes, human_duration, human_rate
@@ -66,7 +67,7 @@ class RunCard(Static):
         width = self.content_size.width or 30
         key = (width, baseline, state.status, state.steps_completed, state.steps_total, state.loss, state.rate,
                state.peak_mem_bytes, None if state.eta_s is None else int(state.eta_s), tuple(state.stragglers.flagged),
-               traced)
+               traced, state.bubble.measured())
         if key == self._drawn:
             return
         self._drawn = key
@@ -76,6 +77,9 @@ class RunCard(Static):
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
         subtitle = Text(state.status, STATUS_STYLE.get(state.status, ""))
+        piped = bubble.bubble_text(bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {}))
+        if piped:  # a pipeline run: the idle share of its schedule, beside theory
+            subtitle.append(f" · bubble {piped}", "dim")
         for rank in sorted({*state.stragglers.flagged, *traced}):  # named live: run (this card), rank, host, device
             start = state.start.get(rank) or {}
             source = " (trace)" if rank not in state.stragglers.flagged else ""

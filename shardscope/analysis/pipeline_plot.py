@@ -1,0 +1,93 @@
+"""The pipeline timeline: each rank's stage actions in one step, measured, above the ideal schedule of the same
+actions at the same costs (the figure of the pipeline papers), one PNG per pipeline run.
+
+Measured: the actions' intervals the rank recorded (engines/pipeline.py: ``pp_timeline``), forward, full backward,
+input-gradient and weight-gradient passes coloured apart, the gaps between them idle (the bubble, with the
+transfers and, on a shared CPU, the waits for a core). Ideal: ``bubble.ideal_timeline``: the same actions in the same
+order, each lasting its kind's median measured duration, no transfer time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardscope.analysis.plots import _pyplot, _save, no_data
+from shardscope.core.rundir import plot_file
+from shardscope.profiling.bubble import ideal_timeline, timeline_of
+
+KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+KIND_NAMES = {"F": "forward", "B": "backward (input + weight)", "I": "backward: input gradient",
+              "W": "backward: weight gradient"}
+
+
+def _checked(raw: Any) -> dict[int, list[list[Any]]]:
+    """The summary's per-rank timelines, each re-checked (a summary file is read from disk)."""
+    out: dict[int, list[list[Any]]] = {}
+    if isinstance(raw, dict):
+        for rank, value in raw.items():
+            actions = timeline_of(value)
+            if actions is not None and str(rank).isdigit():
+                out[int(rank)] = actions
+    return dict(sorted(out.items()))
+
+
+def _draw(ax: Any, timelines: dict[int, list[list[Any]]], title: str) -> set[str]:
+    kinds: set[str] = set()
+    for row, (rank, actions) in enumerate(timelines.items()):
+        for kind, stage, mb, start, end in actions:
+            ax.broken_barh([(start, max(end - start, 1e-3))], (row - 0.4, 0.8), facecolors=KIND_COLORS[kind],
+                           edgecolor="white", linewidth=0.4)
+            if end - start > 0:
+                ax.text((start + end) / 2, row, f"{mb}", ha="center", va="center", fontsize=6, color="white")
+            kinds.add(kind)
+    ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in timelines])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("ms since the schedule started")
+    return kinds
+
+
+def timeline_plot(run: dict[str, Any], path: str) -> str | None:
+    """Write ``run``'s pipeline timeline (measured above ideal) to ``path``; None for a run without one."""
+    pipeline = run.get("pipeline") if isinstance(run, dict) else None
+    if not isinstance(pipeline, dict):
+        return None
+    measured = _checked(pipeline.get("timeline"))
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * max(2, len(measured))), sharex=True)
+    name = str(run.get("name", ""))
+    if not measured:
+        no_data(top, "no step's actions were recorded")
+        no_data(bottom, "nothing to schedule")
+        return _save(fig, path)
+    bubble = pipeline.get("bubble_measured")
+    theory = pipeline.get("bubble_theory")
+    kinds = _draw(top, measured, f"{name}: measured ({pipeline.get('schedule')}, p = {pipeline.get('pp')}, "
+                                 f"v = {pipeline.get('stages_per_rank')}, m = {pipeline.get('microbatches')}; bubble "
+                                 + (f"{bubble:.0%} over the run" if isinstance(bubble, (int, float)) else "not measured")
+                                 + "); numbers are micro-batches, gaps idle")
+    ideal = ideal_timeline(measured)
+    if ideal:
+        _draw(bottom, ideal, "ideal: the same actions at their median measured durations, no transfer time"
+              + (f" (theory: bubble {theory:.0%})" if isinstance(theory, (int, float)) else ""))
+    else:
+        no_data(bottom, "the recorded actions do not form a complete schedule")
+    top.set_xlabel("")
+    from matplotlib.patches import Patch
+
+    # outside the axes, never over the bars (plots.legend_outside reads labelled artists; these bars carry none)
+    top.legend(handles=[Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in "FBIW" if k in kinds],
+               loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+    return _save(fig, path)
+
+
+def write_timelines(summary: dict[str, Any], plots_dir: str) -> dict[str, str]:
+    """A timeline PNG for each pipeline run of ``summary`` under ``plots_dir``; {plot name: path}."""
+    out = {}
+    for run in summary.get("runs", []):
+        if isinstance(run, dict) and isinstance(run.get("pipeline"), dict):
+            key = f"pipeline_{run.get('name')}"
+            path = timeline_plot(run, plot_file(plots_dir, key))
+            if path:
+                out[key] = path
+    return out
