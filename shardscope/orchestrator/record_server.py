@@ -1,35 +1,37 @@
 """Node 0's record server: other nodes' ranks send their records here when no filesystem is shared.
 
-Each record line is appended to ``<out>/<run>/metrics/rank<R>.jsonl`` in node 0's output directory, in
-sequence order, exactly once (protocol: ``shardscope/core/record_wire.py``); heartbeats of other nodes'
-orchestrators become ``nodes/node<N>.json``; the session, verdicts and reports read those files.
+Each record line is appended to ``<out>/<run>/metrics/rank<R>.jsonl`` in node 0's output directory, in sequence
+order, exactly once (protocol: ``shardscope/core/record_wire.py``); heartbeats of other nodes' orchestrators become
+``nodes/node<N>.json``; the session, verdicts and reports read those files.
 
-Who gets in. The server listens only on the address it is given: the endpoint's host, or ``bind`` when the
-caller passes one (the endpoint's host is how other nodes reach node 0; when it resolves here only to a
-loopback address, as a Debian host name does to 127.0.1.1, the server refuses to start rather than listen
-where no other node can reach it, unless the host is literally loopback: nodes on one machine). Every
-connection first answers a fresh challenge with an HMAC of the comparison's secret (``record_secret.prove``);
-then only this comparison's run names (``runs``) and the ranks other nodes hold in them (``world size //
-nnodes`` and up: node 0's own ranks write their files themselves), or heartbeats of nodes ``1..nnodes-1``.
-A received name is only looked up: every path is built from node 0's own run list. One connection per
-(run, rank) at a time: a second hello is refused "busy" (the sender retries) until the first is gone,
-rather than replacing it, so a duplicate or stale sender can never cut into a live stream, and a dead
-connection frees its place within the idle timeout (the live sender pings, a dead one cannot).
+Who gets in. The server listens only on the address it is given: the endpoint's host, or ``bind`` when the caller
+passes one (the endpoint's host is how other nodes reach node 0; when it resolves here only to a loopback address,
+as a Debian host name does to 127.0.1.1, the server refuses to start rather than listen where no other node can
+reach it, unless the host is literally loopback: nodes on one machine). Every connection first answers a fresh
+challenge with an HMAC of the comparison's secret (``record_secret.prove``); then only this comparison's run names
+(``runs``) and the ranks other nodes hold in them (``world size // nnodes`` and up: node 0's own ranks write their
+files themselves), or heartbeats of nodes ``1..nnodes-1``. A received name is only looked up: every path is built
+from node 0's own run list. One connection per (run, rank) at a time: a second hello is refused "busy" (the sender
+retries) until the first is gone, rather than replacing it, so a duplicate or stale sender can never cut into a live
+stream, and a dead connection frees its place within the idle timeout (the live sender pings, a dead one cannot).
 
 Bounds. A line is at most ``MAX_LINE_BYTES`` (``HELLO_MAX_BYTES`` before admission); a longer one closes the
-connection and nothing of it is written. Connections not yet admitted have a pool of their own
-(``max_pending``, 32; ``max_pending_per_source`` from one address, 8) and ``handshake_timeout_s`` (5 s) to be
-admitted, so a flood without the secret never takes an admitted sender's or a heartbeat's place; admitted
-ones are at most ``max_connections`` (default 4 x the ranks of all runs + nnodes, at least 64, at most half
-the descriptor limit). A connection is closed when it completes no message for ``idle_timeout_s`` (30 s);
-answers a peer does not read are capped. Refusals are counted by reason (``refused``) and, for connections
-never admitted, by source address (``refused_from``); ``heard`` is when each other node last got a message
-through (a beat, a record, a ping), what its liveness is judged on.
+connection and nothing of it is written. Connections not yet admitted have a pool of their own (``max_pending``, 32;
+``max_pending_per_source`` from one address, 8) and ``handshake_timeout_s`` (5 s) to be admitted, so a flood without
+the secret never takes an admitted sender's or a heartbeat's place; when the pool is full a newcomer takes a pending
+one's place (``record_pending``: who goes, and why a real sender on a flooder's own address still gets in), and
+hellos are read before more connections are accepted, ``ACCEPT_BATCH`` at a time. Admitted ones are at most
+``max_connections`` (default 4 x the ranks of all runs + nnodes, at least 64, at most half the descriptor limit). A
+connection is closed when it completes no message for ``idle_timeout_s`` (30 s); answers a peer does not read are
+capped. Refusals (evictions too) are counted by reason (``refused``) and, for connections never admitted, by source
+address (``refused_from``); ``heard`` is when each other node last got a message through (a beat, a record, a ping),
+what its liveness is judged on.
 
-One thread, ``selectors``: the work per message is tiny, so one loop keeps up; a flood of connections costs
-a descriptor and a small buffer each, never a thread; timeouts are a sweep over deadlines. ``secret=None`` / ``runs=None`` / ``nnodes=None`` mean a caller not wired to them yet:
-no MAC is asked, any run name of the preset grammar (one path component) and any rank or node number below
-a fixed cap is taken; bounds and timeouts hold all the same.
+One thread, ``selectors``: the work per message is tiny, so one loop keeps up; a flood of connections costs a
+descriptor and a small buffer each, never a thread; timeouts are a sweep over deadlines. ``secret=None`` /
+``runs=None`` / ``nnodes=None`` mean a caller not wired to them yet: no MAC is asked, any run name of the preset
+grammar (one path component) and any rank or node number below a fixed cap is taken; bounds and timeouts hold all
+the same.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ from shardscope.core.record_secret import MIN_SECRET_BYTES, proven
 from shardscope.core.record_wire import HELLO_MAX_BYTES, MAX_LINE_BYTES, Lines, LineTooLong, encode
 from shardscope.core.rundir import RunDir
 from shardscope.orchestrator.record_listen import default_max_connections, listen
+from shardscope.orchestrator.record_pending import PendingPool
 from shardscope.orchestrator.record_stats import StatsWriter
 
 IDLE_TIMEOUT_S = 30.0  # no complete message for this long: the connection is closed (senders ping at a third)
 HANDSHAKE_TIMEOUT_S = 5.0  # from accept to an admitted hello or beat
 MAX_PENDING, MAX_PENDING_PER_SOURCE = 32, 8  # connections not admitted yet: in all, from one address
+ACCEPT_BATCH = 4  # connections accepted per turn of the loop, after the hellos that arrived are read
 OUT_MAX_BYTES = 64 << 10  # answers queued for a peer that does not read them
 RECV_BYTES = 64 << 10
 UNWIRED_MAX_RANK, UNWIRED_MAX_NODE = 1 << 16, 1 << 12  # caps while the caller passes no runs / nnodes
@@ -111,7 +115,7 @@ class RecordServer:
         self.refused_from: collections.Counter[str] = collections.Counter()  # never admitted, by source address
         self.heard: dict[int, float] = {}  # node -> time.time() of its last message that got through
         self.max_pending, self.max_pending_per_source = max_pending, max_pending_per_source
-        self._pending: collections.Counter[str] = collections.Counter()  # connections not admitted, by address
+        self._pending = PendingPool(max_pending, max_pending_per_source)  # connections not admitted yet
         self._per_node = per_node
         self._stats = StatsWriter(self.out.record_server_stats())
         self._last: dict[tuple[str, int], int] = {}
@@ -163,7 +167,8 @@ class RecordServer:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                for key, events in self._sel.select(timeout=0.2):
+                ready = self._sel.select(timeout=0.2)  # hellos first: a real sender is in before more arrive
+                for key, events in sorted(ready, key=lambda ke: ke[0].data == "accept"):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -181,24 +186,23 @@ class RecordServer:
             self._stats.maybe_write(self, force=True)
 
     def _accept(self) -> None:
-        for _ in range(64):
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, peer = self._listener.accept()
             except OSError:  # none waiting (or out of descriptors: open ones drain by their timeouts)
                 return
-            source = str(peer[0]) if isinstance(peer, tuple) else "?"
-            full = ("unauthenticated pool full" if sum(self._pending.values()) >= self.max_pending else
-                    "too many unauthenticated from one address" if self._pending[source] >= self.max_pending_per_source
-                    else "")
-            if full:
-                self.refused[full] += 1
+            source, now = str(peer[0]) if isinstance(peer, tuple) else "?", time.monotonic()
+            reason, victim = self._pending.room(source, now)
+            if victim is not None:  # a pending one makes way (counted by reason and source, as a refusal)
+                self._close(victim, reason)
+            elif reason:
+                self.refused[reason] += 1
                 self.refused_from[source] += 1
                 sock.close()
                 continue
             sock.setblocking(False)
-            conn = _Conn(sock, time.monotonic() + self.handshake_timeout_s)
-            conn.source = source
-            self._pending[source] += 1
+            conn = _Conn(sock, now + self.handshake_timeout_s)
+            self._pending.add(conn, source, now)
             self._conns.add(conn)
             self._sel.register(sock, _READ, conn)
             self._send(conn, {"challenge": conn.nonce, "idle_s": self.idle_timeout_s})
@@ -222,6 +226,8 @@ class RecordServer:
                     return
             if acked is not None:
                 self._send(conn, {"ack": acked})
+            elif conn.source is not None:  # still not admitted: what it sent is part of a line
+                self._pending.sent_part(conn)
         except (BlockingIOError, InterruptedError):
             return
         except LineTooLong:
@@ -277,7 +283,7 @@ class RecordServer:
         os.makedirs(files.metrics, exist_ok=True)
         conn.fh = open(files.rank_file(rank), "a", encoding="utf-8")  # noqa: SIM115 - closed in _close
         conn.key, conn.session, conn.admitted = key, session, True
-        self._unpend(conn)
+        self._pending.release(conn)
         self._hear(conn)
         self._live[key] = conn
         conn.lines.max_line = self.max_line_bytes
@@ -294,7 +300,7 @@ class RecordServer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         dump_json(path, beat)
         self.beats += 1
-        self._unpend(conn)
+        self._pending.release(conn)
         self.heard[node] = time.time()
         conn.closing = True  # one beat per connection: answered, then closed
         self._send(conn, {"ok": True})
@@ -361,20 +367,13 @@ class RecordServer:
         if conn.key is not None and self._runs is not None:
             self.heard[conn.key[1] // max(1, self._runs[conn.key[0]][1].stop // self._per_node)] = time.time()
 
-    def _unpend(self, conn: _Conn) -> None:
-        if conn.source is not None:
-            self._pending[conn.source] -= 1
-            if self._pending[conn.source] <= 0:
-                del self._pending[conn.source]
-            conn.source = None
-
     def _close(self, conn: _Conn, reason: str | None) -> None:
         if reason is not None:
             self.refused[reason] += 1
         if conn.source is not None:  # never admitted
             if reason is not None:
                 self.refused_from[conn.source] += 1
-            self._unpend(conn)
+            self._pending.release(conn)
         if conn.sock is not None:
             try:
                 self._sel.unregister(conn.sock)
