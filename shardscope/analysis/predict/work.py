@@ -224,6 +224,9 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
                            "compute cannot be scaled from the calibration")
     fpt += tied_head_flops(c)
     info = registry.get(run.strategy)
+    if info.schedule:
+        raise NotPredicted(f"{run.strategy}: pipeline schedules are not in predict's step model (their bubble and "
+                           "point-to-point transfers); the comparison measures both, beside theory")
     layout = memory_model.layout_for(c, run, world_size)
     options = config.resolved_options(run)
     ws = layout.world_size
