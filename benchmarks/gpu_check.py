@@ -50,13 +50,15 @@ def torch_strategies(world_size: int) -> tuple[list[str], dict[str, str]]:
     chosen, skipped = [], {}
     for name in registry.names():
         info = registry.get(name)
-        tp = info.tp_degree(config.resolved_options(config.RunSpec(name, name)))
+        options = config.resolved_options(config.RunSpec(name, name))
+        tp, mp = info.tp_degree(options), info.model_parallel(options)
+        what = f"tp = {tp}" if tp > 1 else f"pp = {mp}"
         if info.needs_deepspeed:
             skipped[name] = "DeepSpeed, not torch"
         elif "transformer" not in info.models:
             skipped[name] = f"runs only {', '.join(info.models)} models"
-        elif world_size < max(info.min_world_size, tp) or world_size % tp:
-            skipped[name] = f"needs a world size that is a multiple of tp = {tp} and >= {max(info.min_world_size, tp)}"
+        elif world_size < max(info.min_world_size, mp) or world_size % mp:
+            skipped[name] = f"needs a world size that is a multiple of {what} and >= {max(info.min_world_size, mp)}"
         else:
             chosen.append(name)
     return chosen, skipped

@@ -40,10 +40,12 @@ def test_every_torch_strategy_runs_and_the_rest_say_why():
             assert skipped[name] == "DeepSpeed, not torch"
         elif info.tp_option:
             assert "tp = 2" in skipped[name]  # tensor parallel needs 2 ranks
+        elif info.pp_option:
+            assert "pp = 2" in skipped[name]  # a pipeline needs 2 ranks
         else:
             assert name in chosen
     assert {"ddp", "fsdp1", "fsdp2", "fsdp-handwritten"} <= set(chosen)
-    assert "fsdp2-tp" in gpu_check.torch_strategies(2)[0]
+    assert "fsdp2-tp" in gpu_check.torch_strategies(2)[0] and "pp-zero-bubble" in gpu_check.torch_strategies(2)[0]
     c = gpu_check.build_comparison(chosen, world_size=1, steps=8, precision="bf16-autocast")
     assert [r.name for r in c.runs] == chosen and c.profile.enabled and c.profile.start_step + c.profile.steps < 8
 
