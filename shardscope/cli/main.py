@@ -28,6 +28,7 @@ from shardscope.cli.explainview import explain_cmd
 from shardscope.cli.predictview import checked_calibrations, predict_cmd, print_beside, repredict
 from shardscope.cli.recommendview import parse_device_memory, recommend_cmd
 from shardscope.cli.report_commands import diff_cmd, estimate_cmd, presets_cmd, report_cmd, slurm_cmd
+from shardscope.cli.tune import tune_cmd
 from shardscope.cli.whyview import why_cmd
 from shardscope.core.rundir import COMPARISON, RunDir
 
@@ -44,7 +45,7 @@ def main(ctx: click.Context) -> None:
         _open_app(preset=None)
 
 for _command in (explain_cmd, recommend_cmd, presets_cmd, diff_cmd, report_cmd, estimate_cmd, slurm_cmd, predict_cmd,
-                 why_cmd):
+                 why_cmd, tune_cmd):
     main.add_command(_command)
 
 

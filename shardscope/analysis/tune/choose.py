@@ -1,0 +1,142 @@
+"""Pruning, proving and the answer of ``shardscope tune``, as pure functions of the candidates, the predictor's
+machine model and the proving comparison's summary.
+
+1. **Memory first**: a candidate the memory model puts above the device's memory is out, with both figures.
+2. **Predicted step time**: the predictor (calibrated on this machine) times every candidate that fits; those
+   within ``keep_within`` of the best predicted time are kept (the predictor's error on this machine is larger
+   than the differences it could rank below that), the rest are out "predicted N× slower". A candidate the
+   predictor cannot time (a pipeline schedule) is out with that reason, unless nothing else is kept.
+3. **Budget**: the kept ones are measured in order of predicted time while each one's predicted cost (its
+   start-up, as the calibration run measured it, plus its steps) fits in what is left of the budget.
+4. **The answer** comes from the proving comparison's own recommendation (``analysis/recommend``, the noise rule
+   of ``core.numbers`` with the A/A control): its fastest run, or a tie when the differences are inside the noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardscope.analysis.tune.space import Candidate
+from shardscope.config import Comparison
+from shardscope.core.numbers import fmt_bytes
+from shardscope.profiling import memory_model
+
+
+def prune_by_memory(c: Comparison, cands: list[Candidate], device_memory: int | None) -> None:
+    """Predict each runnable candidate's peak memory per rank; out when it exceeds ``device_memory``."""
+    for cand in cands:
+        if cand.refused:
+            continue
+        try:
+            cand.predicted_mem_bytes = int(memory_model.predict_run(c, cand.run)["total_bytes"])
+        except (KeyError, ValueError) as err:
+            cand.pruned = f"memory model cannot read it: {err}"
+            continue
+        if device_memory and cand.predicted_mem_bytes > device_memory:
+            cand.pruned = (f"does not fit: {fmt_bytes(cand.predicted_mem_bytes)} per rank predicted > "
+                           f"{fmt_bytes(device_memory)}")
+
+
+def prune_by_prediction(cands: list[Candidate], predicted: dict[str, dict[str, Any]], keep_within: float) -> None:
+    """Set each live candidate's predicted step time (``predicted``: predict_run rows by name); out when slower
+    than ``1 + keep_within`` times the best, or when it cannot be predicted (unless nothing is predicted)."""
+    live = [x for x in cands if not x.refused and not x.pruned]
+    for cand in live:
+        row = predicted.get(cand.name) or {}
+        cand.predicted_step_s = row.get("step_time_s") if isinstance(row.get("step_time_s"), (int, float)) else None
+        if cand.predicted_step_s is None:
+            cand.pruned = f"not predicted: {row.get('why') or 'no prediction'}"
+    timed = [x for x in live if x.predicted_step_s]
+    if not timed:
+        for cand in live:
+            cand.pruned = ""
+        return
+    best = min(x.predicted_step_s for x in timed)  # type: ignore[type-var]
+    for cand in timed:
+        ratio = cand.predicted_step_s / best  # type: ignore[operator]
+        if ratio > 1 + keep_within:
+            cand.pruned = f"predicted {ratio:.2f}x slower than the best ({cand.predicted_step_s * 1e3:.1f} ms per step)"
+
+
+def within_budget(cands: list[Candidate], budget_s: float, startup_s: float, steps: int,
+                  fallback_step_s: float) -> list[Candidate]:
+    """The kept candidates in order of predicted step time while their predicted cost fits ``budget_s`` (the first
+    always); the others are out "over the budget"."""
+    live = sorted((x for x in cands if not x.refused and not x.pruned),
+                  key=lambda x: x.predicted_step_s or fallback_step_s)
+    chosen, spent = [], 0.0
+    for cand in live:
+        cost = startup_s + steps * (cand.predicted_step_s or fallback_step_s)
+        if chosen and spent + cost > budget_s:
+            cand.pruned = f"over the budget: {budget_s - spent:.0f} s left, about {cost:.0f} s to measure"
+            continue
+        chosen.append(cand)
+        spent += cost
+    return chosen
+
+
+def proving_comparison(c: Comparison, chosen: list[Candidate], steps: int) -> Comparison:
+    """The comparison that measures ``chosen`` side by side: the same model, data, global batch and seed, ``steps``
+    steps each, no profiler (every step counts), the best-predicted candidate as the baseline."""
+    runs = [dataclasses.replace(x.run) for x in chosen]
+    return dataclasses.replace(c, name=f"{c.name}-tune", runs=runs, baseline=runs[0].name, steps=steps,
+                               warmup_steps=min(c.warmup_steps, max(0, steps - 2)), schedule_steps=0,
+                               profile=dataclasses.replace(c.profile, enabled=False), parity=False,
+                               description=f"shardscope tune: {len(runs)} candidates of {c.name}, {steps} steps each")
+
+
+def verdict(summary: dict[str, Any], cands: list[Candidate]) -> dict[str, Any]:
+    """The answer from the proving comparison's summary: ``winner`` (a run name or None), ``tie`` (names within
+    the noise of the winner), ``lines`` (the recommendation's own), and each measured candidate's figures."""
+    rec = summary.get("recommendation") or {}
+    runs = {r.get("name"): r for r in summary.get("runs", []) if isinstance(r, dict)}
+    by_name = {x.name: x for x in cands}
+    for name, r in runs.items():
+        if name in by_name:
+            by_name[name].measured = {"status": r.get("status"), "tokens_per_s": r.get("median_tokens_per_s")
+                                      or r.get("median_samples_per_s"), "peak_mem_bytes": r.get("peak_mem_bytes"),
+                                      "speedup": r.get("speedup"), "error": r.get("error")}
+    winner = rec.get("fastest") if rec.get("fastest") in by_name else None
+    tie = [n for n in rec.get("no_clear_difference") or [] if n in by_name and n != winner]
+    return {"winner": winner, "tie": tie, "lines": list(rec.get("lines") or []), "unit": rec.get("unit", "tokens/s")}
+
+
+def winner_toml(c: Comparison, cand: Candidate, source: str) -> str:
+    """A preset file of the winner alone: the comparison's own settings (its file, with the winner's run in place
+    of its runs), so ``shardscope run --preset FILE`` reproduces it."""
+    run = cand.run
+    lines = [f"# shardscope tune's winner for {source}: {run.name}",
+             f'description = "shardscope tune: the fastest configuration measured for {c.name}"']
+    shown = c.shown()
+    for key in ("steps", "global_batch", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip",
+                "precision", "seed", "world_size", "loss_tolerance"):
+        if key in shown:
+            lines.append(f"{key} = {_toml(shown[key])}")
+    for table in ("model", "data"):
+        values = {k: v for k, v in (shown.get(table) or {}).items() if v not in ("", None, {}, []) and k != "described"}
+        lines.append(f"\n[{table}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+    lines += ["\n[[runs]]", f'name = "{run.name}"', f'strategy = "{run.strategy}"', f"world_size = {run.world_size}"]
+    if run.precision:
+        lines.append(f'precision = "{run.precision}"')
+    if run.activation_checkpointing:
+        lines.append("activation_checkpointing = true")
+    if run.options:
+        lines.append("options = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in run.options.items()) + " }")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    """A TOML value (strings quoted with JSON's escapes, which TOML's basic strings share)."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(str(value))

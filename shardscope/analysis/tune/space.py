@@ -1,0 +1,114 @@
+"""The search space of ``shardscope tune``: every registered strategy that can run the comparison, crossed with the
+values of the options that change speed or memory but not the mathematics.
+
+No strategy is named here: the space walks the registry and varies options by their own names (``SPEED_OPTIONS``).
+A candidate the comparison's checks refuse (the model, the world size, the host) is kept with its refusal, so the
+answer lists why it was not tried. Options that change the numbers (the precision policy) join only when the user
+allows them (``--allow precision``), and every such candidate says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardscope.config import Comparison, ConfigError, RunSpec, validate
+from shardscope.core import registry
+
+# option -> values tried (besides its default): each changes speed or memory, never the mathematics.
+SPEED_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "reshard_after_forward": (True, False),
+    "sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP"),
+    "backward_prefetch": ("pre", "post"),
+    "bucket_cap_mb": (25, 100),
+    "microbatches": (4, 8),
+}
+# Options whose values follow the world size: the degrees of model parallelism.
+DEGREE_OPTIONS = ("tp", "pp")
+ALLOWED = ("precision",)  # what --allow may add
+PRECISION_TRIED = ("bf16-autocast",)
+
+
+@dataclass
+class Candidate:
+    """One configuration: a run of the comparison, and what happened to it."""
+
+    run: RunSpec
+    refused: str = ""  # the comparison's checks refused it (one line)
+    changes_math: bool = False  # a precision the user allowed: its loss is not the baseline's
+    predicted_step_s: float | None = None
+    predicted_mem_bytes: int | None = None
+    pruned: str = ""  # why it was not measured
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+        return self.run.name
+
+
+def _degrees(option: str, spec: registry.OptionSpec, world_size: int) -> list[int]:
+    """Degrees of model parallelism that divide the world size (at least the option's minimum)."""
+    low = spec.minimum or 1
+    return [d for d in range(max(2, low), world_size + 1) if world_size % d == 0]
+
+
+def _variants(info: registry.StrategyInfo, world_size: int) -> list[dict[str, Any]]:
+    """Every combination of the strategy's speed options and degrees (the defaults included), defaults first."""
+    axes: list[tuple[str, list[Any]]] = []
+    for key, spec in info.options.items():
+        if key in SPEED_OPTIONS:
+            values = [spec.default] + [v for v in SPEED_OPTIONS[key] if v != spec.default]
+            if spec.choices is not None:
+                values = [v for v in values if v in spec.choices]
+            axes.append((key, values))
+        elif key in DEGREE_OPTIONS:
+            degrees = _degrees(key, spec, world_size)
+            if degrees:
+                axes.append((key, sorted(degrees, key=lambda d: d != spec.default)))
+    out = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        out.append({k: v for (k, _), v in zip(axes, combo) if v != info.options[k].default})
+    return out or [{}]
+
+
+def _name(strategy: str, options: dict[str, Any], ac: bool, precision: str) -> str:
+    short = {True: "on", False: "off"}
+    parts = [strategy] + [f"{k.split('_')[0]}-{short.get(v, v) if isinstance(v, bool) else v}" for k, v in options.items()]
+    if ac:
+        parts.append("ac")
+    if precision:
+        parts.append(precision)
+    return ".".join(str(p).replace("_", "-") for p in parts)
+
+
+def _reason(message: str, src: str, name: str) -> str:
+    """A refusal without the preset's path and the candidate's own name in front."""
+    for prefix in (f"{src}: ", f"runs.{name}: ", f"runs.{name}."):
+        message = message[len(prefix):] if message.startswith(prefix) else message
+    return message
+
+
+def candidates(c: Comparison, *, world_size: int, allow: tuple[str, ...] = (), host: Any = None,
+               only: tuple[str, ...] = (), limit: int = 200) -> list[Candidate]:
+    """Every candidate configuration of ``c`` at ``world_size`` (its model, data and global batch), each checked
+    by the comparison's own rules: the refused ones carry the reason. ``only``: these strategies (all when empty;
+    raises KeyError naming the allowed ones for an unknown name). At most ``limit`` (defaults first)."""
+    out: list[Candidate] = []
+    precisions = [""] + ([p for p in PRECISION_TRIED if p != c.precision] if "precision" in allow else [])
+    chosen = [registry.get(name) for name in only] if only else list(registry.STRATEGIES.values())
+    for info in chosen:
+        for options, ac, precision in itertools.product(_variants(info, world_size), (False, True), precisions):
+            run = RunSpec(name=_name(info.name, options, ac, precision), strategy=info.name, world_size=world_size,
+                          options=options, activation_checkpointing=ac, precision=precision)
+            cand = Candidate(run, changes_math=bool(precision))
+            try:
+                validate(dataclasses.replace(c, runs=[run], baseline=run.name, world_size=world_size), host=host)
+            except ConfigError as err:
+                cand.refused = _reason(str(err), c.source or "preset", run.name)
+            out.append(cand)
+            if len(out) >= limit:
+                return out
+    return out

@@ -1,0 +1,221 @@
+"""``shardscope tune``: the fastest configuration of a preset that fits, searched by prediction, proven by real runs.
+
+Three phases, each said as it starts: (1) calibration — the predictor needs this machine's speed: a finished
+comparison given with ``--calibrate``, else a short run of the preset's baseline; (2) search — every candidate of
+``analysis/tune/space`` checked, pruned by the memory model and by predicted step time (``analysis/tune/choose``);
+(3) proof — the kept candidates run side by side as one real comparison (the same model, data, weights, global
+batch; an A/A control), within the budget. The answer is that comparison's own verdict. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import click
+
+from shardscope import config
+from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, resolve
+from shardscope.cli.recommendview import parse_device_memory
+from shardscope.core.numbers import fmt_bytes
+from shardscope.core.text import clean
+
+CALIBRATION_STEPS = 12
+
+
+def parse_budget(text: str) -> float:
+    """``10m``, ``90s``, ``1h`` or seconds as a number; exits 2 with one line otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    raw = text.strip().lower()
+    try:
+        value = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value > 7 * 86400:
+        fail_usage(f"--budget {text!r}: expected a duration such as 90s, 10m or 1h (at most a week)")
+    return value
+
+
+def _calibrate(comparison: config.Comparison, out: str, dev: str, given: tuple[str, ...]) -> list[str]:
+    """The calibration directories: ``given``, else a short run of the baseline alone in ``out/calibration``."""
+    if given:
+        from shardscope.cli.predictview import checked_calibrations
+
+        return checked_calibrations(given)
+    base = next(r for r in comparison.runs if r.name == comparison.baseline)
+    cal = dataclasses.replace(comparison, name=f"{comparison.name}-calibration", runs=[base], baseline=base.name,
+                              steps=CALIBRATION_STEPS, warmup_steps=min(comparison.warmup_steps, 3), control=False,
+                              profile=dataclasses.replace(comparison.profile, enabled=True, start_step=6, steps=2))
+    where = os.path.join(out, "calibration")
+    click.echo(clean(f"tune 1/3: calibrating this machine: {base.name} alone, {CALIBRATION_STEPS} steps -> {where}"))
+    _run_quietly(cal, where, dev)
+    return [where]
+
+
+def _run_quietly(c: config.Comparison, out: str, dev: str) -> int:
+    """Run comparison ``c`` into ``out`` with the headless view (its live table is the progress)."""
+    from shardscope.cli import headless_run
+    from shardscope.orchestrator.session import Session
+
+    return headless_run.run_headless(Session(config.validate(c), out, device=dev))
+
+
+def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
+    from rich.table import Table
+
+    from shardscope.cli.headless import cell, fmt_rate
+
+    table = Table(title="shardscope tune: every candidate")
+    for col in ("candidate", "predicted ms/step", "predicted mem/rank", "measured " + unit, "outcome"):
+        table.add_column(col, justify="left" if col in ("candidate", "outcome") else "right", overflow="fold")
+    order = sorted(cands, key=lambda x: (bool(x.refused), bool(x.pruned), -(x.measured.get("tokens_per_s") or 0),
+                                         x.predicted_step_s or 1e9))
+    for x in order:
+        if x.name == answer.get("winner"):
+            outcome = "WINNER" + (f" (tie within noise: {', '.join(answer['tie'])})" if answer.get("tie") else "")
+        elif x.measured:
+            outcome = ("measured: within the noise of the winner" if x.name in answer.get("tie", [])
+                       else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
+        else:
+            outcome = x.refused and f"cannot run: {x.refused}" or x.pruned
+        if x.changes_math:
+            outcome += " [changes the mathematics: --allow precision]"
+        table.add_row(cell(x.name), "-" if x.predicted_step_s is None else f"{x.predicted_step_s * 1e3:.1f}",
+                      "-" if x.predicted_mem_bytes is None else fmt_bytes(x.predicted_mem_bytes),
+                      fmt_rate(x.measured.get("tokens_per_s")) if x.measured else "-", cell(outcome))
+    return table
+
+
+@click.command("tune")
+@click.option("--preset", "-p", required=True, help="Built-in preset name or path to a .toml file: its model, data, "
+              "global batch and precision are kept; its runs are replaced by the search.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (as `run`).")
+@click.option("--world-size", "-n", type=int, default=None, help="Ranks of every candidate (default: the preset's).")
+@click.option("--device-memory", default=None, help="Memory per rank to fit in (e.g. 80GiB): candidates the memory "
+              "model puts above it are out.")
+@click.option("--budget", default="10m", show_default=True, help="Time for the proving runs (90s, 10m, 1h).")
+@click.option("--steps", type=int, default=12, show_default=True, help="Steps of each proving run.")
+@click.option("--keep-within", type=float, default=0.4, show_default=True, help="Keep candidates predicted within "
+              "this fraction of the best step time (the predictor's worst error on a loaded 2-core machine was 37%: "
+              "docs/predict.md).")
+@click.option("--allow", multiple=True, type=click.Choice(["precision"]), help="Also try what changes the "
+              "mathematics: precision (bf16-autocast). Such candidates are marked.")
+@click.option("--strategies", default="", metavar="A,B", help="Search only these strategies (default: every "
+              "registered one that can run the model).")
+@click.option("--calibrate", "calibrate_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="A finished comparison of this machine to calibrate on (default: a short run of the baseline).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Where the calibration, the "
+              "proving comparison and the winner's preset go (default ./shardscope-runs/<time>-<preset>-tune).")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (after the runs' progress).")
+def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_memory: str | None, budget: str,
+             steps: int, keep_within: float, allow: tuple[str, ...], strategies: str, calibrate_dirs: tuple[str, ...],
+             out_dir: str | None, as_json: bool) -> None:
+    """Search the fastest configuration of a preset's model that fits, by prediction, and prove it by real runs."""
+    from shardscope.analysis.predict import predictor
+    from shardscope.analysis.predict.work import NotPredicted
+    from shardscope.analysis.tune import choose, space
+    from shardscope.orchestrator import devices
+    from shardscope.orchestrator.session import default_out_dir
+
+    limit, budget_s = parse_device_memory(device_memory), parse_budget(budget)
+    if steps < 3:
+        fail_usage(f"--steps {steps}: at least 3 (the first step is left out of the median)")
+    if not 0 < keep_within <= 10:
+        fail_usage(f"--keep-within {keep_within}: a fraction between 0 and 10")
+    sets = [*overrides, *([f"world_size={world_size}"] if world_size else [])]
+    comparison, dev = resolve(preset, sets)
+    ws = world_size or comparison.world_size
+    out = out_dir or default_out_dir(f"{comparison.name}-tune")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        fail_usage(f"--out {out}: exists and is not an empty directory (tune writes calibration/, proof/ and "
+                   "winner.toml there)")
+    only = tuple(x.strip() for x in strategies.split(",") if x.strip())
+    try:
+        for name in only:
+            config.registry.get(name)
+    except KeyError as err:
+        fail_usage(f"--strategies {strategies}: {err.args[0]}")
+    t0 = time.monotonic()
+    dirs = _calibrate(comparison, out, dev, calibrate_dirs)
+    calibration_s = time.monotonic() - t0 if not calibrate_dirs else None
+    try:
+        model = predictor.calibrate(dirs)
+    except (NotPredicted, OSError, ValueError) as err:
+        click.echo(clean(f"shardscope tune: cannot calibrate on {', '.join(dirs)}: {err}"), err=True)
+        raise SystemExit(EXIT_FAILED) from None
+    cands = space.candidates(comparison, world_size=ws, allow=allow, host=devices.host_info(dev), only=only)
+    click.echo(clean(f"tune 2/3: {len(cands)} candidates at world size {ws}; "
+                     f"{sum(1 for x in cands if x.refused)} cannot run here"))
+    choose.prune_by_memory(comparison, cands, limit)
+    rows = {}
+    for x in cands:
+        if not x.refused and not x.pruned:
+            rows[x.name] = predictor.predict_run(dataclasses.replace(comparison, runs=[x.run], baseline=x.name),
+                                                 x.run, model)
+    choose.prune_by_prediction(cands, rows, keep_within)
+    base_step = (model.fit_error.get("runs") or {})
+    measured_steps = [v["measured_step_s"] for v in base_step.values() if isinstance(v, dict)]
+    fallback = max(measured_steps) if measured_steps else 0.1
+    # A run's cost beyond its steps: what the calibration phase took in all (the session's set-up, the launch, the
+    # agent, the report) less its steps: runs after the first start sooner (the next agent is prepared ahead), so
+    # the budget is spent conservatively. A given calibration has no such figure: 10 s.
+    startup = max(1.0, calibration_s - CALIBRATION_STEPS * fallback) if calibration_s else 10.0
+    chosen = choose.within_budget(cands, budget_s, startup, steps, fallback)
+    click.echo(clean(f"tune 3/3: measuring {len(chosen)} candidate(s) side by side, {steps} steps each, about "
+                     f"{startup:.0f} s start-up per run, budget {budget_s:.0f} s: {', '.join(x.name for x in chosen)}"))
+    proof = choose.proving_comparison(comparison, chosen, steps)
+    proof = config.with_control(config.validate(proof))
+    where = os.path.join(out, "proof")
+    t1 = time.monotonic()
+    code = _run_quietly(proof, where, dev) if chosen else EXIT_FAILED
+    proof_s = time.monotonic() - t1
+    from shardscope.cli.headless_run import load_summary
+
+    summary = load_summary(where) or {}
+    answer = choose.verdict(summary, cands)
+    answer["elapsed_s"], answer["proof_s"], answer["budget_s"] = time.monotonic() - t0, proof_s, budget_s
+    winner = next((x for x in cands if x.name == answer["winner"]), None)
+    if winner is not None:
+        path = os.path.join(out, "winner.toml")
+        config.write_atomic(path, lambda fh: fh.write(choose.winner_toml(comparison, winner, comparison.source or preset)))
+        answer["preset"] = path
+        answer["launch"] = f"shardscope run --preset {path} --headless"
+        answer["settings"] = {"strategy": winner.run.strategy, "options": winner.run.options,
+                              "activation_checkpointing": winner.run.activation_checkpointing,
+                              "precision": winner.run.precision or comparison.precision}
+    if as_json:
+        click.echo(json.dumps({**answer, "candidates": [_as_dict(x) for x in cands]}, indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 160))
+        console.print(_table(cands, answer, answer.get("unit", "tokens/s")))
+        for line in answer["lines"]:  # the answer's own lines; each run against the baseline is in the report
+            if " vs " not in line:
+                click.echo(clean(f"  {line}"))
+        click.echo(clean(f"  every measured run against {proof.baseline}: {os.path.join(where, 'report.md')}"))
+        if winner is not None:
+            click.echo(clean(f"winner: {winner.name} ({winner.run.strategy}, options {winner.run.options or 'default'}"
+                             f"{', activation checkpointing' if winner.run.activation_checkpointing else ''})"
+                             + (f"; not distinguishable from {', '.join(answer['tie'])} on this machine now"
+                                if answer["tie"] else "")))
+            click.echo(clean(f"  preset: {answer['preset']}\n  launch: {answer['launch']}"))
+        else:
+            click.echo("no winner: no candidate was measured ok")
+        over = f", {proof_s - budget_s:.0f} s over: runs cost more than the calibration said" if proof_s > budget_s else ""
+        click.echo(f"tune took {answer['elapsed_s']:.0f} s; the proving runs {proof_s:.0f} s of a {budget_s:.0f} s "
+                   f"budget{over}")
+    raise SystemExit(EXIT_OK if winner is not None and code in (EXIT_OK, EXIT_FAILED) else EXIT_FAILED)
+
+
+def _as_dict(x: Any) -> dict[str, Any]:
+    return {"name": x.name, "strategy": x.run.strategy, "options": x.run.options,
+            "activation_checkpointing": x.run.activation_checkpointing, "precision": x.run.precision,
+            "refused": x.refused or None, "pruned": x.pruned or None, "changes_math": x.changes_math,
+            "predicted_step_s": x.predicted_step_s, "predicted_mem_bytes": x.predicted_mem_bytes,
+            "measured": x.measured or None}

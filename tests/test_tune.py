@@ -1,0 +1,131 @@
+"""``shardscope tune`` (issue 47): the search space, pruning by memory and by prediction, the budget, the winner's
+preset, the refusals of bad input, and one search end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardscope import config
+from shardscope.analysis.tune import choose, space
+from shardscope.config import ModelSpec, RunSpec
+from shardscope.profiling import memory_model
+
+MODEL = ModelSpec(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16)
+
+
+def _comparison(ws: int = 2) -> config.Comparison:
+    c = config.Comparison(name="t", model=MODEL, runs=[RunSpec("ddp", "ddp")], world_size=ws, global_batch=8,
+                          profile=config.ProfileSpec(enabled=False))
+    return config.validate(c)
+
+
+def test_the_space_varies_only_options_that_keep_the_mathematics():
+    cands = space.candidates(_comparison(), world_size=2)
+    names = [x.name for x in cands]
+    assert len(names) == len(set(names))  # every candidate a distinct run name
+    assert {"ddp", "ddp.ac", "fsdp2", "fsdp2.reshard-off"} <= set(names)
+    for x in cands:
+        assert set(x.run.options) <= set(space.SPEED_OPTIONS) | set(space.DEGREE_OPTIONS), x.name
+        assert not x.run.precision and not x.changes_math  # precision only with --allow precision
+    refused = {x.name: x.refused for x in cands if x.refused}
+    assert "supports hf" in refused["deepspeed-autotp"]  # the comparison's own check, its reason kept
+    assert refused["pp-gpipe.ac"] == "activation_checkpointing = true: not built for pipeline stages"
+
+
+def test_precision_joins_only_when_allowed_and_says_so():
+    cands = space.candidates(_comparison(), world_size=2, allow=("precision",), only=("ddp",))
+    changed = [x for x in cands if x.changes_math]
+    assert changed and all(x.run.precision == "bf16-autocast" for x in changed)
+    assert {x.run.strategy for x in cands} == {"ddp"}
+    with pytest.raises(KeyError, match="unknown strategy 'nope'"):
+        space.candidates(_comparison(), world_size=2, only=("nope",))
+
+
+def test_degrees_follow_the_world_size():
+    cands = space.candidates(_comparison(4), world_size=4, only=("pp-1f1b", "fsdp2-tp"))
+    pp = {x.run.options.get("pp", 2) for x in cands if x.run.strategy == "pp-1f1b" and not x.refused}
+    tp = {x.run.options.get("tp", 2) for x in cands if x.run.strategy == "fsdp2-tp"}
+    assert pp == {2, 4} and tp == {2, 4}
+
+
+def test_memory_prunes_what_does_not_fit_with_both_figures():
+    c = _comparison()
+    cands = space.candidates(c, world_size=2, only=("ddp", "fsdp2"))
+    ddp = memory_model.predict_run(c, RunSpec("ddp", "ddp", world_size=2))["total_bytes"]
+    fsdp2 = memory_model.predict_run(c, RunSpec("fsdp2", "fsdp2", world_size=2))["total_bytes"]
+    assert fsdp2 < ddp
+    choose.prune_by_memory(c, cands, (ddp + fsdp2) // 2)
+    by = {x.name: x for x in cands}
+    assert by["ddp"].pruned.startswith("does not fit: ") and "per rank predicted >" in by["ddp"].pruned
+    assert not by["fsdp2"].pruned and by["fsdp2"].predicted_mem_bytes == fsdp2
+
+
+def test_prediction_keeps_the_band_of_the_best_and_the_budget_stops_the_rest():
+    c = _comparison()
+    cands = space.candidates(c, world_size=2, only=("ddp",))
+    steps = {"ddp": 0.010, "ddp.ac": 0.013, "ddp.bucket-100": 0.0105, "ddp.bucket-100.ac": 0.020}
+    choose.prune_by_prediction(cands, {n: {"step_time_s": t} for n, t in steps.items()}, 0.4)
+    by = {x.name: x for x in cands}
+    assert by["ddp.bucket-100.ac"].pruned.startswith("predicted 2.00x slower than the best")
+    assert not by["ddp"].pruned and not by["ddp.ac"].pruned
+    chosen = choose.within_budget(cands, budget_s=25.0, startup_s=10.0, steps=10, fallback_step_s=0.1)
+    assert [x.name for x in chosen] == ["ddp", "ddp.bucket-100"]  # 10.1 s each: a third would pass 25 s
+    assert by["ddp.ac"].pruned.startswith("over the budget")
+    one = space.candidates(c, world_size=2, only=("ddp",))
+    choose.prune_by_prediction(one, {}, 0.4)  # nothing predicted: nothing pruned by prediction
+    assert not any(x.pruned for x in one)
+
+
+def test_the_winners_preset_reproduces_it(tmp_path):
+    c = config.load_preset("smoke")
+    winner = next(x for x in space.candidates(c, world_size=2, only=("fsdp2",)) if x.run.options)
+    path = tmp_path / "winner.toml"
+    path.write_text(choose.winner_toml(c, winner, "smoke"), encoding="utf-8")
+    again = config.load_preset(str(path))
+    run = again.runs[0]
+    assert (run.strategy, run.options, run.world_size) == (winner.run.strategy, winner.run.options, 2)
+    for key in ("steps", "global_batch", "lr", "seed", "precision", "weight_decay", "grad_clip", "warmup_steps"):
+        assert getattr(again, key) == getattr(c, key), key
+    assert again.model == c.model and again.data == c.data
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "soon"], "--budget 'soon': expected a duration"),
+    (["--steps", "2"], "--steps 2: at least 3"),
+    (["--strategies", "ddp,nope"], "--strategies ddp,nope: unknown strategy 'nope'"),
+    (["--keep-within", "0"], "--keep-within 0.0: a fraction between 0 and 10"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--out",
+                           str(tmp_path / "t"), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_search_end_to_end(tmp_path):
+    """Two strategies' candidates, a memory limit that leaves DDP out: the winner fits, every candidate says what
+    happened to it, the winner's preset is written and loads, and the proving runs report their time."""
+    c = config.load_preset("smoke")
+    limit = (memory_model.predict_run(c, RunSpec("ddp", "ddp", world_size=2))["total_bytes"]
+             + memory_model.predict_run(c, RunSpec("fsdp2", "fsdp2", world_size=2))["total_bytes"]) // 2
+    out = tmp_path / "t"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--strategies",
+                           "ddp,fsdp2", "--device-memory", str(limit), "--budget", "60s", "--steps", "4", "--out",
+                           str(out), "--json"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    answer = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # after the runs' progress
+    by = {x["name"]: x for x in answer["candidates"]}
+    assert by["ddp"]["pruned"].startswith("does not fit")
+    assert all(x["refused"] or x["pruned"] or x["measured"] for x in by.values())
+    winner = by[answer["winner"]]
+    assert winner["measured"]["status"] == "ok" and winner["predicted_mem_bytes"] <= limit
+    again = config.load_preset(answer["preset"])
+    assert again.runs[0].strategy == winner["strategy"] and again.runs[0].options == winner["options"]
+    assert answer["launch"] == f"shardscope run --preset {answer['preset']} --headless"
+    assert answer["proof_s"] > 0 and answer["budget_s"] == 60
+    assert (Path(out) / "proof" / "summary.json").exists()
