@@ -1,6 +1,6 @@
 """Every ``shardscope ...`` line of README.md and of the docs pages (``docs/*.md``) runs and exits as documented (0).
 
-Lines that launch torchrun jobs run with ``--dry-run`` (which still validates the preset for this
+Lines that launch torchrun jobs (``run``, ``tune``) run with ``--dry-run`` (which still validates the preset for this
 machine and prints the exact torchrun commands). A line that cannot run here is listed in
 ``EXCEPTIONS`` with the reason; a listed line that is no longer in the README or the docs fails the test, so
 the list cannot go stale. Each line runs in a scratch directory holding what the README assumes
@@ -95,7 +95,7 @@ def test_the_readme_presets_are_there():
 @pytest.mark.parametrize("line", [c for c in COMMANDS if c not in EXCEPTIONS])
 def test_readme_line_exits_as_documented(line, scratch):
     args = shlex.split(line)[1:]
-    if args[0] == "run" and "--dry-run" not in args:
+    if args[0] in ("run", "tune") and "--dry-run" not in args:
         args.append("--dry-run")
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", *args], cwd=scratch, capture_output=True,
                           text=True, timeout=300)

@@ -80,7 +80,7 @@ def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
             outcome = ("measured: within the noise of the winner" if x.name in answer.get("tie", [])
                        else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
         else:
-            outcome = x.refused and f"cannot run: {x.refused}" or x.pruned
+            outcome = x.refused and f"cannot run: {x.refused}" or x.pruned or "candidate"
         if x.changes_math:
             outcome += " [changes the mathematics: --allow precision]"
         table.add_row(cell(x.name), "-" if x.predicted_step_s is None else f"{x.predicted_step_s * 1e3:.1f}",
@@ -110,9 +110,11 @@ def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Where the calibration, the "
               "proving comparison and the winner's preset go (default ./shardscope-runs/<time>-<preset>-tune).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (after the runs' progress).")
+@click.option("--dry-run", is_flag=True, help="List the candidates, what cannot run and what does not fit; "
+              "calibrate, predict and launch nothing.")
 def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_memory: str | None, budget: str,
              steps: int, keep_within: float, allow: tuple[str, ...], strategies: str, calibrate_dirs: tuple[str, ...],
-             out_dir: str | None, as_json: bool) -> None:
+             out_dir: str | None, as_json: bool, dry_run: bool) -> None:
     """Search the fastest configuration of a preset's model that fits, by prediction, and prove it by real runs."""
     from shardscope.analysis.predict import predictor
     from shardscope.analysis.predict.work import NotPredicted
@@ -138,6 +140,18 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
             config.registry.get(name)
     except KeyError as err:
         fail_usage(f"--strategies {strategies}: {err.args[0]}")
+    if dry_run:
+        cands = space.candidates(comparison, world_size=ws, allow=allow, host=devices.host_info(dev), only=only)
+        choose.prune_by_memory(comparison, cands, limit)
+        click.echo(clean(f"# dry run: tune would calibrate, predict and measure the runnable candidates of "
+                         f"{comparison.name} at world size {ws} within {budget_s:.0f} s; nothing is launched"))
+        if as_json:
+            click.echo(json.dumps([_as_dict(x) for x in cands], indent=2, default=str))
+        else:
+            from rich.console import Console
+
+            Console(width=160).print(_table(cands, {}, "tokens/s"))
+        return
     t0 = time.monotonic()
     dirs = _calibrate(comparison, out, dev, calibrate_dirs)
     calibration_s = time.monotonic() - t0 if not calibrate_dirs else None
