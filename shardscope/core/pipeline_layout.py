@@ -21,7 +21,7 @@ FORMULAS = {
     "gpipe": "(p−1)/(m+p−1)",
     "1f1b": "(p−1)/(m+p−1)",
     "interleaved-1f1b": "(p−1)/(v·m+p−1)",
-    "zero-bubble": "its action grid, simulated with F = I = W = 1 (weight passes fill idle slots)",
+    "zero-bubble": "its action grid simulated with F = I = W = 1, B = 2 (weight passes fill idle slots)",
 }
 
 

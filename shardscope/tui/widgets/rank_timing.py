@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from shardscope.analysis import straggler_report
+from shardscope.profiling import bubble
 from shardscope.core.text import clean
 from shardscope.profiling.state import RunState
 from shardscope.tui.format import literal
@@ -101,6 +102,12 @@ def render(state: RunState, analysis: dict | None = None, width: int | None = No
         share = straggler_report.core_wait_share(entry) or 0.0
         lines.append(Text(f"waited for a core {share:.0%} of its ready time: wall-clock figures slowed by other "
                           "load, busy times not", style="yellow"))
+    piped = bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {})
+    if piped and piped.get("bubble_by_rank"):  # a pipeline: each rank's idle share of its schedule, beside theory
+        ranks = " · ".join(f"{r} {v:.0%}" for r, v in piped["bubble_by_rank"].items())
+        theory = piped.get("bubble_theory")
+        lines.append(Text(clean(f"bubble by rank: {ranks}" + (f" (theory {theory:.0%}: {piped['bubble_formula']})"
+                                                              if theory is not None else "")), style="cyan"))
     if entry.get("reason"):  # CUDA: the stream-time split, not judged
         lines.append(Text(clean(str(entry["reason"])), style="dim"))
     traced = entry.get("trace")
