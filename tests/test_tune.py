@@ -129,3 +129,5 @@ def test_a_search_end_to_end(tmp_path):
     assert answer["launch"] == f"shardscope run --preset {answer['preset']} --headless"
     assert answer["proof_s"] > 0 and answer["budget_s"] == 60
     assert (Path(out) / "proof" / "summary.json").exists()
+    report = (Path(out) / "tune.md").read_text(encoding="utf-8")
+    assert f"**Winner: {answer['winner']}**" in report and "does not fit" in report

@@ -200,6 +200,8 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         answer["settings"] = {"strategy": winner.run.strategy, "options": winner.run.options,
                               "activation_checkpointing": winner.run.activation_checkpointing,
                               "precision": winner.run.precision or comparison.precision}
+    answer["report"] = os.path.join(out, "tune.md")
+    config.write_atomic(answer["report"], lambda fh: fh.write(choose.markdown(cands, answer, comparison.name)))
     if as_json:
         click.echo(json.dumps({**answer, "candidates": [_as_dict(x) for x in cands]}, indent=2, default=str))
     else:
@@ -218,7 +220,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
                              f"{', activation checkpointing' if winner.run.activation_checkpointing else ''})"
                              + (f"; not distinguishable from {', '.join(answer['tie'])} on this machine now"
                                 if answer["tie"] else "")))
-            click.echo(clean(f"  preset: {answer['preset']}\n  launch: {answer['launch']}"))
+            click.echo(clean(f"  preset: {answer['preset']}\n  launch: {answer['launch']}\n  report: {answer['report']}"))
         else:
             click.echo("no winner: no candidate was measured ok")
         over = f", {proof_s - budget_s:.0f} s over: runs cost more than the calibration said" if proof_s > budget_s else ""

@@ -140,3 +140,31 @@ def _toml(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return json.dumps(str(value))
+
+
+def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str:
+    """``tune.md``: the answer and every candidate with what happened to it, predicted beside measured."""
+    def cell(text: Any) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    winner = answer.get("winner")
+    out = [f"# shardscope tune: {cell(preset)}\n"]
+    if winner:
+        out.append(f"**Winner: {cell(winner)}**" + (f", not distinguishable from {cell(', '.join(answer['tie']))} on "
+                                                    "this machine now" if answer.get("tie") else "") + ".\n")
+        out.append(f"Preset: `{cell(answer.get('preset', ''))}`; launch: `{cell(answer.get('launch', ''))}`.\n")
+    else:
+        out.append("No winner: no candidate was measured ok.\n")
+    out += [f"- {cell(line)}" for line in answer.get("lines", []) if " vs " not in line]
+    out.append(f"\nThe proving runs took {answer.get('proof_s', 0):.0f} s of a {answer.get('budget_s', 0):.0f} s budget.\n")
+    out.append("| candidate | predicted ms/step | predicted memory per rank | measured tokens/s | outcome |")
+    out.append("|---|---|---|---|---|")
+    for x in cands:
+        outcome = ("winner" if x.name == winner else "measured: " + str(x.measured.get("status")) if x.measured
+                   else f"cannot run: {x.refused}" if x.refused else x.pruned or "candidate")
+        rate = x.measured.get("tokens_per_s") if x.measured else None
+        out.append(f"| {cell(x.name)} | {'-' if x.predicted_step_s is None else f'{x.predicted_step_s * 1e3:.1f}'} | "
+                   f"{'-' if x.predicted_mem_bytes is None else fmt_bytes(x.predicted_mem_bytes)} | "
+                   f"{'-' if not isinstance(rate, (int, float)) else f'{rate:,.0f}'} | {cell(outcome)}"
+                   + (" (changes the mathematics)" if x.changes_math else "") + " |")
+    return "\n".join(out) + "\n"
