@@ -77,9 +77,11 @@ class RunCard(Static):
             title.append("  (baseline)", "italic dim")
         self.border_title = title.markup
         subtitle = Text(state.status, STATUS_STYLE.get(state.status, ""))
-        piped = bubble.bubble_text(bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {}))
-        if piped:  # a pipeline run: the idle share of its schedule, beside theory
-            subtitle.append(f" · bubble {piped}", "dim")
+        piped = bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {})
+        if piped:  # a pipeline run: the idle share of its schedule, beside theory (short: a card is ~30 wide)
+            measured, theory = piped.get("bubble_measured"), piped.get("bubble_theory")
+            subtitle.append(" · bubble " + ("–" if measured is None else f"{measured:.0%}")
+                            + ("" if theory is None else f" (th {theory:.0%})"), "dim")
         for rank in sorted({*state.stragglers.flagged, *traced}):  # named live: run (this card), rank, host, device
             start = state.start.get(rank) or {}
             source = " (trace)" if rank not in state.stragglers.flagged else ""
