@@ -280,3 +280,41 @@ def test_every_command_reads_a_pipeline_comparison(comparison):
         assert "Traceback" not in proc.stdout + proc.stderr, args
     report = (out / "report.md").read_text(encoding="utf-8")
     assert "bubble" in report
+
+
+def test_the_bubble_folds_from_step_records_and_reaches_the_screens():
+    """A crafted run's records: pp_bubble per rank per step (steps after the first, outside the profiler), the
+    timeline checked; the summary entry, the headless text, the app's rank timing and report.md read it."""
+    from rich.console import Console
+
+    from shardscope.analysis import markdown
+    from shardscope.profiling import bubble
+    from shardscope.profiling.state import RunState
+    from shardscope.tui.widgets.rank_timing import render
+
+    st = RunState("g", world_size=2)
+    notes = {"schedule": "gpipe", "pp": 2, "microbatches": 4, "stages_per_rank": 1, "bubble_theory": 0.2,
+             "bubble_formula": pl.FORMULAS["gpipe"]}
+    for rank in (0, 1):
+        st.apply_record({"kind": "start", "rank": rank, "run": "g", "t": 1.0, "notes": notes})
+        for step, value in ((0, 0.9), (1, 0.3), (2, 0.5), (3, 0.4), (4, "soon")):
+            st.apply_record({"kind": "step", "rank": rank, "run": "g", "t": 2.0 + step, "step": step,
+                             "local_loss": 1.0, "grad_norm": 1.0, "step_time_s": 0.01, "busy_s": 0.005,
+                             "pp_bubble": value + 0.1 * rank if isinstance(value, float) else value,
+                             **({"pp_timeline": [["F", rank, 0, 0.0, 1.0], ["B", rank, 0, 2.0, 4.0]]} if step == 1
+                                else {})})
+    entry = bubble.pipeline_entry(st.bubble, notes)
+    assert entry["bubble_by_rank"] == {"0": pytest.approx(0.4), "1": pytest.approx(0.5)}  # step 0 and "soon" out
+    assert entry["bubble_measured"] == pytest.approx(0.45) and entry["bubble_theory"] == 0.2
+    assert set(entry["timeline"]) == {"0", "1"}
+    assert bubble.bubble_text(entry) == "45.0% (theory 20.0%)"
+    console = Console(width=100, record=True)
+    console.print(render(st, None, 100))
+    assert "bubble by rank: 0 40% · 1 50% (theory 20%: (p−1)/(m+p−1))" in console.export_text()
+    summary = {"runs": [{"name": "g", "pipeline": entry}]}
+    assert "| g | gpipe | 2 × 1 | 4 | 45.0% | 20.0% | 40.0% 50.0% |" in markdown._pipeline_md(summary)
+    assert bubble.timeline_of([["F", 0, 0, 1.0, 0.5]]) is None  # ends before it starts
+    assert bubble.timeline_of([["X", 0, 0, 0.0, 1.0]]) is None and bubble.timeline_of("F") is None
+    ideal = bubble.ideal_timeline(entry["timeline"] and {0: [["F", 0, 0, 0.0, 1.0], ["B", 0, 0, 2.0, 4.0]],
+                                                         1: [["F", 1, 0, 0.0, 1.0], ["B", 1, 0, 2.0, 4.0]]})
+    assert ideal[1] == [["F", 1, 0, 1.0, 2.0], ["B", 1, 0, 2.0, 4.0]] and ideal[0][1] == ["B", 0, 0, 4.0, 6.0]
