@@ -57,10 +57,10 @@ def _calibrate(comparison: config.Comparison, out: str, dev: str, given: tuple[s
 
 def _run_quietly(c: config.Comparison, out: str, dev: str) -> int:
     """Run comparison ``c`` into ``out`` with the headless view (its live table is the progress)."""
-    from shardscope.cli import headless_run
+    from shardscope.cli.headless_run import run_headless
     from shardscope.orchestrator.session import Session
 
-    return headless_run.run_headless(Session(config.validate(c), out, device=dev))
+    return run_headless(Session(config.validate(c), out, device=dev))
 
 
 def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
