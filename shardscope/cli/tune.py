@@ -21,6 +21,7 @@ from shardscope import config
 from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, resolve
 from shardscope.cli.recommendview import parse_device_memory
 from shardscope.core.numbers import fmt_bytes
+from shardscope.core.rundir import RunDir
 from shardscope.core.text import clean
 
 CALIBRATION_STEPS = 12
@@ -214,7 +215,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         for line in answer["lines"]:  # the answer's own lines; each run against the baseline is in the report
             if " vs " not in line:
                 click.echo(clean(f"  {line}"))
-        click.echo(clean(f"  every measured run against {proof.baseline}: {os.path.join(where, 'report.md')}"))
+        click.echo(clean(f"  every measured run against {proof.baseline}: {RunDir(where).report}"))
         if winner is not None:
             click.echo(clean(f"winner: {winner.name} ({winner.run.strategy}, options {winner.run.options or 'default'}"
                              f"{', activation checkpointing' if winner.run.activation_checkpointing else ''})"

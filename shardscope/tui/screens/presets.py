@@ -24,6 +24,26 @@ from shardscope.tui.format import display_path, literal, plain
 from shardscope.tui.screens.knobs import KNOBS, choices, current_value, overrides, route_error, without_source
 
 
+WATCHABLE = "first-look"  # about a minute on 2 CPU cores: the default without a GPU, smoke, is over in seconds
+
+
+def default_preset(host: object) -> str:
+    """The preset highlighted when none is asked for: ``ddp-vs-fsdp`` with a GPU, else ``smoke``."""
+    return "ddp-vs-fsdp" if host is not None and getattr(host, "device", "") == "cuda" else "smoke"
+
+
+def listed(presets: list[tuple[str, str]], default: str) -> list[tuple[str, str]]:
+    """The built-in presets in the list's order: by name, with ``WATCHABLE`` right under the highlighted default,
+    so a first look sees the one slow enough to watch beside the quick check."""
+    watch = [p for p in presets if p[0] == WATCHABLE]
+    rest = [p for p in presets if p[0] != WATCHABLE]
+    names = [name for name, _ in rest]
+    if not watch or default not in names:
+        return presets
+    at = names.index(default) + 1
+    return rest[:at] + watch + rest[at:]
+
+
 class PresetsScreen(Screen):
     """The start screen: pick what to compare, adjust it, launch it."""
 
@@ -46,7 +66,8 @@ class PresetsScreen(Screen):
         yield Static("[b]shardscope[/b] · choose a comparison", id="title")
         with Horizontal(id="presets-main"):
             with Vertical(id="preset-side"):
-                yield OptionList(*[Option(_entry(name, desc), id=name) for name, desc in list_presets()],
+                yield OptionList(*[Option(_entry(name, desc), id=name)
+                                   for name, desc in listed(list_presets(), default_preset(self.app.host))],
                                  id="preset-list")
                 yield Input(placeholder="path/to/preset.toml ⏎", id="preset-path")
                 yield Static("", id="preset-path-error", classes="field-error")
@@ -70,9 +91,8 @@ class PresetsScreen(Screen):
         """Show the preset asked for on the command line, else the first built-in."""
         runs = self.query_one("#preset-runs", DataTable)
         runs.add_columns("run", "strategy", "world size", "precision", "options")
-        names = [name for name, _ in list_presets()]
-        host = self.app.host
-        default = "ddp-vs-fsdp" if host is not None and host.device == "cuda" else "smoke"
+        default = default_preset(self.app.host)
+        names = [name for name, _ in listed(list_presets(), default)]
         initial = self.initial or (default if default in names else names[0] if names else "")
         if initial in names:
             self.query_one("#preset-list", OptionList).highlighted = names.index(initial)

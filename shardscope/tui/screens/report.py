@@ -12,11 +12,12 @@ import os
 from typing import Any
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Footer, HelpPanel, Static
 
 from shardscope.config import MAX_NAME, NAME_RE
 from shardscope.core.numbers import fmt_sig, median_rate
@@ -26,6 +27,7 @@ from shardscope.analysis.summary import memory_headers, on_gpu, throughput_unit
 from shardscope.core.rundir import SUMMARY, RunDir, load_summary
 from shardscope.tui.board import FOLD_ERRORS, Board
 from shardscope.tui.format import display_path, fmt_float, fmt_loss, human_bytes, human_rate, literal, number, plain
+from shardscope.tui.screens import report_columns
 from shardscope.tui.source import unreadable
 
 COLUMNS = ("run", "strategy", "ranks", "status", "steps", "final loss", "{unit} (median)", "{peak}",
@@ -106,8 +108,20 @@ def artefacts(out_dir: str, run_names: list[str]) -> list[str]:
     return lines
 
 
+class ReportBody(VerticalScroll):
+    """The report's scrolling body: tells its screen the width it has whenever that changes (a resized terminal,
+    `?`'s panel opened beside it), so the table is laid out again for it."""
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Lay the table out for the new width."""
+        screen = self.screen
+        if isinstance(screen, ReportScreen):
+            screen.fit_table(self.scrollable_content_region.width)
+
+
 class ReportScreen(Screen):
-    """The comparison table and the artefact paths. Escape goes back to the dashboard."""
+    """The comparison table and the artefact paths. Escape goes back to the dashboard. The table is laid out for
+    the width it has (``report_columns``: abbreviated headers, or split in two) and `?` explains its abbreviations."""
 
     BINDINGS = [
         Binding("escape,o", "app.pop_screen", "Back"),
@@ -119,14 +133,18 @@ class ReportScreen(Screen):
         super().__init__()
         self.out_dir = out_dir
         self.board = board
+        self.headers: tuple[str, ...] = ()  # the table's full headers, its rows, and how they are laid out now
+        self.rows: list[tuple[Text, ...]] = []
+        self.table_layout: report_columns.Layout | None = None
 
     def compose(self) -> ComposeResult:
         """Lay out the table and the paths."""
         yield Static(id="title")
-        with VerticalScroll(id="report-body"):
+        with ReportBody(id="report-body"):
             yield Static(id="report-note")
             yield Static(id="report-recommendation")  # the answer first, then the table it comes from
             yield DataTable(id="report-table", cursor_type="row", zebra_stripes=True)
+            yield DataTable(id="report-table-2", cursor_type="row", zebra_stripes=True)  # when split in two
             yield Static(id="report-prediction")
             yield Static(id="report-paths")
         yield Footer()
@@ -157,10 +175,33 @@ class ReportScreen(Screen):
         self.query_one("#report-paths", Static).update("[b]Written[/b]\n" + "\n".join(map(literal, written)))
 
     def _table(self, summary: dict[str, Any]) -> None:
-        table = self.query_one("#report-table", DataTable)
-        table.add_columns(*columns(summary))
-        for row in summary_rows(summary):
-            table.add_row(*row)
+        self.headers, self.rows = columns(summary), summary_rows(summary)
+        self.HELP = report_columns.help_markdown(self.headers)  # what `?` shows beside the keys
+        # the body's width before its first layout: the screen's, less its padding and scrollbar (app.tcss)
+        self.fit_table(self.app.size.width - 6)
+
+    def fit_table(self, width: int) -> None:
+        """Show the table laid out for ``width`` cells (``report_columns.layout``), when that layout changed."""
+        if not self.headers or width <= 0:
+            return
+        texts = [[cell.plain for cell in row] for row in self.rows]
+        chosen = report_columns.layout(self.headers, texts, width)
+        if chosen == self.table_layout:
+            return
+        self.table_layout = chosen
+        for t, table in enumerate((self.query_one("#report-table", DataTable),
+                                   self.query_one("#report-table-2", DataTable))):
+            table.clear(columns=True)
+            table.display = t < len(chosen.tables)
+            if table.display:
+                # widths given, not measured when the table is next idle: a row drawn before that keeps its old
+                # widths in the table's cache (a resize redraws at once)
+                for header, width in zip(chosen.headers(self.headers, t), chosen.widths(self.headers, texts, t)):
+                    table.add_column(header, width=width)
+                for row in texts:
+                    table.add_row(*map(plain, chosen.cells(row, t)))
+        for panel in self.query(HelpPanel).results(HelpPanel):
+            panel.update_help(self.focused)
 
     def _answer(self, summary: dict[str, Any]) -> None:
         rec = summary.get("recommendation") or {}
