@@ -13,7 +13,11 @@ A second shardscope arm runs its ranks as new interpreters (``launch.start_metho
 them from the preloaded agent. Two bare arms: the loop as a user writes it, and the same loop run with room on CPython's frame stack (3.11/3.12:
 gh-142183, which shardscope's loop avoids, ``engines/stack_room.py``): against the second, the ratio is shardscope's
 own cost. Per strategy the last lines are ``end_to_end_ratio <strategy> vs <arm>: R`` (shardscope / that arm, median
-over repeats; the target is >= 0.985 on a quiet machine), after each repeat's rates.
+over repeats; the target is >= 0.985 on a quiet machine), after each repeat's rates, then
+``end_to_end_busy_ratio <strategy> vs <arm>: R``: the same in tokens per busy CPU second of rank 0 (that arm's median
+CPU time per step / shardscope's). On a shared machine the wall-clock ratio of whole jobs run one after another
+swings with the other work (one repeat's ratio 0.41-2.80 at load 2.5-4.7, 2026-11-28); CPU time per step swings less
+(0.62-1.34 then), and tells a rank that does more work from one that waits more.
 """
 
 from __future__ import annotations
@@ -53,20 +57,21 @@ micro = spec["global_batch"] // world
 seq, vocab = spec["model"]["seq_len"], spec["model"]["vocab_size"]
 gen = torch.Generator().manual_seed(rank)
 batches = [torch.randint(vocab, (micro, seq + 1), generator=gen) for _ in range(spec["steps"])]
-rates = []
+rates, busy = [], []
 
 
 def one_step(step, tokens):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if step > 0:
         rates.append(spec["global_batch"] * seq / dt)
+        busy.append(cpu)
 
 
 def loop():
@@ -84,14 +89,14 @@ if spec["stack_room"]:  # CPython 3.11/3.12 (gh-142183): calls across a frame-st
 else:
     loop()
 if rank == 0:
-    print("BARE_RATE", statistics.median(rates), flush=True)
+    print("BARE_RATE", statistics.median(rates), statistics.median(busy), flush=True)
 dist.destroy_process_group()
 '''
 
 
-def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> float:
-    """The bare loop's median tokens/s, one torchrun job (``stack_room``: its steps run with room on CPython's frame
-    stack, as shardscope's loop does)."""
+def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> tuple[float, float]:
+    """The bare loop's median tokens/s and rank 0's median busy CPU s per step, one torchrun job (``stack_room``: its
+    steps run with room on CPython's frame stack, as shardscope's loop does)."""
     import dataclasses
 
     spec = {"strategy": strategy, "seed": comparison.seed, "lr": comparison.lr, "steps": steps, "stack_room": stack_room,
@@ -109,12 +114,14 @@ def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> float:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BARE_RATE")]
     if proc.returncode or not lines:
         raise RuntimeError(f"bare loop failed: {proc.stderr[-2000:]}")
-    return float(lines[-1].split()[1])
+    return float(lines[-1].split()[1]), float(lines[-1].split()[2])
 
 
-def shardscope_rate(preset: str, strategy: str, steps: int, out: str, start_method: str = "auto") -> float:
-    """A shardscope run of one strategy (no control, no profiler): its summary's median tokens/s. The preset's file
-    with its runs replaced by that one run."""
+def shardscope_rate(preset: str, strategy: str, steps: int, out: str,
+                    start_method: str = "auto") -> tuple[float, float]:
+    """A shardscope run of one strategy (no control, no profiler): its summary's median tokens/s and rank 0's median
+    ``busy_s`` over steps after step 0 (the process's CPU time over the step, ``engines/step_clock.py``). The
+    preset's file with its runs replaced by that one run."""
     from shardscope import config
 
     text = config.preset_path(preset).read_text(encoding="utf-8")
@@ -128,7 +135,10 @@ def shardscope_rate(preset: str, strategy: str, steps: int, out: str, start_meth
     if proc.returncode:
         raise RuntimeError(f"shardscope run failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
-        return float(json.load(fh)["runs"][0]["median_tokens_per_s"])
+        rate = float(json.load(fh)["runs"][0]["median_tokens_per_s"])
+    with open(os.path.join(out, strategy, "metrics", "rank0.jsonl"), encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if '"kind":"step"' in line]
+    return rate, statistics.median(r["busy_s"] for r in records if r["step"] > 0)
 
 
 def main() -> int:
@@ -147,22 +157,28 @@ def main() -> int:
     for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
         arms = ("shardscope", "shardscope (exec)", "bare", "bare with stack room")
         ratios: dict[str, list[float]] = {a: [] for a in arms[1:]}
+        busy_ratios: dict[str, list[float]] = {a: [] for a in arms[1:]}
         with tempfile.TemporaryDirectory(prefix="shardscope-e2e-") as tmp:
             for k in range(args.repeats):
                 order = arms[k % len(arms):] + arms[:k % len(arms)]  # each arm first in turn
-                rates = {}
+                rates, busy = {}, {}
                 for arm in order:
                     if arm.startswith("shardscope"):  # forked ranks (the default on CPU), or new interpreters
-                        rates[arm] = shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"{k}{len(rates)}"),
-                                                     "exec" if "exec" in arm else "auto")
+                        rates[arm], busy[arm] = shardscope_rate(args.preset, strategy, args.steps, os.path.join(tmp, f"{k}{len(rates)}"),
+                                                                "exec" if "exec" in arm else "auto")
                     else:
-                        rates[arm] = bare_rate(comparison, strategy, args.steps, "room" in arm)
+                        rates[arm], busy[arm] = bare_rate(comparison, strategy, args.steps, "room" in arm)
                 for arm in ratios:
                     ratios[arm].append(rates["shardscope"] / rates[arm])
-                print(f"{strategy} repeat {k}: " + ", ".join(f"{a} {rates[a]:,.0f}" for a in arms) + " tokens/s",
-                      flush=True)
+                    busy_ratios[arm].append(busy[arm] / busy["shardscope"])
+                print(f"{strategy} repeat {k} (load {os.getloadavg()[0]:.2f}): "
+                      + ", ".join(f"{a} {rates[a]:,.0f}" for a in arms) + " tokens/s; busy CPU ms per step (rank 0): "
+                      + ", ".join(f"{busy[a] * 1e3:.2f}" for a in arms), flush=True)
         for arm, values in ratios.items():
             print(f"end_to_end_ratio {strategy} vs {arm}: {statistics.median(values):.3f} (min {min(values):.3f}, "
+                  f"max {max(values):.3f})", flush=True)
+        for arm, values in busy_ratios.items():  # tokens per busy CPU s: what another process's load distorts least
+            print(f"end_to_end_busy_ratio {strategy} vs {arm}: {statistics.median(values):.3f} (min {min(values):.3f}, "
                   f"max {max(values):.3f})", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
