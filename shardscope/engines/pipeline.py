@@ -121,6 +121,15 @@ class StageTimer:
         return timed
 
 
+def release_other_stages(model: nn.Module, kept: list[torch.Tensor]) -> None:
+    """Free the storage of every parameter of ``model`` that none of this rank's stages holds (the worker built
+    the whole model, and still refers to it): a rank's memory is then its stages', as the memory model says."""
+    mine = {id(p) for p in kept}
+    for p in model.parameters():
+        if id(p) not in mine:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 def average_across_pipelines(params: list[torch.Tensor], group: Any, dp: int) -> None:
     """Average the stages' gradients across the pipelines' replicas: one all-reduce of one flat buffer after the
     schedule. Not DDP: DDP's hooks fire in backward and miss the gradients a zero-bubble schedule computes in its
@@ -221,6 +230,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         return mean * len(micro)
 
     params = [p for mod in modules for p in mod.parameters()]
+    release_other_stages(model, params)
     optimizer = make_optimizer(params, settings)
 
     def clip_and_step(max_norm: float) -> float:
