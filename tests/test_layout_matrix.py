@@ -281,8 +281,13 @@ def test_the_predicted_schedule_makes_the_calls_a_real_step_makes(matrix, world_
 
 
 def test_every_registered_strategy_has_a_layout():
-    """The matrix is every strategy's end-to-end test: a strategy registered without a layout here goes untested."""
-    cpu = {n for n in registry.names() if not registry.get(n).gpu_only}
+    """The matrix is every strategy's end-to-end test: a strategy registered without a layout here goes untested.
+    The pipeline schedules (a ``schedule`` in the registry) have theirs in tests/test_pipeline.py, every one of them."""
+    from tests.test_pipeline import RUNS as PIPELINE_RUNS
+
+    schedules = {n for n in registry.names() if registry.get(n).schedule}
+    assert schedules and schedules <= {strategy for strategy, _, _ in PIPELINE_RUNS.values()}
+    cpu = {n for n in registry.names() if not registry.get(n).gpu_only and n not in schedules}
     assert cpu <= set(STRATEGY.values()), cpu - set(STRATEGY.values())
     for ws, p in PARITY:
         assert cpu <= {STRATEGY[name] for name in run_world_sizes(ws, p)}, (ws, p)
