@@ -21,6 +21,7 @@ backward laps close at the end of each action, so the wait before an action coun
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -68,15 +69,7 @@ class TransformerStage(nn.Module):
             return self.lm_head(self.norm(x)) if self.last else x
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NULL = _Null()
+_NULL = contextlib.nullcontext()  # reusable: nullcontext holds no state
 
 
 class StageTimer:
