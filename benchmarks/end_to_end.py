@@ -94,7 +94,7 @@ dist.destroy_process_group()
 '''
 
 
-def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> tuple[float, float]:
+def bare_rate(comparison, strategy: str, steps: int, stack_room: bool, retry: bool = True) -> tuple[float, float]:
     """The bare loop's median tokens/s and rank 0's median busy CPU s per step, one torchrun job (``stack_room``: its
     steps run with room on CPython's frame stack, as shardscope's loop does)."""
     import dataclasses
@@ -113,6 +113,10 @@ def bare_rate(comparison, strategy: str, steps: int, stack_room: bool) -> tuple[
         os.remove(fh.name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BARE_RATE")]
     if proc.returncode or not lines:
+        if retry:  # a bare loop aborted once on gloo (SIGABRT in a rank, 2026-11-28): said, run again, not hidden
+            print(f"bare loop failed (exit {proc.returncode}), run again: "
+                  f"{[line for line in proc.stderr.splitlines() if 'rror' in line][-1:]}", flush=True)
+            return bare_rate(comparison, strategy, steps, stack_room, retry=False)
         raise RuntimeError(f"bare loop failed: {proc.stderr[-2000:]}")
     return float(lines[-1].split()[1]), float(lines[-1].split()[2])
 

@@ -121,3 +121,23 @@ def test_a_calibration_at_two_world_sizes_gets_its_factor_where_most_runs_are_an
     assert cc["factor"] == pytest.approx(1 + rows["ddp"]["exposed_comm_s"] / rows["ddp"]["comm_latency_s"])
     text = predict_comm_cost.assumption(got)
     assert "at 4 ranks (fsdp2) are left out" in text
+
+
+def test_a_fit_with_no_latency_part_puts_the_excess_on_the_whole_exposed_communication(tmp_path):
+    """One message size per type: the fit charges every call's time to bandwidth, its latency part is ~0. A factor on
+    that part exploded (x2.3e15 on the pipeline preset, 2026-11-28) and added nothing: the DDP run it calibrated was
+    then predicted 52% too fast. The excess goes on the whole exposed communication instead, and says so."""
+    cal, model, rows = _calibrated(tmp_path, {"ddp": 3.0, "fsdp2": 3.0})
+    model = dataclasses.replace(model, collectives={k: dataclasses.replace(f, step_latency_s=0.0)
+                                                    for k, f in model.collectives.items()})
+    rows = {r.name: predict.predict_run(cal, r, model, probed=PROBED) for r in cal.runs}
+    model.fit_error["runs"] = {name: {"measured_step_s": row["step_time_s"] + 2 * row["exposed_comm_s"]}
+                               for name, row in rows.items()}
+    got = predict_comm_cost.measure(model, [str(tmp_path)], lambda c, progress=None: {r.name: dict(PROBED) for r in c.runs},
+                                    predict.predict_run)
+    cc = got.comm_cost
+    assert cc["on"] == "exposed" and cc["factor"] == pytest.approx(3.0)
+    for run in cal.runs:  # each calibration run predicted back at what it paid
+        back = predict.predict_run(cal, run, got, probed=PROBED)
+        assert back["step_time_s"] == pytest.approx(model.fit_error["runs"][run.name]["measured_step_s"])
+        assert any("exposed communication x3.00" in n and "could not separate" in n for n in back["notes"]), back["notes"]

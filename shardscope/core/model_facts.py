@@ -104,6 +104,14 @@ def tied_embeddings(m: Any) -> bool:
     return m.kind == "hf" and bool(_arch(m).get("tie_word_embeddings", False))
 
 
+def hf_config_value(m: Any, key: str) -> Any:
+    """A Hugging Face model's config value as the model check read it (``model_type``, ``sliding_window``,
+    ``attention``), or a built-in architecture's; None for another kind or a key it does not hold."""
+    if m.kind != "hf":
+        return None
+    return description(m).get(key) if is_described(m) else _arch(m).get(key)
+
+
 def untied_head(m: Any) -> str:
     """The output layer's weight when it is a parameter of its own ("lm_head.weight"), "" when tied or absent (a
     Hugging Face model described by the model check; the built-in architectures are tied)."""

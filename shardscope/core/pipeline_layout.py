@@ -14,7 +14,9 @@ by dynamic programming; ties broken towards earlier stages holding fewer units),
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
+from typing import Callable
 
 # schedule -> (how its bubble is figured in theory, the formula named)
 FORMULAS = {
@@ -33,13 +35,18 @@ class Unit:
     numel: int
 
 
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # the built-in transformer's ``layers.<i>.``, Hugging Face's ``model.layers.<i>.``
+
+
 def unit_names(names: list[str]) -> list[str]:
     """The unit of each parameter, given the model's parameter names in module order: ``layers.<i>`` for a
-    block's, "embeddings" for a root parameter before the first block, "head" after it."""
+    block's (the built-in ``layers.<i>.…``, Hugging Face's ``model.layers.<i>.…``), "embeddings" for a parameter
+    before the first block, "head" after it."""
     out, seen = [], False
     for name in names:
-        if name.startswith("layers."):
-            out.append(".".join(name.split(".")[:2]))
+        block = _BLOCK.search(name)
+        if block:
+            out.append(f"layers.{block.group(1)}")
             seen = True
         else:
             out.append("head" if seen else "embeddings")
@@ -104,12 +111,35 @@ def bubble_theory(schedule: str, p: int, m: int, v: int = 1) -> float | None:
     return None
 
 
+def single_stage_order(schedule: str, p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    """The action order of a one-stage-per-rank schedule, written out from its definition (torch 2.13's 1F1B grid
+    labels its last rank's forwards F1..Fm, so it is not read from torch): GPipe runs every forward, then every
+    backward; 1F1B warms up with ``p - rank`` forwards, then alternates one backward and one forward."""
+    if schedule == "gpipe":
+        return {r: [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(p)}
+    if schedule != "1f1b":
+        raise ValueError(f"{schedule}: not a one-stage-per-rank schedule")
+    order = {}
+    for r in range(p):
+        forwards = min(m, p - r)
+        actions = [("F", r, i) for i in range(forwards)]
+        for b in range(m):
+            actions.append(("B", r, b))
+            if forwards < m:
+                actions.append(("F", r, forwards))
+                forwards += 1
+        order[r] = actions
+    return order
+
+
 def simulate(order: dict[int, list[tuple[str, int, int]]], n_stages: int,
-             cost: dict[str, float]) -> dict[int, list[tuple[str, int, int, float, float]]]:
+             cost: dict[str, float] | Callable[[str, int], float]) -> dict[int, list[tuple[str, int, int, float, float]]]:
     """Run each rank's actions (``(kind, stage, microbatch)``, kind F, B (full backward), I (input gradient) or W
-    (weight gradient)) in order, each lasting ``cost[kind]`` and starting when its inputs are ready: F(s, m) after
-    F(s-1, m); B or I (s, m) after F(s, m) and B/I(s+1, m); W(s, m) after I(s, m). Returns each rank's actions with
-    their start and end. Raises ValueError when the grid cannot complete (an action waits for one that never runs)."""
+    (weight gradient)) in order, each lasting ``cost[kind]`` (or ``cost(kind, stage)``) and starting when its inputs
+    are ready: F(s, m) after F(s-1, m); B or I (s, m) after F(s, m) and B/I(s+1, m); W(s, m) after I(s, m). Returns
+    each rank's actions with their start and end. Raises ValueError when the grid cannot complete (an action waits
+    for one that never runs)."""
+    duration = cost if callable(cost) else (lambda kind, stage: cost[kind])  # type: ignore[index]
 
     def needs(kind: str, s: int, mb: int) -> list[tuple[str, int, int]]:
         if kind == "F":
@@ -132,7 +162,7 @@ def simulate(order: dict[int, list[tuple[str, int, int]]], n_stages: int,
                 if not all(d in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                clock[r] = start + cost[kind]
+                clock[r] = start + duration(kind, s)
                 done[("BI" if kind in ("B", "I") else kind, s, mb)] = clock[r]
                 out[r].append((kind, s, mb, start, clock[r]))
                 pos[r] += 1

@@ -354,7 +354,7 @@ for _name, _schedule, _v, _what in (
             min_world_size=2,
             pp_option="pp",
             schedule=_schedule,
-            models=("transformer",),
+            models=("transformer", "hf"),  # Hugging Face: the Llama-layout families (presets/pipeline_checks.py)
             shards="none",
             extra_checks=("pipeline_split",),
             comm_quirks=("pipeline-p2p",),

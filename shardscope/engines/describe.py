@@ -215,6 +215,8 @@ def _hf_dims(model: nn.Module) -> dict[str, Any]:
         "kv_heads": int(getattr(cfg, "num_key_value_heads", 0) or heads),
         "head_dim": int(getattr(cfg, "head_dim", 0) or (hidden // heads if heads else 0)),
         "ffn_size": int(getattr(cfg, "intermediate_size", 0) or 0),
+        "sliding_window": int(getattr(cfg, "sliding_window", 0) or 0),
+        "attention": str(getattr(cfg, "_attn_implementation", "") or ""),
     }
 
 

@@ -118,6 +118,7 @@ def build_model(spec: Any, seed: int) -> nn.Module:
         load_weights(model, files)
     if spec.path:  # a config of the user's: tensor parallelism follows its own plan (tp_plan.plan_of), or refuses
         setattr(model, TP_PLAN_ATTR, dict(getattr(model, "_tp_plan", None) or {}))
+    model.seq_len = int(spec.seq_len)  # as the built-in transformer carries it: pipeline stages size their buffers by it
     return model
 
 

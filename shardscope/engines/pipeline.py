@@ -21,7 +21,6 @@ backward laps close at the end of each action, so the wait before an action coun
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable
 
@@ -33,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
 from shardscope.core import pipeline_layout, registry
-from shardscope.engines import memory_accounting, norms
+from shardscope.engines import memory_accounting, norms, pipeline_stages
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.optim import make_optimizer
@@ -44,32 +43,6 @@ SCHEDULES = {  # registry schedule -> (torch class, whether it takes every stage
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", True),
     "zero-bubble": ("ScheduleInterleavedZeroBubble", True),
 }
-
-
-class TransformerStage(nn.Module):
-    """Units ``[start, end)`` of the built-in transformer (0: embeddings, 1..L: blocks, L+1: head), holding the
-    model's own modules under their own names (``layers.<i>`` kept), so per-layer norms and weights match."""
-
-    def __init__(self, model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> None:
-        super().__init__()
-        n_layers = len(model.layers)
-        self.first, self.last, self.autocast = start == 0, end == n_layers + 2, autocast
-        if self.first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.layers = nn.ModuleDict({str(u - 1): model.layers[u - 1] for u in range(max(1, start), min(end, n_layers + 1))})
-        if self.last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.autocast) if self.autocast else _NULL:
-            if self.first:
-                x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-            for block in self.layers.values():
-                x = block(x)
-            return self.lm_head(self.norm(x)) if self.last else x
-
-
-_NULL = contextlib.nullcontext()  # reusable: nullcontext holds no state
 
 
 class StageTimer:
@@ -165,10 +138,10 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     mine = pipeline_layout.stages_of(ctx.pp_rank, pp, v)
     policy = settings.precision
     autocast = policy.compute_dtype if policy.autocast else None
-    modules = [TransformerStage(model, *ranges[s], autocast) for s in mine]
+    modules = [pipeline_stages.stage(model, *ranges[s], autocast) for s in mine]
     batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
     chunk, seq = batch // m, int(model.seq_len)
-    width, vocab = model.tok_emb.weight.shape[1], model.lm_head.weight.shape[0]
+    width, vocab = pipeline_stages.widths(model)
     act = dict(dtype=torch.float32, device=ctx.device)
     stages = []
     for s, mod in zip(mine, modules):

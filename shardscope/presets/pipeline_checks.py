@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardscope.core import pipeline_layout, registry
+from shardscope.core import model_facts, pipeline_layout, registry
 from shardscope.presets.schema import Comparison, RunSpec, resolved_options, resolved_precision
 
 PRECISIONS = ("fp32", "bf16-autocast")
+# Hugging Face families whose base model is embed -> decoder layers (rotary positions, causal mask) -> norm -> head,
+# which engines/pipeline_stages.HFStage rebuilds per stage (tests/test_pipeline_hf.py: Mistral's layout at parity)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
@@ -32,10 +35,35 @@ def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
     if info.schedule in ("interleaved-1f1b", "zero-bubble") and m % pp:
         return (f"options.microbatches = {m}: the looped schedules ({run.strategy}) need a multiple of pp = {pp} "
                 "(torch.distributed.pipelining runs micro-batches in rounds of pp)")
-    units = c.model.n_layers + 2  # embeddings, the blocks, the head (core/pipeline_layout.py)
+    if c.model.kind == "hf":
+        refusal = _hf_refusal(c)
+        if refusal:
+            return refusal
+    blocks = model_facts.layers(c.model)
+    units = blocks + 2  # embeddings, the blocks, the head (core/pipeline_layout.py)
     if units < pp * v:
         return (f"options.pp = {pp} x stages_per_rank = {v}: {pp * v} stages, but the model has {units} units "
-                f"(embeddings, {c.model.n_layers} blocks, head)")
+                f"(embeddings, {blocks} blocks, head)")
     if info.schedule not in pipeline_layout.FORMULAS:
         return f"schedule {info.schedule!r} is not built"
+    return ""
+
+
+def _hf_refusal(c: Comparison) -> str:
+    """"" when a Hugging Face model's stages can be rebuilt as ``HFStage`` does, else the reason they cannot."""
+    m = c.model
+    family = str(model_facts.hf_config_value(m, "model_type") or "?")
+    if family not in HF_FAMILIES:
+        return (f"model_type {family!r}: pipeline stages are built for the {', '.join(HF_FAMILIES)} layouts (embeddings, "
+                "decoder layers with rotary positions, norm, head); others scale embeddings or mask differently")
+    if model_facts.tied_embeddings(m):
+        return ("tie_word_embeddings = true: the first and last stages would hold one shared weight on two ranks, "
+                "whose two gradients are not summed across them here; untie it (tie_word_embeddings = false)")
+    window = int(model_facts.hf_config_value(m, "sliding_window") or 0)
+    if 0 < window < m.seq_len:
+        return (f"sliding_window = {window} < seq_len = {m.seq_len}: stages mask causally over the whole sequence; "
+                "a window shorter than it is not built")
+    attention = model_facts.hf_config_value(m, "attention")
+    if attention not in (None, "", "sdpa"):
+        return f"attention {attention!r}: pipeline stages mask causally through SDPA only"
     return ""

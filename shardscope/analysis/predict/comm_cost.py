@@ -41,6 +41,7 @@ from shardscope.analysis import fold
 from shardscope.analysis.predict.fit import MachineModel
 
 REPEATS = 3  # probes per calibration run: the sums stand against the probe's own scatter
+LATENCY_SHARE = 0.05  # a latency part below this share of the exposed communication cannot carry the excess
 
 
 def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[str, dict[str, Any]]],
@@ -67,7 +68,7 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
                 if key not in measured or "error" in got:
                     continue
                 row = predict_run(c, run, base, probed=got)
-                if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"] or not row.get("comm_latency_s"):
+                if row["why"] or not row["step_time_s"] or not row["exposed_comm_s"] or row.get("comm_latency_s") is None:
                     continue
                 at = sums.setdefault(row["world_size"], {"paid": 0.0, "predicted": 0.0, "latency": 0.0, "runs": {}})
                 paid = measured[key]["measured_step_s"] - (row["step_time_s"] - row["exposed_comm_s"])
@@ -82,8 +83,12 @@ def measure(model: MachineModel, out_dirs: list[str], probe: Callable[..., dict[
     size = min(sums, key=lambda n: (-len(sums[n]["runs"]), n))
     at = sums[size]
     left_out = {str(n): sorted(v["runs"]) for n, v in sums.items() if n != size}
-    factor = max(0.0, 1.0 + (at["paid"] - at["predicted"]) / at["latency"])  # the latency part never below nothing
-    return dataclasses.replace(model, comm_cost={"world_size": size, "factor": factor, "paid_s": at["paid"],
+    # A fit that could not separate latency (one message size per type: all its time charged to bandwidth) leaves a
+    # latency part of ~0: a factor on it explodes (x2.3e15 measured on the pipeline preset, 2026-11-28) and adds
+    # nothing. Below LATENCY_SHARE of the exposed communication the excess goes on the whole exposed part instead.
+    on = "latency" if at["latency"] >= LATENCY_SHARE * at["predicted"] else "exposed"
+    factor = max(0.0, 1.0 + (at["paid"] - at["predicted"]) / at["latency" if on == "latency" else "predicted"])
+    return dataclasses.replace(model, comm_cost={"world_size": size, "factor": factor, "on": on, "paid_s": at["paid"],
                                                  "predicted_s": at["predicted"], "latency_s": at["latency"],
                                                  "runs": at["runs"], "left_out": left_out})
 
@@ -95,7 +100,7 @@ def extra_s(model: MachineModel, world_size: int, exposed_s: float, latency_s: f
     cc = model.comm_cost
     if not cc or cc.get("world_size") != world_size:
         return 0.0
-    return max(-exposed_s, (float(cc["factor"]) - 1.0) * latency_s)
+    return max(-exposed_s, (float(cc["factor"]) - 1.0) * (exposed_s if cc.get("on") == "exposed" else latency_s))
 
 
 def note(model: MachineModel, world_size: int, extra: float | None = None) -> str:
@@ -109,19 +114,28 @@ def note(model: MachineModel, world_size: int, extra: float | None = None) -> st
                 f"at {cc['world_size']} ranks, not at {world_size}")
     n = sum(len(v) for v in cc["runs"].values())
     paid = f"communication +{extra * 1e3:,.1f} ms a step, " if extra is not None else ""
-    return (f"{paid}collective latency x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
-            f"paid for their collectives beyond the fit, put on the calls' latency part ({', '.join(cc['runs'])}; "
-            f"{n} probes)")
+    return (f"{paid}{_what(cc)} x{cc['factor']:.2f}: what the calibration's own real steps at {world_size} ranks "
+            f"paid for their collectives beyond the fit, put on {_where(cc)} ({', '.join(cc['runs'])}; {n} probes)")
+
+
+def _what(cc: dict) -> str:
+    return "exposed communication" if cc.get("on") == "exposed" else "collective latency"
+
+
+def _where(cc: dict) -> str:
+    return ("the whole exposed communication (the fit could not separate the calls' latency from their bytes)"
+            if cc.get("on") == "exposed" else "the calls' latency part")
 
 
 def assumption(model: MachineModel) -> str:
     """The sentence the prediction's assumptions carry when a factor was measured."""
     cc = model.comm_cost
     per_run = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.2f}" for k, v in cc["runs"].items())
-    return (f"probed runs at {cc['world_size']} ranks: collective latency x{cc['factor']:.2f}: the calibration's own "
+    return (f"probed runs at {cc['world_size']} ranks: {_what(cc)} x{cc['factor']:.2f}: the calibration's own "
             f"steps paid {cc['paid_s'] * 1e3:,.1f} ms for their collectives where the fit placed "
             f"{cc['predicted_s'] * 1e3:,.1f} ms, {cc.get('latency_s', 0.0) * 1e3:,.1f} ms of it the calls' latency, "
-            f"summed over their probes (paid / fit, median per run: {per_run}); the difference is put on the latency "
-            "part, the bytes' part stays as fitted; none at other world sizes (predict/comm_cost.py)"
+            f"summed over their probes (paid / fit, median per run: {per_run}); the difference is put on "
+            + ("the latency part, the bytes' part stays as fitted" if cc.get("on") != "exposed" else _where(cc))
+            + "; none at other world sizes (predict/comm_cost.py)"
             + "".join(f"; the calibration's runs at {n} ranks ({', '.join(runs)}) are left out: one factor is "
                       f"measured at one world size" for n, runs in cc.get("left_out", {}).items()))

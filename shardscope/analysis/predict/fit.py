@@ -143,6 +143,9 @@ def _read_run(d: str, c: Any, run: Any, st: Any) -> CalibrationRun:
     except (NotPredicted, KeyError, ValueError) as err:
         cal.why_not = f"{run.name}: {err}"
         return cal
+    if cal.work.pipeline is not None:
+        cal.why_not = f"{run.name}: a pipeline run does not calibrate (its step is its schedule's span, not phases)"
+        return cal
     timed = {s for s, _ in st.throughput if s > 0}  # outside the profiler window, after step 0
     per_step: dict[int, list[dict[str, float]]] = {}
     for rank_steps in st.stragglers.timing.values():

@@ -23,9 +23,9 @@ from shardscope.analysis.predict.fit import (
     reference_compute, ring_steps, bus_factor,
 )
 from shardscope.analysis.predict import comm_cost
-from shardscope.analysis.predict import in_step
+from shardscope.analysis.predict import in_step, pipeline
 from shardscope.analysis.predict.schedule import simulate
-from shardscope.analysis.predict.work import FAMILY_TEXT, TENSOR_PARALLEL, NotPredicted, Work, work_of
+from shardscope.analysis.predict.work import FAMILY_TEXT, PIPELINE, REPLICATED, TENSOR_PARALLEL, NotPredicted, Work, work_of
 
 FIGURES = ("tokens_per_s", "samples_per_s", "step_time_s", "compute_s", "exposed_comm_s", "rest_s", "comm_s")
 
@@ -74,6 +74,10 @@ def _overhead(w: Work, model: MachineModel) -> tuple[dict[str, float], str]:
     if w.family in model.family_overhead:
         return model.family_overhead[w.family], (f"framework overhead not calibrated for {w.strategy}: its "
                                                  f"family's ({w.family}) taken")
+    if w.family == PIPELINE and REPLICATED in model.family_overhead:  # a stage is plain autograd, as DDP's model
+        return model.family_overhead[REPLICATED], (f"framework overhead not calibrated for {w.strategy}: the "
+                                                   f"{REPLICATED} family's taken for its stages (the schedule's own "
+                                                   "is not counted)")
     return dict.fromkeys(PHASE_KEYS, 0.0), (f"framework overhead not calibrated for {w.strategy} (no {w.family} "
                                             "run in the calibration): none counted, so its step time is a lower "
                                             "bound and its tokens/s an upper bound")
@@ -184,7 +188,8 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         reference = {p: v * slow for p, v in reference_compute(w, model.coefficients).items()}
         extra, why = _overhead(w, model)
         notes += [why] if why else []
-        bound = "upper" if w.strategy not in model.overhead and w.family not in model.family_overhead else None
+        bound = "upper" if w.strategy not in model.overhead and w.family not in model.family_overhead and not (
+            w.family == PIPELINE and REPLICATED in model.family_overhead) else None
         # Overhead below the reference's (a strategy faster per FLOP) is kept, down to a quarter of it.
         comp = {p: max(0.25 * reference[p], reference[p] + extra[p] * w.param_tensors * slow) for p in PHASE_KEYS}
         comm, overlap, rest = _comm_fn(model.collectives), model.backend != "gloo", model.rest_s
@@ -201,6 +206,8 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
         exact = in_step.comm_fn(model.in_step, comm, model.collectives)  # type: ignore[union-attr]
         if w.world_size > 1 and (w.tp > 1 or w.traits.norm_allreduce):
             notes.append(in_step.NOTE)
+    if w.pipeline is not None:
+        return _pipeline_row(w, comp, reference, comm, rest, bound, notes)
     timing = simulate(w, comp["forward"], comp["backward"], comp["optimizer"], comm, overlap, exact)
     step, exposed = timing.step_s + rest, timing.exposed_comm_s
     latency = None  # gloo, probed: the part of the exposed communication that is the calls' latency, not their bytes
@@ -220,6 +227,35 @@ def _predict_work(w: Work, model: MachineModel | None, device: DeviceSpec | None
             "compute_s": compute, "exposed_comm_s": exposed,
             "rest_s": max(0.0, step - compute - exposed), "comm_s": timing.comm_s, "comm_latency_s": latency,
             "phases_s": timing.phase_s, "bound": bound, "notes": notes}
+
+
+def _pipeline_row(w: Work, comp: dict[str, float], reference: dict[str, float], comm: Any, rest: float,
+                  bound: str | None, notes: list[str]) -> dict[str, Any]:
+    """A pipeline run's figures: its schedule's grid played out with each stage's compute (predict/pipeline.py)."""
+    f = w.pipeline
+    assert f is not None
+    try:
+        comm(pipeline.P2P_KIND, 1.0, 2)
+        p2p = comm
+    except NotPredicted:  # no broadcast in the calibration: its all-reduce fit prices a transfer of the same bytes
+        notes.append(f"point-to-point transfers priced by the all-reduce fit (the calibration timed no {pipeline.P2P_KIND})")
+        p2p = lambda kind, nbytes, n: comm("all_reduce" if kind == pipeline.P2P_KIND else kind, nbytes, n)  # noqa: E731
+    try:
+        order = pipeline.grid(f["schedule"], f["pp"], f["m"], f["v"])
+    except pipeline.GridError as err:
+        raise NotPredicted(str(err)) from err
+    grad_bytes = memory_model.PRECISION_BYTES.get(w.precision, (4, 4, 4))[1]
+    got = pipeline.step(f, comp["forward"], comp["backward"], comp["optimizer"], p2p, w.dp, grad_bytes, order)
+    notes.append(f"{f['schedule']} grid at pp {f['pp']}, {f['m']} micro-batches" + (f", {f['v']} stages a rank" if f["v"] > 1 else "")
+                 + f": predicted bubble {got['bubble']:.1%} (stage compute by FLOP share; point-to-point transfers "
+                 "wait in the critical path)")
+    step = got["step_s"] + rest
+    rate = w.tokens_per_step / step if step > 0 else None
+    compute = got["busy_s"]  # the slowest rank's own stages' forward and backward
+    return {"tokens_per_s": rate, "samples_per_s": None, "unit": "tokens/s", "step_time_s": step,
+            "compute_s": compute, "exposed_comm_s": got["comm_s"], "rest_s": max(0.0, step - compute - got["comm_s"]),
+            "comm_s": got["comm_s"], "comm_latency_s": None, "phases_s": got["phase_s"], "bound": bound,
+            "bubble": got["bubble"], "notes": notes}
 
 
 def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None,

@@ -24,6 +24,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.config import Comparison
+from shardscope.core import registry
 from shardscope.core.bounded import run_bounded
 
 STEPS = 6  # the first is a warm-up: medians over five
@@ -55,6 +56,8 @@ def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 
         for run in c.runs:
             if run.control_of:  # the A/A control is its baseline again
                 continue
+            if registry.get(run.strategy).schedule:  # a pipeline's ranks wait on each other: its compute is scaled
+                continue  # from the calibration over its stages (predict/pipeline.py), not probed on one rank
             at_size = dataclasses.replace(run, world_size=world_size) if world_size else run
             payload = config.run_spec_payload(c, at_size, out_dir=tmp, device=device)
             spec = os.path.join(tmp, f"{run.name}.json")

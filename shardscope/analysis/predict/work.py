@@ -29,14 +29,17 @@ from shardscope import config
 from shardscope.core import model_facts, registry
 from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import comm_theory, memory_model
+from shardscope.analysis.predict import pipeline
 
 _BLOCK = re.compile(r"layers\.(\d+)\.")
 REPLICATED, PARTITIONED, FULLY_SHARDED, TENSOR_PARALLEL = "replicated", "partitioned", "fully-sharded", "tensor-parallel"
+PIPELINE = "pipeline"
 FAMILY_TEXT = {
     REPLICATED: "full replica per rank, gradients all-reduced",
     PARTITIONED: "optimizer states (and gradients) partitioned, parameters replicated",
     FULLY_SHARDED: "parameters, gradients and optimizer states sharded, gathered per unit",
     TENSOR_PARALLEL: "layers split across ranks (tensor parallel)",
+    PIPELINE: "the model cut into stages across ranks, micro-batches streamed through them (pipeline)",
 }
 # torch DDP's reducer: the first bucket is capped at 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), then bucket_cap_mb.
 DDP_FIRST_BUCKET_BYTES = 1 << 20
@@ -104,6 +107,9 @@ class Work:
     # an image model's samples per optimizer step (its throughput is samples/s; its "tokens" are patches); 0: a
     # language model, whose throughput is tokens/s
     samples_per_step: int = 0
+    # a pipeline run's schedule, degrees, stage FLOP shares and per-rank parameters (predict/pipeline.facts); its
+    # fwd_flops/bwd_flops/optim_elements are then the whole model's for one pipeline's tokens
+    pipeline: dict[str, Any] | None = None
 
 
 def family_of(shards: str, tp: int) -> str:
@@ -224,9 +230,6 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
                            "compute cannot be scaled from the calibration")
     fpt += tied_head_flops(c)
     info = registry.get(run.strategy)
-    if info.schedule:
-        raise NotPredicted(f"{run.strategy}: pipeline schedules are not in predict's step model (their bubble and "
-                           "point-to-point transfers); the comparison measures both, beside theory")
     layout = memory_model.layout_for(c, run, world_size)
     options = config.resolved_options(run)
     ws = layout.world_size
@@ -243,8 +246,10 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     ac = bool(run.activation_checkpointing)
     layers = model_facts.layers(c.model)
     compute_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
+    piped = pipeline.facts(c, layout, params) if info.schedule else None
     return Work(
-        run=run.name, strategy=run.strategy, family=family_of(layout.shards, layout.tp), shards=layout.shards,
+        run=run.name, strategy=run.strategy, shards=layout.shards, pipeline=piped,
+        family=PIPELINE if piped else family_of(layout.shards, layout.tp),
         samples_per_step=c.global_batch if model_facts.inputs(c.model) == "images" else 0,
         world_size=ws,
         dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, c.grad_accum),

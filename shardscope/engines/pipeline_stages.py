@@ -1,0 +1,94 @@
+"""The stage modules of a pipeline: units ``[start, end)`` of a model (0: embeddings, 1..L: blocks, L+1: head),
+holding the model's own modules under their own names, so per-layer norms and the shared initial weights match
+every other strategy's.
+
+- ``TransformerStage``: the built-in transformer (``tok_emb``, ``pos_emb``, ``layers``, ``norm``, ``lm_head``).
+- ``HFStage``: a Hugging Face decoder-only causal LM laid out as Llama is (``model.embed_tokens``,
+  ``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``). Each stage computes the rotary position
+  embeddings itself (a buffer, no parameters) and calls its decoder layers as the base model does, with no
+  attention mask: SDPA then masks causally, which is the base model's mask for a full-length batch without padding
+  and without a sliding window shorter than the sequence. ``presets/pipeline_checks`` admits only the families
+  built and tested that way (``HF_FAMILIES``), untied, with SDPA; tests/test_pipeline_hf.py checks parity with DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+_NULL = contextlib.nullcontext()  # reusable: nullcontext holds no state
+
+
+def _autocast(x: torch.Tensor, dtype: torch.dtype | None) -> Any:
+    return torch.autocast(x.device.type, dtype=dtype) if dtype else _NULL
+
+
+class TransformerStage(nn.Module):
+    """Units ``[start, end)`` of the built-in transformer (``layers.<i>`` kept)."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> None:
+        super().__init__()
+        n_layers = len(model.layers)
+        self.first, self.last, self.autocast = start == 0, end == n_layers + 2, autocast
+        if self.first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.layers = nn.ModuleDict({str(u - 1): model.layers[u - 1] for u in range(max(1, start), min(end, n_layers + 1))})
+        if self.last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _autocast(x, self.autocast):
+            if self.first:
+                x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            for block in self.layers.values():
+                x = block(x)
+            return self.lm_head(self.norm(x)) if self.last else x
+
+
+class HFStage(nn.Module):
+    """Units ``[start, end)`` of a Llama-layout Hugging Face causal LM (``model.layers.<i>`` kept)."""
+
+    def __init__(self, model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> None:
+        super().__init__()
+        base = model.model
+        n_layers = len(base.layers)
+        self.first, self.last, self.autocast = start == 0, end == n_layers + 2, autocast
+        self.model = nn.Module()
+        if self.first:
+            self.model.embed_tokens = base.embed_tokens
+        self.model.layers = nn.ModuleDict({str(u - 1): base.layers[u - 1]
+                                           for u in range(max(1, start), min(end, n_layers + 1))})
+        self.model.rotary_emb = base.rotary_emb
+        if self.last:
+            self.model.norm, self.lm_head = base.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _autocast(x, self.autocast):
+            if self.first:
+                x = self.model.embed_tokens(x)
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            rotary = self.model.rotary_emb(x, positions)
+            for layer in self.model.layers.values():
+                out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+                x = out[0] if isinstance(out, tuple) else out
+            return self.lm_head(self.model.norm(x)) if self.last else x
+
+
+def is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM (``model.model.layers``) rather than the built-in transformer."""
+    return hasattr(model, "model") and hasattr(model.model, "layers")
+
+
+def stage(model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> nn.Module:
+    """The stage module of units ``[start, end)`` of ``model``."""
+    return (HFStage if is_hf(model) else TransformerStage)(model, start, end, autocast)
+
+
+def widths(model: nn.Module) -> tuple[int, int]:
+    """(hidden width of the residual stream, vocabulary) of ``model``."""
+    if is_hf(model):
+        return int(model.model.embed_tokens.weight.shape[1]), int(model.lm_head.weight.shape[0])
+    return int(model.tok_emb.weight.shape[1]), int(model.lm_head.weight.shape[0])

@@ -1,0 +1,95 @@
+"""Pipeline stages of a Hugging Face model (issue 46, item 2): a user's Mistral ``config.json`` (untied output layer)
+split into stages by the same unit split as the built-in transformer (embeddings, each decoder layer, norm + head),
+each stage rebuilt from the model's own modules (engines/pipeline_stages.HFStage), end to end through the command
+line against DDP; and the models whose stages cannot be rebuilt that way refused before the start, with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardscope import config
+
+DATA = Path(__file__).resolve().parent / "data" / "user"
+
+PRESET = """
+description = "pipeline stages of a Hugging Face model against ddp"
+steps = 4
+global_batch = 8
+lr = 3e-3
+warmup_steps = 1
+precision = "fp32"
+world_size = 2
+seed = 7
+loss_tolerance = 1e-5
+stall_timeout_s = 120
+parity = true
+control = false
+
+[model]
+kind = "hf"
+path = "{path}"
+seq_len = 16
+
+[profile]
+start_step = 2
+steps = 1
+count_collectives = true
+
+[[runs]]
+name = "ddp"
+strategy = "ddp"
+
+[[runs]]
+name = "1f1b"
+strategy = "pp-1f1b"
+
+[[runs]]
+name = "interleaved"
+strategy = "pp-interleaved"
+"""
+PIPELINES = ("1f1b", "interleaved")
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_a_hugging_face_model_in_stages_trains_like_ddp_with_exact_bytes_and_states(tmp_path):
+    (tmp_path / "p.toml").write_text(PRESET.format(path=DATA / "mistral"), encoding="utf-8")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(tmp_path / "p.toml"),
+                           "--headless", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    runs = {r["name"]: r for r in summary["runs"]}
+    for name in PIPELINES:
+        assert runs[name]["status"] == "ok", runs[name].get("error")
+        assert runs[name]["loss_max_abs_diff"] <= 1e-5 and runs[name]["loss_steps_compared"] == 4, name
+        comm = summary["communication"]["runs"][name]
+        for kind in ("send", "recv", "all_reduce"):
+            counted = []
+            for f in sorted(os.listdir(out / name / "metrics")):
+                lines = (out / name / "metrics" / f).read_text(encoding="utf-8").splitlines()
+                counted.append([json.loads(x) for x in lines if '"comm"' in x][-1]["collectives"][kind]["bytes_per_step"])
+            assert sum(counted) / len(counted) == pytest.approx(comm["theory"]["by_type"][kind], rel=1e-12), (name, kind)
+        for rank, row in summary["memory"]["runs"][name]["per_rank"].items():
+            for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+                assert row["predicted"][key] == row["measured"][key], (name, rank, key)
+        assert 0.0 <= runs[name]["pipeline"]["bubble_measured"] <= 1.0
+
+
+@pytest.mark.parametrize("model, said", [
+    (["kind = 'hf'", f"path = '{DATA / 'llama'}'"], "tie_word_embeddings = true"),
+    (["kind = 'hf'", "hf_arch = 'qwen2-tiny'"], "tie_word_embeddings = true"),
+    (["kind = 'hf'", f"path = '{DATA / 'gemma2'}'"], "model_type 'gemma2'"),
+])
+def test_models_whose_stages_are_not_built_are_refused_with_the_reason(tmp_path, model, said):
+    text = "\n".join(["world_size = 2", "global_batch = 8", "", "[model]", *model, "seq_len = 16", "",
+                      "[[runs]]", "name = 'p'", "strategy = 'pp-1f1b'"]) + "\n"
+    (tmp_path / "p.toml").write_text(text, encoding="utf-8")
+    with pytest.raises(config.ConfigError, match=said):
+        config.load_preset(str(tmp_path / "p.toml"), host=config.HostInfo("cpu", 8, "test"))
