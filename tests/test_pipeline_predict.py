@@ -90,3 +90,24 @@ def test_a_pipeline_run_neither_calibrates_nor_is_probed(tmp_path):
 
     cal = fit._read_run(str(tmp_path), c, c.runs[0], _State())
     assert isinstance(cal, CalibrationRun) and "does not calibrate" in cal.why_not
+
+
+def test_fsdp2_on_the_stages_is_predicted_with_its_gathers_and_a_sharded_optimizer():
+    """pp 2 x dp 2 with FSDP2 on each stage: the step pays each unit's all-gather and reduce-scatter across the two
+    pipelines (not one all-reduce of the stage gradients) and steps a quarter of the optimizer states a rank."""
+    c = _comparison(RunSpec("rep", "pp-1f1b", options={"pp": 2, "microbatches": 4}),
+                    RunSpec("fsdp", "pp-1f1b", options={"pp": 2, "microbatches": 4, "dp_shard": "fsdp2"}))
+    w = work_of(c, c.run("fsdp"))
+    assert w.pipeline["sharded"] and not work_of(c, c.run("rep")).pipeline["sharded"]
+    calls = []
+
+    def comm(kind, nbytes, n):
+        calls.append((kind, n))
+        return 0.0
+
+    order = pl.single_stage_order("1f1b", 2, 4)
+    pipeline.step(w.pipeline, 1.0, 2.0, 1.0, comm, 2, 4, order)
+    assert {("all_gather", 2), ("reduce_scatter", 2), ("all_reduce", 2)} <= set(calls)
+    assert pipeline.step(w.pipeline, 1.0, 2.0, 1.0, comm, 2, 4, order)["after_s"] < pipeline.step(
+        {**w.pipeline, "sharded": False}, 1.0, 2.0, 1.0, comm, 2, 4, order)["after_s"]  # half the optimizer a rank
+

@@ -333,6 +333,9 @@ _PP_OPTIONS = {
                      "(gradients averaged across them after each step's schedule)", minimum=2),
     "microbatches": OptionSpec(int, 4, "micro-batches each data-parallel rank's batch is split into per step "
                                "(the pipeline's m)", minimum=1),
+    "dp_shard": OptionSpec(str, "replicate", "across the pipelines: replicate each stage (gradients averaged by one "
+                           "all-reduce after the schedule) or fsdp2 (fully_shard each stage over the data-parallel "
+                           "ranks: states sharded, gradients reduce-scattered)", choices=("replicate", "fsdp2")),
 }
 for _name, _schedule, _v, _what in (
         ("pp-gpipe", "gpipe", 1, "GPipe: every micro-batch forward, then every one backward (holds all m "

@@ -35,6 +35,7 @@ from shardscope.core import pipeline_layout, registry
 from shardscope.engines import memory_accounting, norms, pipeline_stages
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.comm_count import instrumentation
+from shardscope.engines.global_grad import full_value
 from shardscope.engines.optim import make_optimizer
 
 SCHEDULES = {  # registry schedule -> (torch class, whether it takes every stage of the rank)
@@ -96,6 +97,20 @@ def release_other_stages(model: nn.Module, kept: list[torch.Tensor]) -> None:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+def shard_stages(modules: list[nn.Module], ctx: RankContext) -> None:
+    """FSDP2 on each stage across the pipelines (torchtitan's PP x FSDP): ``fully_shard`` over the data-parallel mesh
+    on each block, then on the stage. Blocks are not resharded after forward (torchtitan's default under pipeline
+    parallelism): a step gathers each unit once, not once per micro-batch; torch's ``PipelineStage`` defers the
+    gradients' reduce-scatter to each stage's last backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.mesh["dp"]
+    for mod in modules:
+        for block in mod.blocks():
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(mod, mesh=mesh, reshard_after_forward=False)
+
+
 def average_across_pipelines(params: list[torch.Tensor], group: Any, dp: int) -> None:
     """Average the stages' gradients across the pipelines' replicas: one all-reduce of one flat buffer after the
     schedule. Not DDP: DDP's hooks fire in backward and miss the gradients a zero-bubble schedule computes in its
@@ -139,6 +154,9 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     policy = settings.precision
     autocast = policy.compute_dtype if policy.autocast else None
     modules = [pipeline_stages.stage(model, *ranges[s], autocast) for s in mine]
+    sharded = options.get("dp_shard") == "fsdp2"
+    if sharded:  # before the stages are built: PipelineStage looks at whether its module is an FSDP module
+        shard_stages(modules, ctx)
     batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
     chunk, seq = batch // m, int(model.seq_len)
     width, vocab = pipeline_stages.widths(model)
@@ -186,7 +204,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         else:
             schedule.step(*args)
         spans["span_s"] = time.perf_counter() - t0
-        if ctx.dp_size > 1:
+        if ctx.dp_size > 1 and not sharded:  # FSDP2 on the stages reduce-scatters the gradients itself
             average_across_pipelines(params, ctx.dp_group, ctx.dp_size)
         timer.clock = None
         mean = (torch.stack([x.detach() for x in losses]).sum() / factor["value"] if has_last
@@ -202,7 +220,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     def clip_and_step(max_norm: float) -> float:
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=ctx.device)
-        square = (local.float() ** 2).reshape(1)
+        square = (full_value(local).float() ** 2).reshape(1)  # sharded stages: the stage's norm across the pipelines
         dist.all_reduce(square, group=ctx.pp_group)  # every stage's share of the global norm
         norm = square.sqrt()[0]
         if max_norm > 0:

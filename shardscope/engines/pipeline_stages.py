@@ -39,6 +39,10 @@ class TransformerStage(nn.Module):
         if self.last:
             self.norm, self.lm_head = model.norm, model.lm_head
 
+    def blocks(self) -> list[nn.Module]:
+        """The stage's blocks, in order."""
+        return list(self.layers.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with _autocast(x, self.autocast):
             if self.first:
@@ -64,6 +68,10 @@ class HFStage(nn.Module):
         self.model.rotary_emb = base.rotary_emb
         if self.last:
             self.model.norm, self.lm_head = base.norm, model.lm_head
+
+    def blocks(self) -> list[nn.Module]:
+        """The stage's decoder layers, in order."""
+        return list(self.model.layers.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with _autocast(x, self.autocast):

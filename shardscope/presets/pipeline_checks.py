@@ -28,6 +28,9 @@ def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
     if run.activation_checkpointing or run.compile:
         what = "activation_checkpointing" if run.activation_checkpointing else "compile"
         return f"{what} = true: not built for pipeline stages"
+    if options.get("dp_shard") == "fsdp2" and dp < 2:
+        return (f"options.dp_shard = 'fsdp2': one pipeline (world_size {pp * dp} / pp {pp}): no other pipeline to shard "
+                "the stages across; give world_size a multiple of pp above it, or dp_shard = 'replicate'")
     per_rank = c.global_batch // max(1, dp)
     if per_rank % m:
         return (f"options.microbatches = {m}: must divide each pipeline's batch, global_batch {c.global_batch} / "

@@ -207,23 +207,39 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
             "reasons": reasons, "dp": dp, "tp": layout.tp, "shards": layout.shards}
 
 
+PIPELINE_PARAM_BYTES = 4  # pipeline stages hold fp32 parameters (fp32 or bf16 autocast: presets/pipeline_checks.py)
+NORM_BYTES = 4  # one fp32 norm
+
+
 def _pipeline_comm(comp: Comparison, layout: Any, params: list, grad_bytes: int) -> dict[str, Any]:
     """A pipeline's bytes per step, the mean over ranks (profiling/pipeline_model.py): each stage boundary's
     activations and gradients sent and received, the global gradient norm's all-reduce across the stages, and,
-    with several pipelines, one all-reduce of each rank's stage gradients across them."""
+    with several pipelines, one all-reduce of each rank's stage gradients across them, or (FSDP2 on the stages) each
+    unit's all-gather and reduce-scatter once a step."""
     p2p = pipeline_model.p2p_bytes(comp, layout, layout.dp)
-    parts: dict[str, float] = {"send": p2p, "recv": p2p, "all_reduce": 4}
+    parts: dict[str, float] = {"send": p2p, "recv": p2p, "all_reduce": NORM_BYTES}
     n_stages = layout.pp * layout.v
     basis = [f"{n_stages - 1} stage boundaries x {layout.microbatches} micro-batches of activations forward and "
              "gradients back (point to point)", "the gradient norm's all-reduce across the stages (4 B)"]
-    if layout.dp > 1:
-        held = [sum(p.numel for p in pipeline_model.rank_params(params, layout.pp, layout.v, r)) for r in range(layout.pp)]
+    reasons = ["pipeline stages exchange activations point to point; the figure is the mean over ranks (the first "
+               "and last ranks hold fewer boundaries)"]
+    per_rank = [pipeline_model.rank_params(params, layout.pp, layout.v, r) for r in range(layout.pp)]
+    if layout.dp > 1 and layout.shards == "all":  # FSDP2 on each stage across the pipelines (dp_shard = "fsdp2")
+        gathered = sum(sum(_units(held, layout).values()) for held in per_rank) / layout.pp
+        parts["all_gather"] = gathered * PIPELINE_PARAM_BYTES
+        parts["reduce_scatter"] = gathered * grad_bytes
+        parts["all_reduce"] += NORM_BYTES * sum(len(held) for held in per_rank) / layout.pp
+        basis.append(f"FSDP2 on each stage over the {layout.dp} pipelines: each unit all-gathered once a step (kept "
+                     "gathered across the micro-batches) and its gradients reduce-scattered once, at its stage's last "
+                     "backward; the gradient norm's per-tensor norms all-reduced across them")
+        reasons.append("the norm of sharded gradients (torch.nn.utils.get_total_norm over DTensors) all-reduces one "
+                       "norm per tensor across the pipelines before the stages add their squares")
+    elif layout.dp > 1:
+        held = [sum(p.numel for p in rank) for rank in per_rank]
         parts["all_reduce"] += sum(held) * grad_bytes / layout.pp
         basis.append(f"one all-reduce of each rank's stage gradients across the {layout.dp} pipelines")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis),
-            "reasons": ["pipeline stages exchange activations point to point; the figure is the mean over ranks "
-                        "(the first and last ranks hold fewer boundaries)"], "dp": layout.dp, "tp": layout.tp,
-            "shards": layout.shards}
+            "reasons": reasons, "dp": layout.dp, "tp": layout.tp, "shards": layout.shards}
 
 
 def column_linears(params: list) -> int:

@@ -110,10 +110,12 @@ class Layout:
 # is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option. FSDP1's SHARD_GRAD_OP
 # holds sharded parameters at rest too; it only keeps them gathered from forward to backward.
 # LAYOUT_BY_OPTION: FSDP1 without use_orig_params hands its flat shards themselves to the optimizer.
-LAYOUT_BY_OPTION: dict[str, dict[Any, str]] = {"use_orig_params": {False: "flat"}}
+# A pipeline's stages sharded with FSDP2 across the pipelines (``dp_shard = "fsdp2"``) hold per-parameter DTensors.
+LAYOUT_BY_OPTION: dict[str, dict[Any, str]] = {"use_orig_params": {False: "flat"}, "dp_shard": {"fsdp2": "per-parameter"}}
 SHARDS_BY_OPTION: dict[str, dict[Any, str]] = {
     "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "all", "NO_SHARD": "none"},
     "stage": {0: "none", 1: "optim", 2: "grads", 3: "all"},
+    "dp_shard": {"replicate": "none", "fsdp2": "all"},
 }
 
 

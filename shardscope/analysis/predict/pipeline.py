@@ -61,10 +61,11 @@ def facts(c: Any, layout: Any, params: list) -> dict[str, Any]:
     chunk = batch // max(1, layout.microbatches)
     boundary = (chunk * model_facts.tokens_per_sample(c.model) * model_facts.hidden_size(c.model)
                 * pipeline_model.ACTIVATION_BYTES)
+    held = [pipeline_model.rank_params(params, layout.pp, layout.v, r) for r in range(layout.pp)]
     return {"schedule": layout.schedule, "pp": layout.pp, "v": layout.v, "m": layout.microbatches,
             "shares": stage_shares(c, params, n_stages), "boundary_bytes": boundary,
-            "rank_elements": [sum(p.numel for p in pipeline_model.rank_params(params, layout.pp, layout.v, r))
-                              for r in range(layout.pp)]}
+            "rank_elements": [sum(p.numel for p in rank) for rank in held],
+            "rank_tensors": [len(rank) for rank in held], "sharded": layout.shards == "all"}
 
 
 @functools.lru_cache(maxsize=32)
@@ -114,11 +115,23 @@ def step(f: dict[str, Any], fwd_s: float, bwd_s: float, opt_s: float, comm: Call
     busy = {r: sum(split[k] * f["shares"][s] / m for k, s, *_ in acts) for r, acts in timed.items()}
     transfers = {r: sum(end - start for *_, start, end in acts) - busy[r] for r, acts in timed.items()}
     total = sum(f["rank_elements"]) or 1
-    after = {r: comm("all_reduce", 4.0, f["pp"])
-             + (comm("all_reduce", float(f["rank_elements"][r] * grad_bytes), dp) if dp > 1 else 0.0)
-             + opt_s * f["rank_elements"][r] / total for r in timed}
+    sharded = f.get("sharded") and dp > 1
+
+    def reduce(r: int) -> float:
+        """The collectives after rank r's schedule: the norm's, and the stage gradients' across the pipelines."""
+        elements = float(f["rank_elements"][r])
+        out = comm("all_reduce", 4.0, f["pp"])
+        if sharded:  # FSDP2 on the stages: each unit gathered once and reduce-scattered once, the norms all-reduced
+            out += (comm("all_gather", elements * 4, dp) + comm("reduce_scatter", elements * grad_bytes, dp)
+                    + comm("all_reduce", 4.0 * f["rank_tensors"][r], dp))
+        elif dp > 1:
+            out += comm("all_reduce", elements * grad_bytes, dp)
+        return out
+
+    own = {r: opt_s * f["rank_elements"][r] / total / (dp if sharded else 1) for r in timed}
+    after = {r: reduce(r) + own[r] for r in timed}
     slowest = max(timed, key=lambda r: after[r])
-    reduce_s = after[slowest] - opt_s * f["rank_elements"][slowest] / total
+    reduce_s = after[slowest] - own[slowest]
     fwd = sum(split["F"] * f["shares"][s] / m for k, s, *_ in timed[slowest] if k == "F")
     return {"step_s": span + after[slowest], "span_s": span, "busy_s": busy[slowest],
             "bubble": sum(1.0 - b / span for b in busy.values()) / len(busy) if span else 0.0,

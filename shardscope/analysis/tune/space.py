@@ -24,6 +24,7 @@ SPEED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "backward_prefetch": ("pre", "post"),
     "bucket_cap_mb": (25, 100),
     "microbatches": (4, 8),
+    "dp_shard": ("replicate", "fsdp2"),
 }
 # Options whose values follow the world size: the degrees of model parallelism.
 DEGREE_OPTIONS = ("tp", "pp")
