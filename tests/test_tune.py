@@ -131,3 +131,28 @@ def test_a_search_end_to_end(tmp_path):
     assert (Path(out) / "proof" / "summary.json").exists()
     report = (Path(out) / "tune.md").read_text(encoding="utf-8")
     assert f"**Winner: {answer['winner']}**" in report and "does not fit" in report
+
+
+def test_a_what_if_on_a_gpu_this_machine_is_not_is_predicted_on_every_line_and_runs_nothing(tmp_path):
+    """``--device H100 -n 8`` on a CPU machine: the preset as it loads on GPUs, every candidate predicted (memory
+    against the datasheet's 80 GB, step time from the device table), none run; the winner's preset says it was
+    predicted and loads; an unknown device is one line and exit 2."""
+    out = tmp_path / "t"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--device", "H100",
+                           "-n", "8", "--strategies", "ddp,fsdp2,pp-1f1b", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("WHAT-IF on 8 x H100") and "predicted only, nothing runs" in lines[0]
+    rows = [x for x in lines if x.startswith("  ") and not x.startswith("  preset") and not x.startswith("  launch")
+            and not x.startswith("  report")]
+    assert rows and all(x.startswith("  predicted ") for x in rows)
+    assert any("WINNER (predicted)" in x for x in rows)
+    assert not (out / "proof").exists() and not (out / "calibration").exists()  # nothing ran
+    again = config.load_preset(str(out / "winner.toml"), host=config.HostInfo("cuda", 8, "test"))
+    assert "predicted fastest on H100 (a what-if, not measured)" in again.description
+    assert again.world_size == 8 and again.runs[0].strategy in ("ddp", "fsdp2", "pp-1f1b")
+    assert "WHAT-IF on H100" in (out / "tune.md").read_text(encoding="utf-8")
+    bad = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--device", "TPU"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip() == "shardscope: error: --device 'TPU': known: A100, H100, H200, B200"

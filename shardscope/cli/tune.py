@@ -95,6 +95,8 @@ def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
               "global batch and precision are kept; its runs are replaced by the search.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset key (as `run`).")
 @click.option("--world-size", "-n", type=int, default=None, help="Ranks of every candidate (default: the preset's).")
+@click.option("--device", "device_name", default=None, metavar="GPU", help="A what-if on this GPU kind (A100, H100, "
+              "H200, B200) at --world-size: predicted only, nothing runs (measured when this machine has that GPU).")
 @click.option("--device-memory", default=None, help="Memory per rank to fit in (e.g. 80GiB): candidates the memory "
               "model puts above it are out.")
 @click.option("--budget", default="10m", show_default=True, help="Time for the proving runs (90s, 10m, 1h).")
@@ -113,9 +115,10 @@ def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (after the runs' progress).")
 @click.option("--dry-run", is_flag=True, help="List the candidates, what cannot run and what does not fit; "
               "calibrate, predict and launch nothing.")
-def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_memory: str | None, budget: str,
-             steps: int, keep_within: float, allow: tuple[str, ...], strategies: str, calibrate_dirs: tuple[str, ...],
-             out_dir: str | None, as_json: bool, dry_run: bool) -> None:
+def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_name: str | None,
+             device_memory: str | None, budget: str, steps: int, keep_within: float, allow: tuple[str, ...],
+             strategies: str, calibrate_dirs: tuple[str, ...], out_dir: str | None, as_json: bool,
+             dry_run: bool) -> None:
     """Search the fastest configuration of a preset's model that fits, by prediction, and prove it by real runs."""
     from shardscope.analysis.predict import predictor
     from shardscope.analysis.predict.work import NotPredicted
@@ -129,6 +132,12 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
     if not 0 < keep_within <= 10:
         fail_usage(f"--keep-within {keep_within}: a fraction between 0 and 10")
     sets = [*overrides, *([f"world_size={world_size}"] if world_size else [])]
+    spec = _device(device_name)
+    if spec is not None and spec.name.lower() not in devices.host_info(devices.resolve_device("auto")).detail.lower():
+        from shardscope.cli.tune_what_if import what_if
+
+        what_if(preset, sets, spec, world_size, limit, keep_within, allow, strategies, out_dir, as_json, dry_run)
+        return
     comparison, dev = resolve(preset, sets)
     ws = world_size or comparison.world_size
     out = out_dir or default_out_dir(f"{comparison.name}-tune")
@@ -228,6 +237,18 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         click.echo(f"tune took {answer['elapsed_s']:.0f} s; the proving runs {proof_s:.0f} s of a {budget_s:.0f} s "
                    f"budget{over}")
     raise SystemExit(EXIT_OK if winner is not None and code in (EXIT_OK, EXIT_FAILED) else EXIT_FAILED)
+
+
+def _device(name: str | None) -> Any:
+    """The device table's entry for ``--device`` (None without one); exits 2 naming the known ones."""
+    if not name:
+        return None
+    from shardscope.analysis.predict.devices import device_spec
+
+    try:
+        return device_spec(name)
+    except KeyError as err:
+        fail_usage(str(err.args[0]))
 
 
 def _as_dict(x: Any) -> dict[str, Any]:

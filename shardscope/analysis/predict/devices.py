@@ -42,6 +42,7 @@ class DeviceSpec:
     hbm_Bps: float
     nvlink_busbw_Bps: float
     ib_busbw_Bps: float
+    memory_bytes: float = 80e9  # the datasheet's HBM per GPU (tune's memory limit on this device)
     nvlink_latency_s: float = 2e-6
     ib_latency_s: float = 5e-6
     gpus_per_node: int = GPUS_PER_NODE
@@ -58,11 +59,11 @@ class DeviceSpec:
         return self.ib_busbw_Bps, self.ib_latency_s, "InfiniBand"
 
 
-DEVICES = {
-    "A100": DeviceSpec("A100", "A100", 19.5e12, 2.04e12, 240e9, 25e9),
-    "H100": DeviceSpec("H100", "H100", 67e12, 3.35e12, 360e9, 50e9),
-    "H200": DeviceSpec("H200", "H200", 67e12, 4.8e12, 360e9, 50e9),
-    "B200": DeviceSpec("B200", "B200", 75e12, 8.0e12, 720e9, 50e9),
+DEVICES = {  # HBM: NVIDIA's datasheets (A100 80GB SXM, H100 SXM 80 GB, H200 141 GB, HGX B200 180 GB per GPU)
+    "A100": DeviceSpec("A100", "A100", 19.5e12, 2.04e12, 240e9, 25e9, memory_bytes=80e9),
+    "H100": DeviceSpec("H100", "H100", 67e12, 3.35e12, 360e9, 50e9, memory_bytes=80e9),
+    "H200": DeviceSpec("H200", "H200", 67e12, 4.8e12, 360e9, 50e9, memory_bytes=141e9),
+    "B200": DeviceSpec("B200", "B200", 75e12, 8.0e12, 720e9, 50e9, memory_bytes=180e9),
 }
 
 

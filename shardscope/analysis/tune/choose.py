@@ -102,12 +102,14 @@ def verdict(summary: dict[str, Any], cands: list[Candidate]) -> dict[str, Any]:
     return {"winner": winner, "tie": tie, "lines": list(rec.get("lines") or []), "unit": rec.get("unit", "tokens/s")}
 
 
-def winner_toml(c: Comparison, cand: Candidate, source: str) -> str:
+def winner_toml(c: Comparison, cand: Candidate, source: str, predicted_on: str = "") -> str:
     """A preset file of the winner alone: the comparison's own settings (its file, with the winner's run in place
-    of its runs), so ``shardscope run --preset FILE`` reproduces it."""
+    of its runs), so ``shardscope run --preset FILE`` reproduces it. ``predicted_on``: the GPU kind of a what-if
+    (the winner was predicted there, not measured)."""
     run = cand.run
+    how = f"predicted fastest on {predicted_on} (a what-if, not measured)" if predicted_on else "measured fastest"
     lines = [f"# shardscope tune's winner for {source}: {run.name}",
-             f'description = "shardscope tune: the fastest configuration measured for {c.name}"']
+             f'description = "shardscope tune: the configuration {how} for {c.name}"']
     shown = c.shown()
     for key in ("steps", "global_batch", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip",
                 "precision", "seed", "world_size", "loss_tolerance"):
