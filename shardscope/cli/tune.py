@@ -156,7 +156,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         click.echo(clean(f"# dry run: tune would calibrate, predict and measure the runnable candidates of "
                          f"{comparison.name} at world size {ws} within {budget_s:.0f} s; nothing is launched"))
         if as_json:
-            click.echo(json.dumps([_as_dict(x) for x in cands], indent=2, default=str))
+            click.echo(json.dumps([choose.as_dict(x) for x in cands], indent=2, default=str))
         else:
             from rich.console import Console
 
@@ -213,7 +213,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
     answer["report"] = os.path.join(out, "tune.md")
     config.write_atomic(answer["report"], lambda fh: fh.write(choose.markdown(cands, answer, comparison.name)))
     if as_json:
-        click.echo(json.dumps({**answer, "candidates": [_as_dict(x) for x in cands]}, indent=2, default=str))
+        click.echo(json.dumps({**answer, "candidates": [choose.as_dict(x) for x in cands]}, indent=2, default=str))
     else:
         from rich.console import Console
 
@@ -249,11 +249,3 @@ def _device(name: str | None) -> Any:
         return device_spec(name)
     except KeyError as err:
         fail_usage(str(err.args[0]))
-
-
-def _as_dict(x: Any) -> dict[str, Any]:
-    return {"name": x.name, "strategy": x.run.strategy, "options": x.run.options,
-            "activation_checkpointing": x.run.activation_checkpointing, "precision": x.run.precision,
-            "refused": x.refused or None, "pruned": x.pruned or None, "changes_math": x.changes_math,
-            "predicted_step_s": x.predicted_step_s, "predicted_mem_bytes": x.predicted_mem_bytes,
-            "measured": x.measured or None}

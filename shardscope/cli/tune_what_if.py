@@ -74,9 +74,7 @@ def what_if(preset: str, sets: list[str], spec: Any, world_size: int | None, lim
         answer["report"] = os.path.join(out, "tune.md")
         config.write_atomic(answer["report"], lambda fh: fh.write(_markdown(cands, answer, comparison.name, head)))
     if as_json:
-        from shardscope.cli.tune import _as_dict
-
-        click.echo(json.dumps({**answer, "candidates": [_as_dict(x) for x in cands]}, indent=2, default=str))
+        click.echo(json.dumps({**answer, "candidates": [choose.as_dict(x) for x in cands]}, indent=2, default=str))
         return
     for x in sorted(cands, key=lambda x: (bool(x.refused), bool(x.pruned), x.predicted_step_s or 1e9)):
         click.echo(clean(f"  predicted  {x.name:<40} {_step(x):>12} {_mem(x):>12}  {_outcome(x, winner)}"))

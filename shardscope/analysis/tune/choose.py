@@ -170,3 +170,12 @@ def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str
                    f"{'-' if not isinstance(rate, (int, float)) else f'{rate:,.0f}'} | {cell(outcome)}"
                    + (" (changes the mathematics)" if x.changes_math else "") + " |")
     return "\n".join(out) + "\n"
+
+
+def as_dict(x: Candidate) -> dict[str, Any]:
+    """A candidate as ``--json`` prints it."""
+    return {"name": x.name, "strategy": x.run.strategy, "options": x.run.options,
+            "activation_checkpointing": x.run.activation_checkpointing, "precision": x.run.precision,
+            "refused": x.refused or None, "pruned": x.pruned or None, "changes_math": x.changes_math,
+            "predicted_step_s": x.predicted_step_s, "predicted_mem_bytes": x.predicted_mem_bytes,
+            "measured": x.measured or None}
