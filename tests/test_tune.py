@@ -3,6 +3,7 @@ preset, the refusals of bad input, and one search end to end on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -156,3 +157,26 @@ def test_a_what_if_on_a_gpu_this_machine_is_not_is_predicted_on_every_line_and_r
     bad = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--device", "TPU"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip() == "shardscope: error: --device 'TPU': known: A100, H100, H200, B200"
+
+
+@pytest.mark.slow
+def test_a_planted_slow_option_is_excluded_by_measurement(tmp_path):
+    """Two candidates the predictor cannot tell apart (DDP with two bucket sizes: the same calls, the same bytes), the
+    second carrying 40 ms of extra CPU work a step on rank 0 (the ``slow`` fault, real work): tune's own proving
+    comparison and verdict pick the first, and the planted one is not called a tie."""
+    from shardscope.cli.headless_run import load_summary, run_headless
+    from shardscope.orchestrator.session import Session
+
+    c = config.load_preset("smoke", host=config.cpu_host())
+    live = [x for x in space.candidates(c, world_size=2, only=("ddp",)) if not x.refused
+            and not x.run.activation_checkpointing]
+    good, planted = live[0], live[1]
+    planted.run = dataclasses.replace(planted.run, fault="rank=0,step=0,kind=slow,ms=40")
+    for x in (good, planted):
+        x.predicted_step_s = 0.01  # predicted alike: only the measurement can tell them apart
+    proof = config.with_control(config.validate(choose.proving_comparison(c, [good, planted], steps=8)))
+    assert proof.baseline == good.name
+    run_headless(Session(proof, str(tmp_path / "proof"), device="cpu"))
+    answer = choose.verdict(load_summary(str(tmp_path / "proof")) or {}, [good, planted])
+    assert answer["winner"] == good.name, answer
+    assert planted.name not in answer["tie"] and planted.measured["status"] == "ok"
