@@ -1,4 +1,4 @@
-"""End to end: ``compile = true`` on FSDP1, FSDP2, the hand-written FSDP and DeepSpeed ZeRO-1/2/3, and
+"""End to end: ``compile = true`` on FSDP1, FSDP2, the hand-written FSDP and DeepSpeed ZeRO-2/3, and
 ``activation_checkpointing = true`` on some of them, fp32, 2 CPU ranks, in one comparison with an eager DDP
 baseline. (FSDP2 compiled had its own smoke comparison through the command line in test_cli_e2e.py, a DDP run
 and 40 s of CI more, checking the same thing: 2026-11-26.)
@@ -20,9 +20,11 @@ from shardscope.config import RunSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # a module fixture of several runs counts against its first test
 
-COMPILED = {"fsdp1": "fsdp1", "fsdp2": "fsdp2", "hw": "fsdp-handwritten", "zero1": "deepspeed-zero1", "zero2": "deepspeed-zero2",
+# ZeRO-1 compiles through the same ``engine.compile()`` as ZeRO-2 and keeps its gradients whole as ZeRO-2 does until
+# the step: left out (~30 s of CI, 2026-11-29; it passed here with 4.8e-7 before)
+COMPILED = {"fsdp1": "fsdp1", "fsdp2": "fsdp2", "hw": "fsdp-handwritten", "zero2": "deepspeed-zero2",
             "zero3": "deepspeed-zero3"}
-CHECKPOINTED = ("hw", "zero1", "zero3")
+CHECKPOINTED = ("hw", "zero2", "zero3")
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,15 @@ def test_fsdp2_on_the_stages_is_predicted_with_its_gathers_and_a_sharded_optimiz
     assert pipeline.step(w.pipeline, 1.0, 2.0, 1.0, comm, 2, 4, order)["after_s"] < pipeline.step(
         {**w.pipeline, "sharded": False}, 1.0, 2.0, 1.0, comm, 2, 4, order)["after_s"]  # half the optimizer a rank
 
+
+
+def test_a_users_modules_units_follow_its_blocks_and_what_post_blocks_uses():
+    """A user's module: ``<blocks>.<i>.…`` is block i wherever it is declared, the parameters post_blocks uses are
+    the head, the rest the embeddings (a head declared before the blocks included)."""
+    from shardscope.core import pipeline_layout
+
+    names = ["head.weight", "position", "embed.weight", "stack.0.w", "stack.0.b", "stack.1.w", "norm.weight"]
+    units = pipeline_layout.unit_names(names, blocks="stack", last={"head.weight", "norm.weight"})
+    assert units == ["head", "embeddings", "embeddings", "layers.0", "layers.0", "layers.1", "head"]
+    split = pipeline_layout.units_of([(n, 1) for n in names], units)
+    assert [(u.name, u.numel) for u in split] == [("embeddings", 2), ("layers.0", 2), ("layers.1", 1), ("head", 2)]

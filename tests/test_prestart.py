@@ -205,12 +205,25 @@ def test_what_an_agent_preloads_follows_the_runs_strategy():
     comparison = Comparison.from_dict({"name": "p", "runs": [{"name": "a", "strategy": plain},
                                                              {"name": "b", "strategy": deepspeed}]})
     ddp = prestart.preload_for(comparison, "a", "cpu")
-    assert ddp[:len(prestart.RANK_MODULES)] == list(prestart.RANK_MODULES)
-    assert ddp[-1] == registry.get(plain).entry.partition(":")[0]
-    assert prestart.preload_for(comparison, "b", "cpu") == list(prestart.RANK_MODULES)  # DeepSpeed: the rank's own
+    assert ddp == [*prestart.RANK_MODULES, registry.get(plain).entry.partition(":")[0]]  # the built-in transformer
+    # DeepSpeed on CPU: its module, and the compiler's that deepspeed.initialize imports
+    assert prestart.preload_for(comparison, "b", "cpu") == [*prestart.RANK_MODULES, *prestart.COMPILER_MODULES,
+                                                           registry.get(deepspeed).entry.partition(":")[0]]
     assert prestart.preload_for(comparison, "a", "cuda") == ddp  # forked on CUDA too (tests/test_fork_cuda.py)
     # DeepSpeed on CUDA (unchecked there): new interpreters, nothing preloaded
     assert prestart.preload_for(comparison, "b", "cuda") is None and not prestart.forks(comparison, "b", "cuda")
+    # ... unless the preset says fork: then DeepSpeed imports itself in the rank, where it probes the accelerator
+    forked = Comparison.from_dict({"name": "p", "launch": {"start_method": "fork"}, "runs": [{"name": "b", "strategy": deepspeed}]})
+    assert prestart.preload_for(forked, "b", "cuda") == list(prestart.RANK_MODULES)
+    # A Hugging Face model: transformers' classes and the family's module; compile: the compiler's
+    hf = Comparison.from_dict({"name": "p", "model": {"kind": "hf", "hf_arch": "qwen2-tiny"},
+                               "runs": [{"name": "a", "strategy": plain, "compile": True}]})
+    assert prestart.preload_for(hf, "a", "cpu") == [*prestart.RANK_MODULES, *prestart.HF_MODULES,
+                                                   "transformers.models.qwen2.modeling_qwen2", *prestart.COMPILER_MODULES,
+                                                   registry.get(plain).entry.partition(":")[0]]
+    # every module named is importable here (a name that is not would only cost its rank the import)
+    import importlib.util
+    assert all(importlib.util.find_spec(m) for m in prestart.preload_for(hf, "a", "cpu"))
 
 
 FORKED_RANK = """

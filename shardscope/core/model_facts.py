@@ -172,3 +172,23 @@ def short_label(m: Any, d: Any) -> str:
         where = f"{name} ({'tokenizer' if d.tokenizer else 'bytes'})" if d.kind == "text" else f"tokens of {name}"
     seq = f", seq {m.seq_len}" if inputs(m) == "tokens" else ""
     return f"{model}{seq}; {where}"
+
+
+def pipeline_facts(m: Any) -> dict[str, Any] | None:
+    """What a user's module runs before and after its blocks, as the model check found it (``{"first", "last",
+    "refusal"}``, engines/module_pipeline.py); None for a model whose stages shardscope builds by itself."""
+    if m.kind != "module":
+        return None
+    return dict(description(m).get("pipeline") or {"first": [], "last": [], "refusal": "not described for pipeline "
+                                                   "stages (a module taking images)"})
+
+
+def pipeline_units(m: Any, names: list[str]) -> list[str]:
+    """The pipeline unit of each of the model's parameters (``names`` in module order): "embeddings", "layers.<i>"
+    or "head" (core/pipeline_layout.py), a user's module's from its description."""
+    from shardscope.core import pipeline_layout
+
+    facts = pipeline_facts(m)
+    if facts is None:
+        return pipeline_layout.unit_names(names)
+    return pipeline_layout.unit_names(names, blocks=str(description(m)["blocks"]), last=set(facts["last"]))

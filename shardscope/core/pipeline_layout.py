@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 # schedule -> (how its bubble is figured in theory, the formula named)
 FORMULAS = {
@@ -38,10 +38,15 @@ class Unit:
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # the built-in transformer's ``layers.<i>.``, Hugging Face's ``model.layers.<i>.``
 
 
-def unit_names(names: list[str]) -> list[str]:
+def unit_names(names: list[str], blocks: str = "", last: Collection[str] = ()) -> list[str]:
     """The unit of each parameter, given the model's parameter names in module order: ``layers.<i>`` for a
     block's (the built-in ``layers.<i>.…``, Hugging Face's ``model.layers.<i>.…``), "embeddings" for a parameter
-    before the first block, "head" after it."""
+    before the first block, "head" after it. A user's module (``blocks``: its blocks' attribute path): ``layers.<i>``
+    for ``<blocks>.<i>.…``, "head" for the parameters ``post_blocks`` touches (``last``), "embeddings" for the rest."""
+    if blocks:
+        own = re.compile(rf"^{re.escape(blocks)}\.(\d+)\.")
+        return [f"layers.{hit.group(1)}" if (hit := own.match(n)) else "head" if n in last else "embeddings"
+                for n in names]
     out, seen = [], False
     for name in names:
         block = _BLOCK.search(name)
@@ -53,10 +58,12 @@ def unit_names(names: list[str]) -> list[str]:
     return out
 
 
-def units_of(names_numels: list[tuple[str, int]]) -> list[Unit]:
-    """The split's units, in order, from the model's parameters in module order (``(name, numel)``)."""
+def units_of(names_numels: list[tuple[str, int]], units: list[str] | None = None) -> list[Unit]:
+    """The split's units, in order, from the model's parameters in module order (``(name, numel)``) and, where the
+    caller knows them, each parameter's unit (else ``unit_names`` of the names)."""
     sizes: dict[str, int] = {"embeddings": 0}
-    for unit, (_, numel) in zip(unit_names([n for n, _ in names_numels]), names_numels):
+    units = units if units is not None else unit_names([n for n, _ in names_numels])
+    for unit, (_, numel) in zip(units, names_numels):
         sizes[unit] = sizes.get(unit, 0) + numel
     head = sizes.pop("head", 0)
     return [Unit(k, v) for k, v in sizes.items()] + [Unit("head", head)]

@@ -357,7 +357,9 @@ for _name, _schedule, _v, _what in (
             min_world_size=2,
             pp_option="pp",
             schedule=_schedule,
-            models=("transformer", "hf"),  # Hugging Face: the Llama-layout families (presets/pipeline_checks.py)
+            # Hugging Face: the Llama-layout families; a module: one with pre_blocks and post_blocks
+            # (presets/pipeline_checks.py)
+            models=("transformer", "hf", "module"),
             shards="none",
             extra_checks=("pipeline_split",),
             comm_quirks=("pipeline-p2p",),

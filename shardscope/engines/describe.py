@@ -33,6 +33,7 @@ from torch import nn
 from shardscope.config import ModelSpec
 from shardscope.engines import hf_model, tp_plan
 from shardscope.engines.parallelize import blocks_of
+from shardscope.engines.module_pipeline import pipeline_facts
 from shardscope.engines.user_module import UserModelError, build_model as build_user_module, find_blocks
 
 # DeepSpeed AutoTP's parity with DDP and its exact memory and communication counts, proven per Hugging Face
@@ -329,6 +330,9 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
         out["autotp_refusal"] = "DeepSpeed AutoTP needs a Hugging Face model"
         out["weights"] = None
         out["import_root"] = os.getcwd()
+        if out["inputs"] == "tokens":  # what pre_blocks and post_blocks touch, for pipeline stages
+            out["pipeline"] = pipeline_facts(model, blocks_path, blocks, _sample(spec)[0],
+                                             (1, spec.seq_len, out["vocab_size"]))
     return out
 
 

@@ -106,7 +106,7 @@ def shard_stages(modules: list[nn.Module], ctx: RankContext) -> None:
 
     mesh = ctx.mesh["dp"]
     for mod in modules:
-        for block in mod.blocks():
+        for block in mod.stage_blocks():
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(mod, mesh=mesh, reshard_after_forward=False)
 
@@ -148,7 +148,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     info = registry.get(strategy)
     pp, m, v = ctx.pp_size, int(options["microbatches"]), int(options["stages_per_rank"])
     n_stages = pp * v
-    units = pipeline_layout.units_of([(n, p.numel()) for n, p in model.named_parameters()])
+    units = pipeline_stages.units(model)
     ranges = pipeline_layout.split([u.numel for u in units], n_stages)
     mine = pipeline_layout.stages_of(ctx.pp_rank, pp, v)
     policy = settings.precision
@@ -158,7 +158,7 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     if sharded:  # before the stages are built: PipelineStage looks at whether its module is an FSDP module
         shard_stages(modules, ctx)
     batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
-    chunk, seq = batch // m, int(model.seq_len)
+    chunk, seq = batch // m, pipeline_stages.seq_len(model)
     width, vocab = pipeline_stages.widths(model)
     act = dict(dtype=torch.float32, device=ctx.device)
     stages = []

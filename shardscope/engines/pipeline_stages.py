@@ -3,12 +3,13 @@ holding the model's own modules under their own names, so per-layer norms and th
 every other strategy's.
 
 - ``TransformerStage``: the built-in transformer (``tok_emb``, ``pos_emb``, ``layers``, ``norm``, ``lm_head``).
+- ``module_pipeline.module_stage``: a user's module that defines ``pre_blocks`` and ``post_blocks``.
 - ``HFStage``: a Hugging Face decoder-only causal LM laid out as Llama is (``model.embed_tokens``,
   ``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``). Each stage computes the rotary position
   embeddings itself (a buffer, no parameters) and calls its decoder layers as the base model does, with no
   attention mask: SDPA then masks causally, which is the base model's mask for a full-length batch without padding
   and without a sliding window shorter than the sequence. ``presets/pipeline_checks`` admits only the families
-  built and tested that way (``HF_FAMILIES``), untied, with SDPA; tests/test_pipeline_hf.py checks parity with DDP.
+  built and tested that way (``HF_FAMILIES``), untied, with SDPA; tests/test_pipeline_user_models.py checks parity with DDP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardscope.core import pipeline_layout
+from shardscope.engines import module_pipeline
+from shardscope.engines.parallelize import BLOCKS_ATTR
 
 _NULL = contextlib.nullcontext()  # reusable: nullcontext holds no state
 
@@ -39,7 +44,7 @@ class TransformerStage(nn.Module):
         if self.last:
             self.norm, self.lm_head = model.norm, model.lm_head
 
-    def blocks(self) -> list[nn.Module]:
+    def stage_blocks(self) -> list[nn.Module]:
         """The stage's blocks, in order."""
         return list(self.layers.values())
 
@@ -69,7 +74,7 @@ class HFStage(nn.Module):
         if self.last:
             self.model.norm, self.lm_head = base.norm, model.lm_head
 
-    def blocks(self) -> list[nn.Module]:
+    def stage_blocks(self) -> list[nn.Module]:
         """The stage's decoder layers, in order."""
         return list(self.model.layers.values())
 
@@ -90,13 +95,45 @@ def is_hf(model: nn.Module) -> bool:
     return hasattr(model, "model") and hasattr(model.model, "layers")
 
 
+def module_facts(model: nn.Module) -> dict[str, Any] | None:
+    """A user's module's pipeline facts (engines/module_pipeline.py), None for the models built in."""
+    return getattr(model, module_pipeline.FACTS_ATTR, None)
+
+
+def units(model: nn.Module) -> list[pipeline_layout.Unit]:
+    """The model's units, in order (core/pipeline_layout.py): a user's module's from its description."""
+    names = [(n, p.numel()) for n, p in model.named_parameters()]
+    facts = module_facts(model)
+    if facts is None:
+        return pipeline_layout.units_of(names)
+    return pipeline_layout.units_of(names, pipeline_layout.unit_names([n for n, _ in names], blocks=blocks_path(model),
+                                                                      last=set(facts["last"])))
+
+
+def blocks_path(model: nn.Module) -> str:
+    """A user's module's blocks' attribute path (engines/user_module.py notes it)."""
+    return str(getattr(model, BLOCKS_ATTR, ""))
+
+
 def stage(model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> nn.Module:
     """The stage module of units ``[start, end)`` of ``model``."""
+    facts = module_facts(model)
+    if facts is not None:
+        return module_pipeline.module_stage(model, blocks_path(model), facts, start, end, autocast)
     return (HFStage if is_hf(model) else TransformerStage)(model, start, end, autocast)
+
+
+def seq_len(model: nn.Module) -> int:
+    """Tokens per sequence the model is built for."""
+    facts = module_facts(model)
+    return int(facts["seq_len"] if facts is not None else model.seq_len)
 
 
 def widths(model: nn.Module) -> tuple[int, int]:
     """(hidden width of the residual stream, vocabulary) of ``model``."""
+    facts = module_facts(model)
+    if facts is not None:
+        return int(facts["width"]), int(facts["vocab"])
     if is_hf(model):
         return int(model.model.embed_tokens.weight.shape[1]), int(model.lm_head.weight.shape[0])
     return int(model.tok_emb.weight.shape[1]), int(model.lm_head.weight.shape[0])

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from shardscope.engines.module_pipeline import FACTS_ATTR
 from shardscope.engines.parallelize import BLOCKS_ATTR  # the blocks' attribute path, noted on the instance
 from shardscope.engines.tp_plan import TP_PLAN_ATTR  # the module's own tensor-parallel plan, noted on the instance
 
@@ -117,6 +118,11 @@ def build_model(spec: Any, seed: int) -> nn.Module:
         model.float()
     path, _ = find_blocks(model, spec.blocks)
     setattr(model, BLOCKS_ATTR, path)
+    facts = (spec.described or {}).get("pipeline")
+    if facts and not facts.get("refusal"):  # for pipeline stages (engines/module_pipeline.py)
+        setattr(model, FACTS_ATTR, {**facts, "seq_len": int(spec.seq_len),
+                                    "width": int(spec.described.get("hidden_size") or 0),
+                                    "vocab": int(spec.described.get("vocab_size") or 0)})
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):
         setattr(model, TP_PLAN_ATTR, {str(k): str(v) for k, v in plan.items()})

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 from shardscope.config import Comparison
-from shardscope.core import registry
+from shardscope.core import model_facts, registry
 from shardscope.core.events import WARM_AGENT_ENV
 from shardscope.orchestrator import launcher, lifeline
 
@@ -48,15 +48,37 @@ def forks(comparison: Comparison, run: str, device: str) -> bool:
     return fork_ranks(comparison.launch.start_method, device, info.needs_deepspeed)
 
 
+# What a forked rank needs to build a Hugging Face model: transformers' model classes (1.0-1.3 s a rank on a 2-core
+# VM, 2026-11-29), then the family's own module (``hf_family``).
+HF_MODULES = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")
+# torch.compile's back end, which ``torch.compile`` imports when first called: by a run with ``compile = true``, and
+# by ``deepspeed.initialize`` whatever the run (its Muon optimizer's module decorates functions with it): 1.1-2.2 s a
+# rank on a 2-core VM (2026-11-29)
+COMPILER_MODULES = ("torch._inductor.compile_fx",)
+
+
+def hf_family(comparison: Comparison) -> str:
+    """The modeling module of the comparison's Hugging Face family where the preset names it (a built-in
+    ``hf_arch``, or the model check's description of a config.json), else ""."""
+    kind = model_facts.hf_config_value(comparison.model, "model_type")
+    return f"transformers.models.{kind}.modeling_{kind}" if isinstance(kind, str) and kind.isidentifier() else ""
+
+
 def preload_for(comparison: Comparison, run: str, device: str) -> list[str] | None:
-    """The modules an agent imports for the ranks it will fork for ``run``: ``RANK_MODULES`` and its strategy's
-    own, except DeepSpeed's (its import probes the accelerator; the ranks import it themselves). None where
+    """The modules an agent imports for the ranks it will fork for ``run``: ``RANK_MODULES``, the model's
+    (``HF_MODULES`` and its family for a Hugging Face model), the compiler's where the run calls it
+    (``COMPILER_MODULES``) and its strategy's own. DeepSpeed's only on CPU: its
+    import probes the accelerator, which forked ranks on CUDA must do themselves (and DeepSpeed's ranks are not forked
+    there unless the preset says so). A module that fails to import is the rank's to import and report. None where
     ranks are not forked (``fork_ranks``)."""
     if not forks(comparison, run, device):
         return None
-    info = registry.get(comparison.run(run).strategy)  # DeepSpeed's may be forked (on CPU), never preloaded
-    own = [] if info.needs_deepspeed else [info.entry.partition(":")[0]]
-    return [*RANK_MODULES, *own]
+    spec = comparison.run(run)
+    info = registry.get(spec.strategy)
+    own = [] if info.needs_deepspeed and device != "cpu" else [info.entry.partition(":")[0]]
+    model = [*HF_MODULES, *filter(None, [hf_family(comparison)])] if comparison.model.kind == "hf" else []
+    compiler = list(COMPILER_MODULES) if spec.compile or (own and info.needs_deepspeed) else []
+    return [*RANK_MODULES, *model, *compiler, *own]
 
 
 def usable_cpus() -> int:

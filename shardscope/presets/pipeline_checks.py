@@ -12,7 +12,7 @@ from shardscope.presets.schema import Comparison, RunSpec, resolved_options, res
 
 PRECISIONS = ("fp32", "bf16-autocast")
 # Hugging Face families whose base model is embed -> decoder layers (rotary positions, causal mask) -> norm -> head,
-# which engines/pipeline_stages.HFStage rebuilds per stage (tests/test_pipeline_hf.py: Mistral's layout at parity)
+# which engines/pipeline_stages.HFStage rebuilds per stage (tests/test_pipeline_user_models.py: Mistral's layout at parity)
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -42,6 +42,9 @@ def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
         refusal = _hf_refusal(c)
         if refusal:
             return refusal
+    facts = model_facts.pipeline_facts(c.model)
+    if facts is not None and facts["refusal"]:
+        return f"model.entry = {c.model.entry!r}: {facts['refusal']}"
     blocks = model_facts.layers(c.model)
     units = blocks + 2  # embeddings, the blocks, the head (core/pipeline_layout.py)
     if units < pp * v:

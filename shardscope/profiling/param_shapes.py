@@ -38,6 +38,7 @@ class Param:
     shape: tuple[int, ...]
     split: str | None = None  # the model's own plan: "col", "row" or "" (replicated); None: by module name
     block: str | None = None  # "layers.<i>." for the i-th block, "root" otherwise; None: from the name
+    stage_unit: str = ""  # a user's module: its pipeline unit ("embeddings", "layers.<i>", "head"); "": from the name
 
     @property
     def numel(self) -> int:
@@ -126,8 +127,10 @@ def vit_params(m: ModelSpec) -> list[Param]:
 
 def described_params(m: ModelSpec) -> list[Param]:
     """Shapes of a user's model as the model check found them on the real module (shared tensors once)."""
-    return [Param(str(name), tuple(int(x) for x in shape), str(split), str(unit))
-            for name, shape, unit, split in model_facts.description(m)["params"]]
+    rows = model_facts.description(m)["params"]
+    stage_units = model_facts.pipeline_units(m, [str(row[0]) for row in rows]) if m.kind == "module" else [""] * len(rows)
+    return [Param(str(name), tuple(int(x) for x in shape), str(split), str(unit), stage_unit)
+            for (name, shape, unit, split), stage_unit in zip(rows, stage_units)]
 
 
 PARAM_SHAPES = {"transformer": transformer_params, "hf": hf_params, "vit": vit_params}

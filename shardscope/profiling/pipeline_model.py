@@ -27,9 +27,17 @@ from shardscope.profiling.param_shapes import Param
 ACTIVATION_BYTES = 4  # the stage boundary's tensor: fp32 residual stream (and its gradient)
 
 
+def _unit_of_each(params: list[Param]) -> list[str]:
+    """Each parameter's pipeline unit: a user's module's from its description (``Param.stage_unit``), else from its
+    name."""
+    if params and all(p.stage_unit for p in params):
+        return [p.stage_unit for p in params]
+    return pipeline_layout.unit_names([p.name for p in params])
+
+
 def stage_units(params: list[Param], n_stages: int) -> tuple[list[pipeline_layout.Unit], list[tuple[int, int]]]:
     """The model's units and the split's ``[start, end)`` unit range of each stage."""
-    units = pipeline_layout.units_of([(p.name, p.numel) for p in params])
+    units = pipeline_layout.units_of([(p.name, p.numel) for p in params], _unit_of_each(params))
     return units, pipeline_layout.split([u.numel for u in units], n_stages)
 
 
@@ -37,7 +45,7 @@ def rank_params(params: list[Param], pp: int, v: int, pp_rank: int) -> list[Para
     """The parameters the stages of ``pp_rank`` hold, in model order."""
     units, ranges = stage_units(params, pp * v)
     names = {units[i].name for s in pipeline_layout.stages_of(pp_rank, pp, v) for i in range(*ranges[s])}
-    return [p for p, unit in zip(params, pipeline_layout.unit_names([p.name for p in params])) if unit in names]
+    return [p for p, unit in zip(params, _unit_of_each(params)) if unit in names]
 
 
 def held_chunks(schedule: str, pp: int, m: int, v: int, pp_rank: int) -> int:

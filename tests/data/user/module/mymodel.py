@@ -1,5 +1,6 @@
 """A user's own model, as a user would write it: a small GPT with its blocks in ``self.blocks`` (not ``layers``),
-tied input and output embeddings, and a tensor-parallel plan of its own.
+tied input and output embeddings (``tied = false`` in ``[model.args]`` unties them), a tensor-parallel plan of its
+own, and what runs before and after its blocks as methods of their own (for pipeline stages).
 
 ``build(model, seed)`` is the entry shardscope calls (``model.entry = "./module/mymodel.py:build"``): ``model`` is the
 preset's ``[model]`` table, the user's own keys under ``args``.
@@ -42,27 +43,35 @@ class TinyGPT(nn.Module):
                "blocks.*.attention.value": "colwise", "blocks.*.attention.out": "rowwise",
                "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
-    def __init__(self, vocab: int, width: int, depth: int, heads: int, seq_len: int) -> None:
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, seq_len: int, tied: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.randn(seq_len, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.RMSNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied
+        if tied:
+            self.head.weight = self.embed.weight
         nn.init.normal_(self.embed.weight, std=0.02)
 
+    # What runs before the first block and after the last: pipeline schedules run them on the first and last stages
+    def pre_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) + self.position[: tokens.shape[1]]
+
+    def post_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        x = self.pre_blocks(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.post_blocks(x)
 
 
 def build(model: dict, seed: int) -> nn.Module:
     args = model["args"]
     return TinyGPT(args.get("vocab", 512), args.get("width", 64), args.get("depth", 2), args.get("heads", 4),
-                   model["seq_len"])
+                   model["seq_len"], tied=args.get("tied", True))
 
 
 def no_module(model: dict, seed: int):

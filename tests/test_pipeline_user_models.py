@@ -1,7 +1,9 @@
-"""Pipeline stages of a Hugging Face model (issue 46, item 2): a user's Mistral ``config.json`` (untied output layer)
-split into stages by the same unit split as the built-in transformer (embeddings, each decoder layer, norm + head),
-each stage rebuilt from the model's own modules (engines/pipeline_stages.HFStage), end to end through the command
-line against DDP; and the models whose stages cannot be rebuilt that way refused before the start, with the reason."""
+"""Pipeline stages of the user's own models (issue 46, item 2), end to end through the command line against DDP:
+a user's Mistral ``config.json`` (untied output layer), each stage rebuilt from the model's own modules
+(engines/pipeline_stages.HFStage), and a module of the user's with untied embeddings whose ``pre_blocks`` and
+``post_blocks`` run on the first and last stages (engines/module_pipeline.py), both split by the same unit split as
+the built-in transformer (embeddings, each block, head); and the models whose stages cannot be built refused before
+the start, with the reason."""
 
 from __future__ import annotations
 
@@ -32,9 +34,7 @@ parity = true
 control = false
 
 [model]
-kind = "hf"
-path = "{path}"
-seq_len = 16
+{model}
 
 [profile]
 start_step = 2
@@ -56,10 +56,19 @@ strategy = "pp-interleaved"
 PIPELINES = ("1f1b", "interleaved")
 
 
+MODELS = {
+    "mistral": f'kind = "hf"\npath = "{DATA / "mistral"}"\nseq_len = 16',
+    # 4 blocks: interleaved's 4 stages hold embeddings + a block, two blocks, a block + head (units balanced)
+    "module": f'kind = "module"\nentry = "{DATA / "module" / "mymodel.py"}:build"\nseq_len = 16\n\n'
+              '[model.args]\nwidth = 64\nheads = 4\ndepth = 4\ntied = false',
+}
+
+
 @pytest.mark.slow
 @pytest.mark.floor
-def test_a_hugging_face_model_in_stages_trains_like_ddp_with_exact_bytes_and_states(tmp_path):
-    (tmp_path / "p.toml").write_text(PRESET.format(path=DATA / "mistral"), encoding="utf-8")
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_users_model_in_stages_trains_like_ddp_with_exact_bytes_and_states(tmp_path, model):
+    (tmp_path / "p.toml").write_text(PRESET.format(model=MODELS[model]), encoding="utf-8")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(tmp_path / "p.toml"),
                            "--headless", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -82,12 +91,41 @@ def test_a_hugging_face_model_in_stages_trains_like_ddp_with_exact_bytes_and_sta
         assert 0.0 <= runs[name]["pipeline"]["bubble_measured"] <= 1.0
 
 
+NO_METHODS = """
+import torch
+from torch import nn
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(model, seed):
+    return Plain()
+"""
+
+
 @pytest.mark.parametrize("model, said", [
     (["kind = 'hf'", f"path = '{DATA / 'llama'}'"], "tie_word_embeddings = true"),
     (["kind = 'hf'", "hf_arch = 'qwen2-tiny'"], "tie_word_embeddings = true"),
     (["kind = 'hf'", f"path = '{DATA / 'gemma2'}'"], "model_type 'gemma2'"),
+    # the user's module as shipped ties its embeddings: found by watching what pre_blocks and post_blocks touch
+    (["kind = 'module'", f"entry = '{DATA / 'module' / 'mymodel.py'}:build'"],
+     "embed.weight is used both before and after the blocks .tied or shared weights.*untie it"),
+    (["kind = 'module'", "entry = './plain.py:build'"], "Plain defines no pre_blocks or post_blocks"),
 ])
 def test_models_whose_stages_are_not_built_are_refused_with_the_reason(tmp_path, model, said):
+    (tmp_path / "plain.py").write_text(NO_METHODS, encoding="utf-8")
     text = "\n".join(["world_size = 2", "global_batch = 8", "", "[model]", *model, "seq_len = 16", "",
                       "[[runs]]", "name = 'p'", "strategy = 'pp-1f1b'"]) + "\n"
     (tmp_path / "p.toml").write_text(text, encoding="utf-8")
