@@ -36,8 +36,8 @@ from shardscope.presets.overrides import (  # noqa: F401
 from shardscope.presets.schema import (  # noqa: F401
     CONTROL_STEPS, DATA_KINDS, DEVICES, FAULT_KINDS, HF_ARCHS, MAX_NAME, MODEL_KINDS, NAME_RE, ON_NONFINITE, PATH_KEYS,
     PRECISIONS, Comparison,
-    DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_options, resolved_precision,
-    resolved_world_size, with_control, control_runs,
+    DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec, parse_fault, resolved_grad_accum, resolved_options,
+    resolved_precision, resolved_world_size, with_control, control_runs,
 )
 from shardscope.core.rundir import PARTIAL_SUFFIX, RunDir
 
@@ -137,6 +137,7 @@ def run_spec_payload(c: Comparison, run: RunSpec, *, out_dir: str, device: str) 
     resolved["dp"] = resolved["world_size"] // (resolved["tp"] * resolved["pp"])
     comp = c.to_dict()
     comp.pop("runs")
+    comp["grad_accum"] = resolved_grad_accum(c, run)  # the rank's loop and data read the run's own
     if run.steps:  # the A/A control: fewer steps on the baseline's lr schedule, the same losses step by step
         comp["steps"], comp["schedule_steps"] = run.steps, c.schedule_steps or c.steps
     if run.control_of:

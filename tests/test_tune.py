@@ -31,11 +31,27 @@ def test_the_space_varies_only_options_that_keep_the_mathematics():
     assert len(names) == len(set(names))  # every candidate a distinct run name
     assert {"ddp", "ddp.ac", "fsdp2", "fsdp2.reshard-off"} <= set(names)
     for x in cands:
-        assert set(x.run.options) <= set(space.SPEED_OPTIONS) | set(space.DEGREE_OPTIONS), x.name
+        assert set(x.run.options) <= set(space.SPEED_OPTIONS) | set(space.DEGREE_OPTIONS) | {"grad_accum"}, x.name
         assert not x.run.precision and not x.changes_math  # precision only with --allow precision
     refused = {x.name: x.refused for x in cands if x.refused}
     assert "supports hf" in refused["deepspeed-autotp"]  # the comparison's own check, its reason kept
     assert refused["pp-gpipe.ac"] == "activation_checkpointing = true: not built for pipeline stages"
+
+
+def test_micro_batch_times_accumulation_keeps_the_global_batch_and_lowers_activation_memory():
+    """grad_accum 2 and 4 for every strategy at the same global batch (8 sequences, dp 2): micro-batches of 2 and 1,
+    each predicted to hold less activation memory than one micro-batch of 4; one the global batch cannot take (dp 2 x
+    accum 8 > 8) is refused by the comparison's own check."""
+    c = _comparison()
+    by = {x.name: x for x in space.candidates(c, world_size=2, only=("ddp", "fsdp2"))}
+    assert {"ddp.accum-2", "ddp.accum-4", "fsdp2.accum-4", "fsdp2.reshard-off.accum-2"} <= set(by)
+    assert not any(by[n].refused for n in ("ddp.accum-2", "ddp.accum-4"))
+    active = [memory_model.predict_run(c, dataclasses.replace(by[n].run))["activation_bytes"]
+              for n in ("ddp", "ddp.accum-2", "ddp.accum-4")]
+    assert active[0] > active[1] > active[2] > 0, active
+    wide = dataclasses.replace(c, global_batch=4)
+    refused = {x.name: x.refused for x in space.candidates(wide, world_size=2, only=("ddp",))}
+    assert "must be divisible by dp (2) x grad_accum (4) (its options.grad_accum)" in refused["ddp.accum-4"]
 
 
 def test_precision_joins_only_when_allowed_and_says_so():
@@ -170,7 +186,7 @@ def test_a_planted_slow_option_is_excluded_by_measurement(tmp_path):
     c = config.load_preset("smoke", host=config.cpu_host())
     live = [x for x in space.candidates(c, world_size=2, only=("ddp",)) if not x.refused
             and not x.run.activation_checkpointing]
-    good, planted = live[0], live[1]
+    good, planted = live[0], next(x for x in live if x.run.options == {"bucket_cap_mb": 100})
     planted.run = dataclasses.replace(planted.run, fault="rank=0,step=0,kind=slow,ms=40")
     for x in (good, planted):
         x.predicted_step_s = 0.01  # predicted alike: only the measurement can tell them apart

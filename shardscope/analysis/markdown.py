@@ -31,12 +31,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _own_accum(s: dict[str, Any]) -> str:
+    """" (<run> <n>, ...)" for the runs with their own ``options.grad_accum``, else ""."""
+    own = [f"{r['name']} {r['options']['grad_accum']}" for r in s["runs"]
+           if isinstance(r.get("options"), dict) and r["options"].get("grad_accum")]
+    return f" (a run's own: {', '.join(own)})" if own else ""
+
+
 def render_markdown(s: dict[str, Any]) -> str:
     """Return report.md's text for a summary dict built by ``write_reports``."""
     out = [f"# shardscope report: {s['preset']}\n", f"{s.get('description', '')}\n" if s.get("description") else "",
            f"Run directory `{s['out_dir']}`, written {s['created']}. Baseline: **{s['baseline']}**. "
            f"Shared: {s['shared']['steps']} steps, global batch {s['shared']['global_batch']}, grad accumulation "
-           f"{s['shared']['grad_accum']}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n",
+           f"{s['shared']['grad_accum']}{_own_accum(s)}, precision {s['shared']['precision']}, seed {s['shared']['seed']}.\n",
            f"Model: {s['shared']['model_label']}. Data: {s['shared']['data_label']}.\n" if "data_label" in s["shared"] else "",
            answer.markdown(s) if s.get("recommendation") else ""]
     out.append("## Throughput and loss\n")

@@ -216,7 +216,7 @@ def smallest_fitting_world_size(c: Any, run: Any, device_memory_bytes: int) -> i
 
     for ws in SCALE_SIZES:
         layout = memory_model.layout_for(c, run, ws)
-        if ws % layout.tp or c.global_batch % max(1, (ws // layout.tp) * c.grad_accum):
+        if ws % layout.tp or c.global_batch % max(1, (ws // layout.tp) * layout.accum):
             continue
         if memory_model.predict_run(c, run, ws)["total_bytes"] <= device_memory_bytes:
             return ws

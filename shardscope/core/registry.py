@@ -138,6 +138,10 @@ class StrategyInfo:
 # Options of the shared training loop that any run may set (not filled in by default: a run that sets none
 # records none); engines/worker.py hands them to the loop, never to the strategy.
 LOOP_OPTIONS: dict[str, OptionSpec] = {
+    "grad_accum": OptionSpec(int, 0, "micro-batches per optimizer step on each rank for this run (0: the comparison's "
+                             "grad_accum); the global batch stays the same, so the micro-batch is global_batch / "
+                             "(dp x grad_accum): memory and speed change, the mathematics does not (the mean loss)",
+                             minimum=0),
     "grad_accum_loss": OptionSpec(str, "mean", "how micro-batch losses combine under gradient accumulation: mean "
                                   "(each scaled by 1/grad_accum: the gradient of the mean loss) or sum (unscaled: "
                                   "grad_accum times the gradient, as a loop that never divides)", choices=("mean", "sum")),

@@ -20,7 +20,7 @@ from shardscope.presets import pipeline_checks
 from shardscope.presets.inputs import model_refusal
 from shardscope.presets.schema import (
     DATA_KINDS, DEVICES, HF_ARCHS, MAX_NAME, MODEL_INPUTS, MODEL_KINDS, NAME_RE, ON_NONFINITE, PRECISIONS, START_METHODS,
-    TOKEN_DTYPES, Comparison, RunSpec, parse_fault, resolved_options, resolved_precision, resolved_world_size,
+    TOKEN_DTYPES, Comparison, RunSpec, parse_fault, resolved_grad_accum, resolved_options, resolved_precision, resolved_world_size,
 )
 
 
@@ -258,9 +258,11 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
         raise ConfigError(f"{src}: {where}: world_size {ws} is not dp x pp with options.pp = {pp} (dp would be "
                           f"{ws / pp:g})")
     dp = ws // (tp * pp)
-    if c.global_batch % (dp * c.grad_accum):
+    accum = resolved_grad_accum(c, run)
+    if c.global_batch % (dp * accum):
+        own = " (its options.grad_accum)" if run.options.get("grad_accum") else ""
         raise ConfigError(
-            f"{src}: global_batch = {c.global_batch}: must be divisible by dp ({dp}) x grad_accum ({c.grad_accum}) "
+            f"{src}: global_batch = {c.global_batch}: must be divisible by dp ({dp}) x grad_accum ({accum}){own} "
             f"for run {run.name}"
         )
     for check in info.extra_checks:

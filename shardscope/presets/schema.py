@@ -267,6 +267,11 @@ def resolved_precision(comparison: Comparison, run: RunSpec) -> str:
     return run.precision or comparison.precision
 
 
+def resolved_grad_accum(comparison: Comparison, run: RunSpec) -> int:
+    """Return the run's micro-batches per optimizer step: its ``options.grad_accum``, or the comparison's."""
+    return int(run.options.get("grad_accum") or comparison.grad_accum)
+
+
 def resolved_options(run: RunSpec) -> dict[str, Any]:
     """Return the run's strategy options with registry defaults filled in."""
     return {**registry.option_defaults(run.strategy), **run.options}

@@ -104,7 +104,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
         reduce_bytes = 4
         reasons.append("under bf16 parameters DeepSpeed reduces gradients in fp32 (shardscope sets its "
                        "communication_data_type to fp32, so bf16 gradients are not summed in bf16)")
-    accum = max(1, comp.grad_accum)
+    accum = max(1, layout.accum)
     dp = layout.dp
     if layout.pp > 1:
         return _pipeline_comm(comp, layout, params, g_bytes)

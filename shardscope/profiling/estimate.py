@@ -15,7 +15,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.core.numbers import fmt_bytes
-from shardscope.config import Comparison
+from shardscope.config import Comparison, resolved_grad_accum
 from shardscope.core import registry
 from shardscope.profiling import memory_model
 
@@ -33,8 +33,8 @@ def estimate_table(comparison: Comparison, world_size: int, device_memory_bytes:
         note = ""
         if world_size % row["tp"]:
             note = f"world size {world_size} is not a multiple of tp = {row['tp']}"
-        elif comparison.global_batch % (row["dp"] * comparison.grad_accum):
-            note = f"global_batch {comparison.global_batch} not divisible by dp {row['dp']} x grad_accum {comparison.grad_accum}"
+        elif comparison.global_batch % (row["dp"] * (accum := resolved_grad_accum(comparison, run))):
+            note = f"global_batch {comparison.global_batch} not divisible by dp {row['dp']} x grad_accum {accum}"
         row["note"] = note
         if device_memory_bytes:
             row["fits"] = row["total_bytes"] <= device_memory_bytes

@@ -23,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from shardscope.config import Comparison, RunSpec, resolved_options, resolved_precision, resolved_world_size
+from shardscope.config import (Comparison, RunSpec, resolved_grad_accum, resolved_options, resolved_precision,
+                               resolved_world_size)
 from shardscope.core import registry
 from shardscope.core import model_facts
 from shardscope.profiling import pipeline_model
@@ -99,6 +100,7 @@ class Layout:
     v: int = 1
     microbatches: int = 1
     schedule: str = ""
+    accum: int = 1  # micro-batches per optimizer step on each rank (the run's grad_accum)
 
     @property
     def shard_size(self) -> int:
@@ -158,7 +160,7 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
                   shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups),
                   head, pp, int(options.get("stages_per_rank") or 1), int(options.get("microbatches") or 1),
-                  info.schedule)
+                  info.schedule, resolved_grad_accum(c, run))
 
 
 def params_for(m: Any, layout: Layout) -> list[Param]:
@@ -285,7 +287,7 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
     full recomputation keeps 2·s·b·h per layer. Logits and their gradient: 2 x b·s·V x 4 bytes.
     """
     m = c.model
-    micro = max(1, c.global_batch // max(1, layout.dp * c.grad_accum))
+    micro = max(1, c.global_batch // max(1, layout.dp * layout.accum))
     if layout.pp > 1:  # one chunk: a micro-batch of the pipeline's schedule
         micro = max(1, c.global_batch // max(1, layout.dp * layout.microbatches))
     if model_facts.is_described(m):

@@ -47,7 +47,7 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     layout = memory_model.layout_for(c, run)
     options = config.resolved_options(run)
     quirks = set(registry.get(run.strategy).comm_quirks)
-    accum = max(1, c.grad_accum)
+    accum = max(1, layout.accum)
     params = memory_model.params_for(c.model, layout)
     units = memory_model.unit_numels(params, layout.tp)
     n_units, n_blocks = len(units), len(units) - ("root" in units)

@@ -202,13 +202,13 @@ def tied_head_flops(c: Comparison) -> float:
     return 6.0 * model_facts.vocab_size(m) * model_facts.hidden_size(m)
 
 
-def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int) -> tuple[float, float]:
+def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int, accum: int = 0) -> tuple[float, float]:
     """(forward, backward) all-reduce bytes of tensor-parallel activations per layer and micro-batch, as
     ``comm_theory`` counts them: two in forward, one per column-parallel linear in backward."""
     if tp <= 1:
         return (0.0, 0.0)
     m = c.model
-    micro = max(1, c.global_batch // (dp * max(1, c.grad_accum)))
+    micro = max(1, c.global_batch // (dp * max(1, accum or c.grad_accum)))  # accum: the run's (Layout.accum)
     one = float(micro * m.seq_len * model_facts.hidden_size(m) * compute_bytes)
     return (2 * one, column_linears(c) * one)
 
@@ -252,7 +252,7 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         family=PIPELINE if piped else family_of(layout.shards, layout.tp),
         samples_per_step=c.global_batch if model_facts.inputs(c.model) == "images" else 0,
         world_size=ws,
-        dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, c.grad_accum),
+        dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, layout.accum),
         activation_checkpointing=ac, tokens_per_step=tokens_per_step, tokens_per_rank=tokens_per_rank, layers=layers,
         fwd_flops=fpt / 3 * tokens_per_rank / layout.tp,
         bwd_flops=fpt * 2 / 3 * tokens_per_rank / layout.tp,
@@ -261,7 +261,7 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         param_tensors=len(params),
         units=unit_shares(c, layout.tp), emb_elements=memory_model.embedding_count(c.model),
         by_type={k: float(v) for k, v in theory["by_type"].items()},
-        tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes),
+        tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes, layout.accum),
         tp_layer_calls=(2, max(1, column_linears(c))) if layout.tp > 1 else (1, 1),
         traits=replace(traits_of(info, options, layout.shards, layout.tp, full), hybrid=layout.hybrid),
     )

@@ -1,5 +1,6 @@
 """The search space of ``shardscope tune``: every registered strategy that can run the comparison, crossed with the
-values of the options that change speed or memory but not the mathematics.
+values of the options that change speed or memory but not the mathematics, and with micro-batch x gradient
+accumulation at the same global batch (``ACCUM_TRIED``).
 
 No strategy is named here: the space walks the registry and varies options by their own names (``SPEED_OPTIONS``).
 A candidate the comparison's checks refuse (the model, the world size, the host) is kept with its refusal, so the
@@ -28,6 +29,9 @@ SPEED_OPTIONS: dict[str, tuple[Any, ...]] = {
 }
 # Options whose values follow the world size: the degrees of model parallelism.
 DEGREE_OPTIONS = ("tp", "pp")
+# micro-batches per optimizer step tried for every strategy (the loop's ``grad_accum`` option): the global batch stays,
+# so each is a smaller micro-batch (less activation memory, more calls), the same mean loss
+ACCUM_TRIED = (2, 4)
 ALLOWED = ("precision",)  # what --allow may add
 PRECISION_TRIED = ("bf16-autocast",)
 
@@ -77,7 +81,8 @@ def _variants(info: registry.StrategyInfo, world_size: int) -> list[dict[str, An
 
 def _name(strategy: str, options: dict[str, Any], ac: bool, precision: str) -> str:
     short = {True: "on", False: "off"}
-    parts = [strategy] + [f"{k.split('_')[0]}-{short.get(v, v) if isinstance(v, bool) else v}" for k, v in options.items()]
+    parts = [strategy] + [f"{'accum' if k == 'grad_accum' else k.split('_')[0]}-{short.get(v, v) if isinstance(v, bool) else v}"
+                          for k, v in options.items()]
     if ac:
         parts.append("ac")
     if precision:
@@ -100,8 +105,11 @@ def candidates(c: Comparison, *, world_size: int, allow: tuple[str, ...] = (), h
     out: list[Candidate] = []
     precisions = [""] + ([p for p in PRECISION_TRIED if p != c.precision] if "precision" in allow else [])
     chosen = [registry.get(name) for name in only] if only else list(registry.STRATEGIES.values())
+    accums = [{}] + [{"grad_accum": a} for a in ACCUM_TRIED if a != c.grad_accum]
     for info in chosen:
-        for options, ac, precision in itertools.product(_variants(info, world_size), (False, True), precisions):
+        for variant, accum, ac, precision in itertools.product(_variants(info, world_size), accums, (False, True),
+                                                               precisions):
+            options = {**variant, **accum}
             run = RunSpec(name=_name(info.name, options, ac, precision), strategy=info.name, world_size=world_size,
                           options=options, activation_checkpointing=ac, precision=precision)
             cand = Candidate(run, changes_math=bool(precision))
