@@ -196,3 +196,58 @@ def test_a_planted_slow_option_is_excluded_by_measurement(tmp_path):
     answer = choose.verdict(load_summary(str(tmp_path / "proof")) or {}, [good, planted])
     assert answer["winner"] == good.name, answer
     assert planted.name not in answer["tie"] and planted.measured["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_spent_budget_stops_what_still_runs_and_the_summary_says_so(tmp_path):
+    """The budget is kept by the clock, not only by the estimate: at the deadline (here one already passed, so
+    nothing depends on timing) every run still going or queued is stopped, and the summary is written from what
+    ran."""
+    from shardscope.cli.headless_run import load_summary, run_headless
+    from shardscope.orchestrator.session import Session
+    import time
+
+    c = config.load_preset("smoke", host=config.cpu_host(), overrides=["steps=200", "control=false"])
+    code = run_headless(Session(c, str(tmp_path / "proof"), device="cpu"), deadline=time.monotonic())
+    summary = load_summary(str(tmp_path / "proof"))
+    assert summary is not None and code != 0
+    assert {r["status"] for r in summary["runs"]} == {"stopped"}, [(r["name"], r["status"]) for r in summary["runs"]]
+
+
+@pytest.mark.slow
+def test_the_app_shows_a_search_live_and_its_answer(tmp_path):
+    """Key u on the preset screen opens the tune screen (escape stops it); a search there lists the candidates with
+    what happened to each, marks the proving runs as they start and end, and ends with the winner, its preset and
+    launch line, the same search as the command line's (analysis/tune/search)."""
+    import asyncio
+
+    from shardscope.tui.app import build_app
+    from shardscope.tui.screens.presets import PresetsScreen
+    from shardscope.tui.screens.tune import TuneScreen
+    from test_tui_app import wait_for
+
+    async def go() -> None:
+        app = build_app(preset="smoke", host=config.cpu_host())
+        async with app.run_test(size=(160, 48)) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, PresetsScreen) and app.screen.comparison is not None)
+            await pilot.press("u")
+            await wait_for(pilot, lambda: isinstance(app.screen, TuneScreen))
+            await pilot.press("escape")  # stops what it started
+            await wait_for(pilot, lambda: isinstance(app.screen, PresetsScreen))
+            c = app.screen.comparison
+            screen = TuneScreen(c, str(tmp_path / "t"), budget_s=120, steps=4, only=("ddp", "fsdp2"))
+            app.push_screen(screen)
+            await wait_for(pilot, lambda: bool(screen.lines) and not screen.running, 600)
+            answer = screen.answer
+            assert answer and answer["winner"], screen.lines
+            table = screen.query_one("#tune-table")
+            outcomes = {str(table.get_row(key)[0]): str(table.get_row(key)[4]) for key in table.rows}
+            assert outcomes[answer["winner"]].startswith("WINNER")
+            assert any(o.startswith("measured") or o.startswith("predicted") or o.startswith("over the budget")
+                       for n, o in outcomes.items() if n != answer["winner"]), outcomes
+            assert (answer["winner"], "ok") in screen.statuses and any(s == "starting" for _, s in screen.statuses)
+            assert any(line.startswith("tune 3/3: measuring") for line in screen.lines)
+            assert config.load_preset(answer["preset"]).runs[0].name == answer["winner"]
+            await pilot.press("escape")
+
+    asyncio.run(go())

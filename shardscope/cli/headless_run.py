@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import click
@@ -45,8 +46,10 @@ def print_dry_run(comparison: config.Comparison, device: str, out: str) -> None:
         click.echo(clean(plan.shell_line()))  # a path or value with a control character: spelled, never sent
 
 
-def run_headless(session, device_memory_bytes: int | None = None) -> int:
-    """Drive ``session`` with the live table, then print the final tables; return the exit code."""
+def run_headless(session, device_memory_bytes: int | None = None, deadline: float | None = None) -> int:
+    """Drive ``session`` with the live table, then print the final tables; return the exit code. ``deadline`` (a
+    ``time.monotonic()`` instant, ``tune``'s budget): every run still going then is stopped, queued ones too, and
+    the summary is written from what ran."""
     from rich.console import Console
 
     from rich.markup import escape
@@ -64,6 +67,10 @@ def run_headless(session, device_memory_bytes: int | None = None) -> int:
 
     def wait_step() -> bool:
         nonlocal interrupted
+        if deadline is not None and not interrupted and time.monotonic() >= deadline:
+            interrupted = True
+            console.print("[yellow]the budget is spent: stopping every run still going (summary still written)[/]")
+            session.stop_all()
         try:
             return session.wait(0.25) is not None
         except KeyboardInterrupt:

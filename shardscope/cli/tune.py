@@ -1,18 +1,14 @@
 """``shardscope tune``: the fastest configuration of a preset that fits, searched by prediction, proven by real runs.
 
-Three phases, each said as it starts: (1) calibration — the predictor needs this machine's speed: a finished
-comparison given with ``--calibrate``, else a short run of the preset's baseline; (2) search — every candidate of
-``analysis/tune/space`` checked, pruned by the memory model and by predicted step time (``analysis/tune/choose``);
-(3) proof — the kept candidates run side by side as one real comparison (the same model, data, weights, global
-batch; an A/A control), within the budget. The answer is that comparison's own verdict. Torch-free.
+The search itself is ``analysis/tune/search`` (calibration, pruning, the proving comparison, the verdict); this
+command checks the options, runs each comparison with the headless live table (its progress) and prints the table of
+every candidate and the answer. ``--device`` on a machine without that GPU is ``tune_what_if``. Torch-free.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import time
 from typing import Any
 
 import click
@@ -24,7 +20,6 @@ from shardscope.core.numbers import fmt_bytes
 from shardscope.core.rundir import RunDir
 from shardscope.core.text import clean
 
-CALIBRATION_STEPS = 12
 
 
 def parse_budget(text: str) -> float:
@@ -40,53 +35,27 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def _calibrate(comparison: config.Comparison, out: str, dev: str, given: tuple[str, ...]) -> list[str]:
-    """The calibration directories: ``given``, else a short run of the baseline alone in ``out/calibration``."""
-    if given:
-        from shardscope.cli.predictview import checked_calibrations
-
-        return checked_calibrations(given)
-    base = next(r for r in comparison.runs if r.name == comparison.baseline)
-    cal = dataclasses.replace(comparison, name=f"{comparison.name}-calibration", runs=[base], baseline=base.name,
-                              steps=CALIBRATION_STEPS, warmup_steps=min(comparison.warmup_steps, 3), control=False,
-                              profile=dataclasses.replace(comparison.profile, enabled=True, start_step=6, steps=2))
-    where = os.path.join(out, "calibration")
-    click.echo(clean(f"tune 1/3: calibrating this machine: {base.name} alone, {CALIBRATION_STEPS} steps -> {where}"))
-    _run_quietly(cal, where, dev)
-    return [where]
-
-
-def _run_quietly(c: config.Comparison, out: str, dev: str) -> int:
+def _run_quietly(c: config.Comparison, out: str, dev: str, deadline: float | None = None) -> int:
     """Run comparison ``c`` into ``out`` with the headless view (its live table is the progress)."""
     from shardscope.cli.headless_run import run_headless
     from shardscope.orchestrator.session import Session
 
-    return run_headless(Session(config.validate(c), out, device=dev))
+    return run_headless(Session(config.validate(c), out, device=dev), deadline=deadline)
 
 
 def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
     from rich.table import Table
 
+    from shardscope.analysis.tune import choose
     from shardscope.cli.headless import cell, fmt_rate
 
     table = Table(title="shardscope tune: every candidate")
     for col in ("candidate", "predicted ms/step", "predicted mem/rank", "measured " + unit, "outcome"):
         table.add_column(col, justify="left" if col in ("candidate", "outcome") else "right", overflow="fold")
-    order = sorted(cands, key=lambda x: (bool(x.refused), bool(x.pruned), -(x.measured.get("tokens_per_s") or 0),
-                                         x.predicted_step_s or 1e9))
-    for x in order:
-        if x.name == answer.get("winner"):
-            outcome = "WINNER" + (f" (tie within noise: {', '.join(answer['tie'])})" if answer.get("tie") else "")
-        elif x.measured:
-            outcome = ("measured: within the noise of the winner" if x.name in answer.get("tie", [])
-                       else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
-        else:
-            outcome = x.refused and f"cannot run: {x.refused}" or x.pruned or "candidate"
-        if x.changes_math:
-            outcome += " [changes the mathematics: --allow precision]"
+    for x in choose.in_table_order(cands):
         table.add_row(cell(x.name), "-" if x.predicted_step_s is None else f"{x.predicted_step_s * 1e3:.1f}",
                       "-" if x.predicted_mem_bytes is None else fmt_bytes(x.predicted_mem_bytes),
-                      fmt_rate(x.measured.get("tokens_per_s")) if x.measured else "-", cell(outcome))
+                      fmt_rate(x.measured.get("tokens_per_s")) if x.measured else "-", cell(choose.outcome(x, answer)))
     return table
 
 
@@ -120,8 +89,6 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
              strategies: str, calibrate_dirs: tuple[str, ...], out_dir: str | None, as_json: bool,
              dry_run: bool) -> None:
     """Search the fastest configuration of a preset's model that fits, by prediction, and prove it by real runs."""
-    from shardscope.analysis.predict import predictor
-    from shardscope.analysis.predict.work import NotPredicted
     from shardscope.analysis.tune import choose, space
     from shardscope.orchestrator import devices
     from shardscope.orchestrator.session import default_out_dir
@@ -162,56 +129,24 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
 
             Console(width=160).print(_table(cands, {}, "tokens/s"))
         return
-    t0 = time.monotonic()
-    dirs = _calibrate(comparison, out, dev, calibrate_dirs)
-    calibration_s = time.monotonic() - t0 if not calibrate_dirs else None
-    try:
-        model = predictor.calibrate(dirs)
-    except (NotPredicted, OSError, ValueError) as err:
-        click.echo(clean(f"shardscope tune: cannot calibrate on {', '.join(dirs)}: {err}"), err=True)
-        raise SystemExit(EXIT_FAILED) from None
-    cands = space.candidates(comparison, world_size=ws, allow=allow, host=devices.host_info(dev), only=only)
-    click.echo(clean(f"tune 2/3: {len(cands)} candidates at world size {ws}; "
-                     f"{sum(1 for x in cands if x.refused)} cannot run here"))
-    choose.prune_by_memory(comparison, cands, limit)
-    rows = {}
-    for x in cands:
-        if not x.refused and not x.pruned:
-            rows[x.name] = predictor.predict_run(dataclasses.replace(comparison, runs=[x.run], baseline=x.name),
-                                                 x.run, model)
-    choose.prune_by_prediction(cands, rows, keep_within)
-    base_step = (model.fit_error.get("runs") or {})
-    measured_steps = [v["measured_step_s"] for v in base_step.values() if isinstance(v, dict)]
-    fallback = max(measured_steps) if measured_steps else 0.1
-    # A run's cost beyond its steps: what the calibration phase took in all (the session's set-up, the launch, the
-    # agent, the report) less its steps: runs after the first start sooner (the next agent is prepared ahead), so
-    # the budget is spent conservatively. A given calibration has no such figure: 10 s.
-    startup = max(1.0, calibration_s - CALIBRATION_STEPS * fallback) if calibration_s else 10.0
-    chosen = choose.within_budget(cands, budget_s, startup, steps, fallback)
-    click.echo(clean(f"tune 3/3: measuring {len(chosen)} candidate(s) side by side, {steps} steps each, about "
-                     f"{startup:.0f} s start-up per run, budget {budget_s:.0f} s: {', '.join(x.name for x in chosen)}"))
-    proof = choose.proving_comparison(comparison, chosen, steps)
-    proof = config.with_control(config.validate(proof))
-    where = os.path.join(out, "proof")
-    t1 = time.monotonic()
-    code = _run_quietly(proof, where, dev) if chosen else EXIT_FAILED
-    proof_s = time.monotonic() - t1
-    from shardscope.cli.headless_run import load_summary
+    from shardscope.analysis.tune import search
 
-    summary = load_summary(where) or {}
-    answer = choose.verdict(summary, cands)
-    answer["elapsed_s"], answer["proof_s"], answer["budget_s"] = time.monotonic() - t0, proof_s, budget_s
+    given = ()
+    if calibrate_dirs:
+        from shardscope.cli.predictview import checked_calibrations
+
+        given = tuple(checked_calibrations(calibrate_dirs))
+    req = search.Request(comparison, ws, out, budget_s=budget_s, steps=steps, keep_within=keep_within, allow=allow,
+                         only=only, device_memory=limit, calibrate_dirs=given, host=devices.host_info(dev))
+    try:
+        cands, answer = search.search(req, lambda c, where, deadline: _run_quietly(c, where, dev, deadline),
+                                      lambda line: click.echo(clean(line)))
+    except search.CannotCalibrate as err:
+        click.echo(clean(f"shardscope tune: {err}"), err=True)
+        raise SystemExit(EXIT_FAILED) from None
     winner = next((x for x in cands if x.name == answer["winner"]), None)
-    if winner is not None:
-        path = os.path.join(out, "winner.toml")
-        config.write_atomic(path, lambda fh: fh.write(choose.winner_toml(comparison, winner, comparison.source or preset)))
-        answer["preset"] = path
-        answer["launch"] = f"shardscope run --preset {path} --headless"
-        answer["settings"] = {"strategy": winner.run.strategy, "options": winner.run.options,
-                              "activation_checkpointing": winner.run.activation_checkpointing,
-                              "precision": winner.run.precision or comparison.precision}
-    answer["report"] = os.path.join(out, "tune.md")
-    config.write_atomic(answer["report"], lambda fh: fh.write(choose.markdown(cands, answer, comparison.name)))
+    proof_s, where = answer["proof_s"], answer["proof_dir"]
+    code = EXIT_OK if winner is not None else EXIT_FAILED
     if as_json:
         click.echo(json.dumps({**answer, "candidates": [choose.as_dict(x) for x in cands]}, indent=2, default=str))
     else:
@@ -224,7 +159,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         for line in answer["lines"]:  # the answer's own lines; each run against the baseline is in the report
             if " vs " not in line:
                 click.echo(clean(f"  {line}"))
-        click.echo(clean(f"  every measured run against {proof.baseline}: {RunDir(where).report}"))
+        click.echo(clean(f"  every measured run against {answer['proof_baseline']}: {RunDir(where).report}"))
         if winner is not None:
             click.echo(clean(f"winner: {winner.name} ({winner.run.strategy}, options {winner.run.options or 'default'}"
                              f"{', activation checkpointing' if winner.run.activation_checkpointing else ''})"
@@ -236,7 +171,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         over = f", {proof_s - budget_s:.0f} s over: runs cost more than the calibration said" if proof_s > budget_s else ""
         click.echo(f"tune took {answer['elapsed_s']:.0f} s; the proving runs {proof_s:.0f} s of a {budget_s:.0f} s "
                    f"budget{over}")
-    raise SystemExit(EXIT_OK if winner is not None and code in (EXIT_OK, EXIT_FAILED) else EXIT_FAILED)
+    raise SystemExit(code)
 
 
 def _device(name: str | None) -> Any:

@@ -172,6 +172,27 @@ def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str
     return "\n".join(out) + "\n"
 
 
+def in_table_order(cands: list[Candidate]) -> list[Candidate]:
+    """The candidates as the tables list them: runnable before refused, kept before pruned, fastest measured first,
+    then by predicted step time."""
+    return sorted(cands, key=lambda x: (bool(x.refused), bool(x.pruned), -(x.measured.get("tokens_per_s") or 0),
+                                        x.predicted_step_s or 1e9))
+
+
+def outcome(x: Candidate, answer: dict[str, Any]) -> str:
+    """What happened to candidate ``x`` in one line (the table of the command line and of the app)."""
+    if x.name == answer.get("winner"):
+        text = "WINNER" + (f" (tie within noise: {', '.join(answer['tie'])})" if answer.get("tie") else "")
+    elif x.measured.get("status") == "queued":
+        text = "queued: to be measured"
+    elif x.measured:
+        text = ("measured: within the noise of the winner" if x.name in answer.get("tie", [])
+                else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
+    else:
+        text = x.refused and f"cannot run: {x.refused}" or x.pruned or "candidate"
+    return text + (" [changes the mathematics: --allow precision]" if x.changes_math else "")
+
+
 def as_dict(x: Candidate) -> dict[str, Any]:
     """A candidate as ``--json`` prints it."""
     return {"name": x.name, "strategy": x.run.strategy, "options": x.run.options,

@@ -49,6 +49,7 @@ class PresetsScreen(Screen):
 
     BINDINGS = [
         Binding("s", "launch", "Start"),
+        Binding("u", "tune", "Tune"),  # shardscope tune of this preset's model: the search shown live
         Binding("ctrl+o", "focus_path", "Open file"),
         Binding("q", "app.quit", "Quit"),
     ]
@@ -221,6 +222,16 @@ class PresetsScreen(Screen):
             self.notify("Fix the fields marked in red first.", severity="warning")
             return
         self.app.launch(self.comparison, self.preset, list(self.overrides))
+
+    def action_tune(self) -> None:
+        """Search the fastest configuration of this preset's model that fits (``shardscope tune``), shown live."""
+        if self.comparison is None:
+            self.notify("Fix the fields marked in red first.", severity="warning")
+            return
+        from shardscope.tui import source as sources
+        from shardscope.tui.screens.tune import TuneScreen
+
+        self.app.push_screen(TuneScreen(self.comparison, sources.default_out_dir(f"{self.comparison.name}-tune")))
 
     def show_launch_error(self, message: str) -> None:
         """Show why the comparison could not start, under the launch button."""
