@@ -251,3 +251,26 @@ def test_the_app_shows_a_search_live_and_its_answer(tmp_path):
             await pilot.press("escape")
 
     asyncio.run(go())
+
+
+def test_the_presets_own_runs_are_measured_whatever_their_prediction():
+    """The winner is measured against the preset's own runs: the candidates that are those runs (options with their
+    defaults spelled or not) are kept even when predicted slow, and go first within the budget; a run whose options
+    are outside the space is named."""
+    c = _comparison()
+    c = config.validate(dataclasses.replace(c, runs=[RunSpec("ddp", "ddp"), RunSpec("f", "fsdp2", options={
+        "reshard_after_forward": True}), RunSpec("odd", "ddp", options={"bucket_cap_mb": 7})], baseline="ddp"))
+    cands = space.candidates(c, world_size=2, only=("ddp", "fsdp2"))
+    steps = {x.name: 0.010 for x in cands if not x.refused}
+    steps["fsdp2"] = 0.050  # predicted 5x slower: pruned, unless it is the preset's
+    choose.prune_by_prediction(cands, {n: {"step_time_s": t} for n, t in steps.items()}, 0.4)
+    missing = choose.mark_presets_runs(c, cands)
+    by = {x.name: x for x in cands}
+    assert (by["ddp"].of_preset, by["fsdp2"].of_preset) == ("ddp", "f") and not by["fsdp2"].pruned
+    assert missing == ["odd: its options are outside the search"]
+    chosen = choose.within_budget(cands, budget_s=25.0, startup_s=10.0, steps=10, fallback_step_s=0.1)
+    assert [x.name for x in chosen] == ["ddp", "fsdp2"]  # the references first; a third would pass 25 s
+    by["fsdp2"].measured, by["ddp"].measured = {"status": "ok"}, {"status": "ok"}
+    assert "no configuration searched was faster" in choose.against_preset(cands, {"winner": "ddp", "tie": []})
+    assert "not distinguishable from the preset's own run(s) f" in choose.against_preset(
+        cands, {"winner": "ddp.ac", "tie": ["fsdp2"]})

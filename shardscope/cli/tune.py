@@ -165,6 +165,8 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
                              f"{', activation checkpointing' if winner.run.activation_checkpointing else ''})"
                              + (f"; not distinguishable from {', '.join(answer['tie'])} on this machine now"
                                 if answer["tie"] else "")))
+            if answer.get("against_preset"):
+                click.echo(clean(f"  {answer['against_preset']}"))
             click.echo(clean(f"  preset: {answer['preset']}\n  launch: {answer['launch']}\n  report: {answer['report']}"))
         else:
             click.echo("no winner: no candidate was measured ok")

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from shardscope.analysis.tune.space import Candidate
-from shardscope.config import Comparison
+from shardscope.config import Comparison, resolved_grad_accum, resolved_options
 from shardscope.core.numbers import fmt_bytes
 from shardscope.profiling import memory_model
 
@@ -59,12 +59,36 @@ def prune_by_prediction(cands: list[Candidate], predicted: dict[str, dict[str, A
             cand.pruned = f"predicted {ratio:.2f}x slower than the best ({cand.predicted_step_s * 1e3:.1f} ms per step)"
 
 
+def mark_presets_runs(c: Comparison, cands: list[Candidate]) -> list[str]:
+    """Mark the candidates that are the preset's own runs (the same strategy, options with their defaults, loop
+    accumulation, checkpointing and precision; at the search's world size) and keep them whatever their prediction:
+    the winner is measured against them. Returns the preset's runs that are not among the candidates (refused here,
+    or with options outside the space), each with the reason."""
+    def key(run: Any) -> tuple:
+        return (run.strategy, tuple(sorted(resolved_options(run).items())), resolved_grad_accum(c, run),
+                run.activation_checkpointing, run.precision or c.precision)
+
+    by_key = {key(x.run): x for x in cands}
+    missing = []
+    for run in c.runs:
+        if run.control_of:
+            continue
+        cand = by_key.get(key(run))
+        if cand is None or cand.refused:
+            missing.append(f"{run.name}: " + (cand.refused if cand is not None else "its options are outside the search"))
+            continue
+        cand.of_preset = cand.of_preset or run.name
+        if cand.pruned.startswith(("predicted", "not predicted")):
+            cand.pruned = ""
+    return missing
+
+
 def within_budget(cands: list[Candidate], budget_s: float, startup_s: float, steps: int,
                   fallback_step_s: float) -> list[Candidate]:
-    """The kept candidates in order of predicted step time while their predicted cost fits ``budget_s`` (the first
-    always); the others are out "over the budget"."""
+    """The kept candidates, the preset's own runs first, then in order of predicted step time, while their predicted
+    cost fits ``budget_s`` (the first always); the others are out "over the budget"."""
     live = sorted((x for x in cands if not x.refused and not x.pruned),
-                  key=lambda x: x.predicted_step_s or fallback_step_s)
+                  key=lambda x: (not x.of_preset, x.predicted_step_s or fallback_step_s))
     chosen, spent = [], 0.0
     for cand in live:
         cost = startup_s + steps * (cand.predicted_step_s or fallback_step_s)
@@ -154,6 +178,8 @@ def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str
     if winner:
         out.append(f"**Winner: {cell(winner)}**" + (f", not distinguishable from {cell(', '.join(answer['tie']))} on "
                                                     "this machine now" if answer.get("tie") else "") + ".\n")
+        if answer.get("against_preset"):
+            out.append(f"{cell(answer['against_preset'])}.\n")
         out.append(f"Preset: `{cell(answer.get('preset', ''))}`; launch: `{cell(answer.get('launch', ''))}`.\n")
     else:
         out.append("No winner: no candidate was measured ok.\n")
@@ -170,6 +196,23 @@ def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str
                    f"{'-' if not isinstance(rate, (int, float)) else f'{rate:,.0f}'} | {cell(outcome)}"
                    + (" (changes the mathematics)" if x.changes_math else "") + " |")
     return "\n".join(out) + "\n"
+
+
+def against_preset(cands: list[Candidate], answer: dict[str, Any]) -> str:
+    """One line: the winner against the preset's own runs, measured side by side with it ("" when none ran)."""
+    ran = {x.name: x for x in cands if x.of_preset and x.measured.get("status") == "ok"}
+    winner = next((x for x in cands if x.name == answer.get("winner")), None)
+    if winner is None or not ran:
+        return ""
+    if winner.of_preset:
+        return (f"the preset's own run {winner.of_preset} measured fastest: no configuration searched was faster beyond "
+                "the noise")
+    tied = [ran[n].of_preset for n in answer.get("tie", []) if n in ran]
+    names = ", ".join(sorted(x.of_preset for x in ran.values()))
+    if tied:
+        return (f"{winner.name} is not distinguishable from the preset's own run(s) {', '.join(tied)} on this machine "
+                f"now (measured beside {names})")
+    return f"{winner.name} measured faster than every run of the preset beside it ({names}), beyond the noise"
 
 
 def in_table_order(cands: list[Candidate]) -> list[Candidate]:
@@ -190,7 +233,8 @@ def outcome(x: Candidate, answer: dict[str, Any]) -> str:
                 else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
     else:
         text = x.refused and f"cannot run: {x.refused}" or x.pruned or "candidate"
-    return text + (" [changes the mathematics: --allow precision]" if x.changes_math else "")
+    return (text + (f" (the preset's run {x.of_preset})" if x.of_preset else "")
+            + (" [changes the mathematics: --allow precision]" if x.changes_math else ""))
 
 
 def as_dict(x: Candidate) -> dict[str, Any]:

@@ -91,6 +91,8 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
         if not x.refused and not x.pruned:
             rows[x.name] = predictor.predict_run(dataclasses.replace(c, runs=[x.run], baseline=x.name), x.run, model)
     choose.prune_by_prediction(cands, rows, req.keep_within)
+    for line in choose.mark_presets_runs(c, cands):
+        say(f"tune 2/3: the preset's run {line}: not measured beside the candidates")
     measured_steps = [v["measured_step_s"] for v in (model.fit_error.get("runs") or {}).values() if isinstance(v, dict)]
     fallback = max(measured_steps) if measured_steps else 0.1
     # A run's cost beyond its steps: what the calibration phase took in all (the session's set-up, the launch, the
@@ -115,11 +117,12 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
         x.measured = {}
     answer = choose.verdict(read_json_or_none(RunDir(where).summary) or {}, cands)
     answer.update(elapsed_s=time.monotonic() - t0, proof_s=proof_s, budget_s=req.budget_s, proof_dir=where,
-                  proof_baseline=baseline)
+                  proof_baseline=baseline, presets_runs={x.of_preset: x.name for x in cands if x.of_preset})
     if proof_s >= req.budget_s:  # the clock stopped these, not a failure of theirs
         for x in cands:
             if x.measured.get("status") == "stopped" and not x.measured.get("error"):
                 x.measured["error"] = "stopped when the budget was spent"
+    answer["against_preset"] = choose.against_preset(cands, answer)
     _write_answer(req, cands, answer)
     changed(cands)
     return cands, answer

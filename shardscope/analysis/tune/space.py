@@ -47,6 +47,7 @@ class Candidate:
     predicted_mem_bytes: int | None = None
     pruned: str = ""  # why it was not measured
     measured: dict[str, Any] = field(default_factory=dict)
+    of_preset: str = ""  # the preset's own run this candidate is (measured whatever its prediction: the reference)
 
     @property
     def name(self) -> str:

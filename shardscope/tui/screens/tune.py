@@ -157,7 +157,7 @@ class TuneScreen(ModalScreen[None]):
             text = f"cannot tune: {message.error}"
         elif a.get("winner"):
             tie = f"; not distinguishable from {', '.join(a['tie'])} on this machine now" if a.get("tie") else ""
-            text = (f"winner: {a['winner']}{tie}\npreset: {a.get('preset', '')}\nlaunch: {a.get('launch', '')}\n"
+            text = (f"winner: {a['winner']}{tie}\n{a.get('against_preset') or ''}\npreset: {a.get('preset', '')}\nlaunch: {a.get('launch', '')}\n"
                     f"report: {a.get('report', '')}\nthe proving runs took {a.get('proof_s', 0):.0f} s of a "
                     f"{a.get('budget_s', 0):.0f} s budget")
         else:
