@@ -24,6 +24,7 @@ SPEED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP"),
     "backward_prefetch": ("pre", "post"),
     "bucket_cap_mb": (25, 100),
+    "bucket_mb": (25, 100),  # DeepSpeed's reduce and all-gather buckets: the same sums, grouped otherwise
     "microbatches": (4, 8),
     "dp_shard": ("replicate", "fsdp2"),
 }
