@@ -148,6 +148,10 @@ def test_a_search_end_to_end(tmp_path):
     assert (Path(out) / "proof" / "summary.json").exists()
     report = (Path(out) / "tune.md").read_text(encoding="utf-8")
     assert f"**Winner: {answer['winner']}**" in report and "does not fit" in report
+    # the proving comparison's own report.md shows the search it proved (and keeps it when rebuilt)
+    proof_report = (Path(out) / "proof" / "report.md").read_text(encoding="utf-8")
+    assert "## The search this comparison proved (shardscope tune)" in proof_report
+    assert f"**Winner: {answer['winner']}**" in proof_report and "does not fit" in proof_report
 
 
 def test_a_what_if_on_a_gpu_this_machine_is_not_is_predicted_on_every_line_and_runs_nothing(tmp_path):
@@ -274,3 +278,13 @@ def test_the_presets_own_runs_are_measured_whatever_their_prediction():
     assert "no configuration searched was faster" in choose.against_preset(cands, {"winner": "ddp", "tie": []})
     assert "not distinguishable from the preset's own run(s) f" in choose.against_preset(
         cands, {"winner": "ddp.ac", "tie": ["fsdp2"]})
+
+
+@pytest.mark.parametrize("text", ['{"answer": {}, "candidates": [{"name": 3}]}', "[1, 2", '{"answer": [], "candidates": []}',
+                                  '{"answer": {"winner": "x"}, "candidates": [{"name": "x", "strategy": "ddp", '
+                                  '"predicted_step_s": "fast"}]}'])
+def test_a_crafted_tune_json_is_one_line_in_the_report_never_a_crash(tmp_path, text):
+    (tmp_path / "tune.json").write_text(text, encoding="utf-8")
+    section = choose.report_section(str(tmp_path))
+    assert section.startswith("## The search this comparison proved") and "unreadable (" in section
+    assert choose.report_section(str(tmp_path / "none")) == ""

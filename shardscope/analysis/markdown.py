@@ -11,6 +11,7 @@ from typing import Any
 from shardscope.analysis import answer, explain_report, noise, recommend, straggler_report, summary
 from shardscope.analysis.predict import report as predict_report
 from shardscope.analysis.summary import throughput_unit
+from shardscope.analysis.tune import choose as tune_choose
 from shardscope.analysis.why import verdict as why
 from shardscope.core.numbers import fmt_bytes, fmt_sig, not_measured
 from shardscope.core.rundir import CHROME_SUFFIX, TB, TRACES
@@ -75,7 +76,8 @@ def render_markdown(s: dict[str, Any]) -> str:
         out.append("## Plots\n")
         out += [f"![{name}]({path})\n" for name, path in s["plots"].items()]
     out += [explain_report.markdown(s.get("explain") or {}, s.get("out_dir") or "DIR"), predict_report.markdown(s.get("prediction") or {}, noise.line(s.get("noise") or {}) if s.get("noise") else "")]
-    out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or "")]
+    out += [recommend.markdown(s.get("recommendation") or {}), why.report_section(s.get("out_dir") or ""),
+            tune_choose.report_section(s.get("out_dir") or "")]
     out.append(_record_server_md(s.get("record_server") or {}))
     return "\n".join(x for x in out if x)
 

@@ -66,6 +66,7 @@ CHROME_SUFFIX = ".trace.json"
 TB_SUFFIX = ".pt.trace.json"
 WHY = "why"  # <out>/why/<run>/: shardscope why's re-runs of <run>
 WHY_RESULT = "why.json"
+TUNE_RESULT = "tune.json"  # a tune's proving comparison: the search's answer and every candidate (report.md's section)
 _WHY_ROUND = "round"  # why/<run>/round<k>  # torch.profiler.tensorboard_trace_handler's files: <worker>.<id>.pt.trace.json
 
 
@@ -266,6 +267,11 @@ class RunDir:
     def why_result(self, run: str) -> str:
         """``why/<run>/why.json``: why's result for ``run``."""
         return os.path.join(self.why_dir(run), WHY_RESULT)
+
+    @property
+    def tune_result(self) -> str:
+        """``tune.json``: in a tune's proving comparison, the search it proved."""
+        return os.path.join(self.path, TUNE_RESULT)
 
     def why_results(self) -> list[str]:
         """Every why result present, sorted."""

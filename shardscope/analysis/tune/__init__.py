@@ -7,5 +7,6 @@ predictor, the verdict from the proving comparison's own noise rule, the winner 
 search: calibration, pruning, proof within the budget, the answer; the comparisons run by the caller's runner).
 May import: ``core``, ``presets``, ``config``, ``profiling``, ``analysis.predict``. Never torch, textual or the
 orchestrator (``cli/tune.py`` and the app's tune screen run the comparisons).
-Imported by: ``cli.tune``, ``tui.screens.tune``.
+Imported by: ``cli.tune``, ``tui.screens.tune``, ``analysis.markdown`` (``choose.report_section``: the proving
+comparison's report.md shows the search it proved).
 """

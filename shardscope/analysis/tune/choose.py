@@ -15,11 +15,13 @@ machine model and the proving comparison's summary.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from shardscope.analysis.tune.space import Candidate
-from shardscope.config import Comparison, resolved_grad_accum, resolved_options
-from shardscope.core.numbers import fmt_bytes
+from shardscope.config import Comparison, RunSpec, resolved_grad_accum, resolved_options
+from shardscope.core.numbers import fmt_bytes, read_json
+from shardscope.core.rundir import RunDir
 from shardscope.profiling import memory_model
 
 
@@ -243,4 +245,47 @@ def as_dict(x: Candidate) -> dict[str, Any]:
             "activation_checkpointing": x.run.activation_checkpointing, "precision": x.run.precision,
             "refused": x.refused or None, "pruned": x.pruned or None, "changes_math": x.changes_math,
             "predicted_step_s": x.predicted_step_s, "predicted_mem_bytes": x.predicted_mem_bytes,
-            "measured": x.measured or None}
+            "measured": x.measured or None, "of_preset": x.of_preset or None}
+
+
+def from_dict(d: dict[str, Any]) -> Candidate:
+    """A candidate as ``as_dict`` wrote it (tune.json); raises TypeError or ValueError for one that is not."""
+    def text(key: str) -> str:
+        value = d.get(key) or ""
+        if not isinstance(value, str):
+            raise TypeError(f"{key}: not text")
+        return value
+
+    def number(key: str) -> float | None:
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{key}: not a number")
+        return value
+
+    measured = d.get("measured") or {}
+    options = d.get("options") or {}
+    if not isinstance(measured, dict) or not isinstance(options, dict):
+        raise TypeError("measured, options: not tables")
+    run = RunSpec(name=text("name"), strategy=text("strategy"), options=options,
+                  activation_checkpointing=bool(d.get("activation_checkpointing")), precision=text("precision"))
+    mem = number("predicted_mem_bytes")
+    return Candidate(run, refused=text("refused"), changes_math=bool(d.get("changes_math")),
+                     predicted_step_s=number("predicted_step_s"), predicted_mem_bytes=None if mem is None else int(mem),
+                     pruned=text("pruned"), measured=measured, of_preset=text("of_preset"))
+
+
+def report_section(out_dir: str) -> str:
+    """report.md's section in a tune's proving comparison (its ``tune.json``): the search it proved, every candidate
+    with what happened to it; "" in any other run directory."""
+    path = RunDir(out_dir).tune_result if out_dir else ""
+    if not path or not os.path.isfile(path):
+        return ""
+    try:
+        data = read_json(path)
+        if not isinstance(data.get("answer"), dict) or not isinstance(data.get("candidates"), list):
+            raise TypeError("answer, candidates: not a table and a list")
+        cands = [from_dict(x) for x in data["candidates"]]
+        body = markdown(cands, data["answer"], str(data.get("preset", "")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"## The search this comparison proved (shardscope tune)\n\n{path}: unreadable ({type(err).__name__})\n"
+    return "## The search this comparison proved (shardscope tune)\n\n" + body.split("\n", 1)[1]

@@ -142,3 +142,10 @@ def _write_answer(req: Request, cands: list[Candidate], answer: dict[str, Any]) 
                               "precision": winner.run.precision or c.precision}
     answer["report"] = os.path.join(req.out, "tune.md")
     config.write_atomic(answer["report"], lambda fh: fh.write(choose.markdown(cands, answer, c.name)))
+    proof = RunDir(answer["proof_dir"])
+    if os.path.isfile(proof.summary):  # the proving comparison's report.md gains the search's section
+        from shardscope.analysis.report import write_reports
+
+        config.dump_json(proof.tune_result, {"preset": c.name, "answer": answer,
+                                             "candidates": [choose.as_dict(x) for x in cands]})
+        write_reports(proof.path)
