@@ -82,7 +82,9 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
     except (NotPredicted, OSError, ValueError) as err:
         raise CannotCalibrate(f"cannot calibrate on {', '.join(dirs)}: {err}") from None
     cands = space.candidates(c, world_size=req.world_size, allow=req.allow, host=req.host, only=req.only)
-    say(f"tune 2/3: {len(cands)} candidates at world size {req.world_size}; "
+    cut = (f" (the first {space.LIMIT}, defaults first: the space is larger; narrow it with --strategies)"
+           if space.truncated(cands) else "")
+    say(f"tune 2/3: {len(cands)} candidates at world size {req.world_size}{cut}; "
         f"{sum(1 for x in cands if x.refused)} cannot run here")
     choose.prune_by_memory(c, cands, req.device_memory)
     changed(cands)

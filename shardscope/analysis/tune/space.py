@@ -34,6 +34,14 @@ DEGREE_OPTIONS = ("tp", "pp")
 # so each is a smaller micro-batch (less activation memory, more calls), the same mean loss
 ACCUM_TRIED = (2, 4)
 ALLOWED = ("precision",)  # what --allow may add
+# Candidates at most (336 for ddp-vs-fsdp at world size 4, every strategy, 2026-11-29): a bound for a space that
+# grows as options join it, said when reached (``truncated``), never silent
+LIMIT = 2000
+
+
+def truncated(cands: list[Candidate]) -> bool:
+    """Whether ``candidates`` stopped at ``LIMIT``."""
+    return len(cands) >= LIMIT
 PRECISION_TRIED = ("bf16-autocast",)
 
 
@@ -100,10 +108,12 @@ def _reason(message: str, src: str, name: str) -> str:
 
 
 def candidates(c: Comparison, *, world_size: int, allow: tuple[str, ...] = (), host: Any = None,
-               only: tuple[str, ...] = (), limit: int = 200) -> list[Candidate]:
+               only: tuple[str, ...] = (), limit: int = 0) -> list[Candidate]:
     """Every candidate configuration of ``c`` at ``world_size`` (its model, data and global batch), each checked
     by the comparison's own rules: the refused ones carry the reason. ``only``: these strategies (all when empty;
-    raises KeyError naming the allowed ones for an unknown name). At most ``limit`` (defaults first)."""
+    raises KeyError naming the allowed ones for an unknown name). At most ``limit`` (defaults first; ``LIMIT`` for
+    0: a space larger than that is cut, which ``truncated`` tells)."""
+    limit = limit or LIMIT
     out: list[Candidate] = []
     precisions = [""] + ([p for p in PRECISION_TRIED if p != c.precision] if "precision" in allow else [])
     chosen = [registry.get(name) for name in only] if only else list(registry.STRATEGIES.values())
