@@ -1,6 +1,9 @@
-"""Small modal screens: confirm quitting with active runs, and the too-small-terminal notice."""
+"""Small modal screens: confirm quitting with active runs, the too-small-terminal notice, and the base of the screens
+that drive runs of their own (``why``, ``tune``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -57,3 +60,29 @@ class TooSmall(ModalScreen[None]):
             text.update(
                 f"Terminal too small: {w}×{h}. shardscope needs at least {self.need[0]}×{self.need[1]} — "
                 "enlarge the window (runs keep going meanwhile).")
+
+
+class RunnerScreen(ModalScreen[None]):
+    """A screen whose worker thread drives runs through ``runner`` (anything with ``stop()``) while ``running``:
+    closing it (escape, q, or the screen going away) stops them, with ``stop_note`` as the toast."""
+
+    stop_note = "Stopping the runs…"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner: Any = None
+        self.running = False
+
+    def action_close(self) -> None:
+        """Close; runs still going are stopped."""
+        self._stop()
+        self.app.pop_screen()
+
+    def on_unmount(self) -> None:
+        """Never leave runs behind."""
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.running and self.runner is not None:
+            self.runner.stop()
+            self.app.notify(self.stop_note)

@@ -15,11 +15,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
-from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
 from shardscope.config import Comparison
 from shardscope.core.numbers import fmt_bytes
+from shardscope.tui.screens.dialogs import RunnerScreen
 from shardscope.tui.format import literal, plain
 
 COLUMNS = ("candidate", "predicted ms/step", "predicted mem/rank", "measured", "outcome")
@@ -70,11 +70,12 @@ def rows_of(cands: list[Any], answer: dict[str, Any]) -> list[tuple[str, str, st
     return out
 
 
-class TuneScreen(ModalScreen[None]):
+class TuneScreen(RunnerScreen):
     """Runs a tune of ``comparison`` (its model, data and global batch) into ``out_dir`` and shows it live; escape
     or q closes it (and stops the runs still going)."""
 
     BINDINGS = [Binding("escape,q", "close", "Close")]
+    stop_note = "Stopping the tune's runs…"
 
     def __init__(self, comparison: Comparison, out_dir: str, budget_s: float = 300.0, steps: int = 12,
                  only: tuple[str, ...] = ()) -> None:
@@ -84,8 +85,6 @@ class TuneScreen(ModalScreen[None]):
         self.lines: list[str] = []
         self.statuses: list[tuple[str, str]] = []  # (run, status) of the proving runs, as they changed
         self.answer: dict[str, Any] | None = None
-        self.runner: Any = None
-        self.running = False
 
     def compose(self) -> ComposeResult:
         """The phase lines, the table of candidates, the answer."""
@@ -168,17 +167,3 @@ class TuneScreen(ModalScreen[None]):
     def _show(self) -> None:
         state = "searching… (escape stops)" if self.running else "done"
         self.query_one("#tune-progress", Static).update("\n".join(literal(x) for x in [state, *self.lines]))
-
-    def action_close(self) -> None:
-        """Close; runs still going are stopped."""
-        self._stop()
-        self.app.pop_screen()
-
-    def on_unmount(self) -> None:
-        """Never leave runs behind."""
-        self._stop()
-
-    def _stop(self) -> None:
-        if self.running and self.runner is not None:
-            self.runner.stop()
-            self.app.notify("Stopping the tune's runs…")

@@ -14,13 +14,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message
-from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown, Static
 
 from shardscope.core.text import clean
 from shardscope.orchestrator.why_runs import WhyRunner, describe_plan
 from shardscope.analysis.why import verdict as why
 from shardscope.analysis.why.verdict import WhyError
+from shardscope.tui.screens.dialogs import RunnerScreen
 from shardscope.tui.format import literal
 
 
@@ -40,11 +40,12 @@ class WhyDone(Message):
         self.result, self.error = result, error
 
 
-class WhyScreen(ModalScreen[None]):
+class WhyScreen(RunnerScreen):
     """Runs a why of ``run`` in ``out_dir`` and shows its progress, then its result; escape or q closes it (and
     stops re-runs still going)."""
 
     BINDINGS = [Binding("escape,q,w", "close", "Close")]
+    stop_note = "Stopping the why re-runs…"
 
     def __init__(self, out_dir: str, run: str) -> None:
         super().__init__()
@@ -52,8 +53,6 @@ class WhyScreen(ModalScreen[None]):
         self.lines: list[str] = []
         self.result: dict[str, Any] | None = None
         self.error = ""
-        self.runner: WhyRunner | None = None
-        self.running = False
 
     def compose(self) -> ComposeResult:
         """The progress lines above the result's markdown, in a scroll view."""
@@ -110,17 +109,3 @@ class WhyScreen(ModalScreen[None]):
         # progress lines name runs, settings and errors from the files: text, never markup
         self.query_one("#why-progress", Static).update(
             "\n".join(literal(line) for line in [f"why {self.run_name}: {state}", *self.lines]))
-
-    def action_close(self) -> None:
-        """Close; re-runs still going are stopped."""
-        self._stop()
-        self.app.pop_screen()
-
-    def on_unmount(self) -> None:
-        """Never leave re-runs behind."""
-        self._stop()
-
-    def _stop(self) -> None:
-        if self.running and self.runner is not None:
-            self.runner.stop()
-            self.app.notify("Stopping the why re-runs…")
