@@ -20,7 +20,7 @@ from shardscope import config
 DATA = Path(__file__).resolve().parent / "data" / "user"
 
 PRESET = """
-description = "pipeline stages of a Hugging Face model against ddp"
+description = "pipeline stages of a user's model against ddp"
 steps = 4
 global_batch = 8
 lr = 3e-3
