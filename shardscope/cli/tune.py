@@ -53,10 +53,31 @@ def _table(cands: list[Any], answer: dict[str, Any], unit: str) -> Any:
     for col in ("candidate", "predicted ms/step", "predicted mem/rank", "measured " + unit, "outcome"):
         table.add_column(col, justify="left" if col in ("candidate", "outcome") else "right", overflow="fold")
     for x in choose.in_table_order(cands):
+        if x.refused:  # listed by reason under the table (refused_lines): hundreds of rows said the same few things
+            continue
         table.add_row(cell(x.name), "-" if x.predicted_step_s is None else f"{x.predicted_step_s * 1e3:.1f}",
                       "-" if x.predicted_mem_bytes is None else fmt_bytes(x.predicted_mem_bytes),
                       fmt_rate(x.measured.get("tokens_per_s")) if x.measured else "-", cell(choose.outcome(x, answer)))
     return table
+
+
+def refused_lines(cands: list[Any], shown: int = 4) -> list[str]:
+    """The candidates the comparison's checks refused, one line per reason: how many, the reason, the first names."""
+    by: dict[str, list[str]] = {}
+    for x in cands:
+        if x.refused:
+            by.setdefault(x.refused, []).append(x.name)
+    out = []
+    for reason, names in sorted(by.items(), key=lambda item: -len(item[1])):
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        out.append(f"  cannot run here ({len(names)}): {reason}: {', '.join(names[:shown])}{more}")
+    return out
+
+
+def _print_table(console: Any, cands: list[Any], answer: dict[str, Any], unit: str) -> None:
+    console.print(_table(cands, answer, unit))
+    for line in refused_lines(cands):
+        click.echo(clean(line))
 
 
 @click.command("tune")
@@ -127,7 +148,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         else:
             from rich.console import Console
 
-            Console(width=160).print(_table(cands, {}, "tokens/s"))
+            _print_table(Console(width=160), cands, {}, "tokens/s")
         return
     from shardscope.analysis.tune import search
 
@@ -155,7 +176,7 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
         console = Console()
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
-        console.print(_table(cands, answer, answer.get("unit", "tokens/s")))
+        _print_table(console, cands, answer, answer.get("unit", "tokens/s"))
         for line in answer["lines"]:  # the answer's own lines; each run against the baseline is in the report
             if " vs " not in line:
                 click.echo(clean(f"  {line}"))
