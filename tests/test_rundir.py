@@ -25,7 +25,7 @@ FILE_NAME = re.compile(
     r"\b(comparison|summary|spec|status|orchestrator|merged_trace)\.json\b|\breport\.md\b"
     r"|\binit\.(safetensors|log)\b|\bconsole\.(log|node)|\bdevices\.(jsonl|node)|\.jsonl\b|\.png\b"
     r"|\.trace\.json|\.tmp\b|\.attempt\b|shardscope-dashboard\.svg|\.shardscope-spare|\.shardscope-lock|\.shardscope-agent|\bstall-request\b|\.spare\b"
-    r"|\b(metrics|traces|plots|nodes)/|\btraces/tb\b|\bwhy\.json\b")
+    r"|\b(metrics|traces|plots|nodes)/|\btraces/tb\b|\b(why|tune)\.json\b")
 # A folder under <out>: flagged when it is a piece of a path (an argument of a join or a glob).
 FOLDERS = {"metrics", "traces", "plots", "tb", "diff", "nodes", "why"}
 PATH_CALLS = {"join", "glob", "iglob", "listdir", "isdir", "isfile", "exists", "makedirs"}
