@@ -123,9 +123,15 @@ def build(model, seed):
     (["kind = 'module'", f"entry = '{DATA / 'module' / 'mymodel.py'}:build'"],
      "embed.weight is used both before and after the blocks .tied or shared weights.*untie it"),
     (["kind = 'module'", "entry = './plain.py:build'"], "Plain defines no pre_blocks or post_blocks"),
+    # what the user's methods raise refuses pipeline stages only (the model check itself goes on)
+    (["kind = 'module'", "entry = './raising.py:build'"], "pre_blocks, the blocks and post_blocks raised ValueError: "
+                                                          "not like this"),
 ])
 def test_models_whose_stages_are_not_built_are_refused_with_the_reason(tmp_path, model, said):
     (tmp_path / "plain.py").write_text(NO_METHODS, encoding="utf-8")
+    (tmp_path / "raising.py").write_text(NO_METHODS.replace("    def forward(self, tokens):", "    def pre_blocks(self, tokens):\n"
+                                         "        raise ValueError('not like this')\n\n    def post_blocks(self, x):\n"
+                                         "        return self.head(x)\n\n    def forward(self, tokens):"), encoding="utf-8")
     text = "\n".join(["world_size = 2", "global_batch = 8", "", "[model]", *model, "seq_len = 16", "",
                       "[[runs]]", "name = 'p'", "strategy = 'pp-1f1b'"]) + "\n"
     (tmp_path / "p.toml").write_text(text, encoding="utf-8")

@@ -61,14 +61,19 @@ def pipeline_facts(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, sa
                 "(docs/user-models.md)"}
     ids = {id(p): n for n, p in model.named_parameters()}
     inside = {n for n in ids.values() if n.startswith(blocks_path + ".")}
-    with torch.no_grad():
-        with _Touched(ids) as pre:
-            hidden = getattr(model, PRE)(sample)
-        x = hidden
-        for block in blocks:
-            x = block(x)
-        with _Touched(ids) as post:
-            out = getattr(model, POST)(x)
+    try:  # the user's code: whatever it raises refuses pipeline stages only, never the model's other runs
+        with torch.no_grad():
+            with _Touched(ids) as pre:
+                hidden = getattr(model, PRE)(sample)
+            x = hidden
+            for block in blocks:
+                x = block(x)
+            with _Touched(ids) as post:
+                out = getattr(model, POST)(x)
+    except Exception as err:  # noqa: BLE001
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return {"first": [], "last": [], "refusal": f"pre_blocks, the blocks and post_blocks raised "
+                f"{type(err).__name__}: {first}"}
     if not isinstance(hidden, torch.Tensor) or not isinstance(out, torch.Tensor) or tuple(out.shape) != logits_shape:
         got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return {"first": [], "last": [], "refusal": f"post_blocks(blocks(pre_blocks(tokens))) gave {got}, forward gave "
