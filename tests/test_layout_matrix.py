@@ -39,8 +39,10 @@ Cost: one comparison of 14 to 16 runs is 2 to 6 minutes on 2 CPU cores (6 under 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -321,3 +323,38 @@ def test_strategy_matches_ddp(matrix, world_size, precision, name):
             assert a[key].keys() == b[key].keys() and a[key], (name, key)
             for layer, value in a[key].items():
                 assert abs(value - b[key][layer]) <= tol, (name, key, a["step"], layer)
+
+
+# What each strategy's pasted settings call (engines/settings_code), and how a run's options read there.
+CALLS = {"ddp": "model = DistributedDataParallel(", "fsdp1": "model = FSDP(", "fsdp2": "fully_shard(model",
+         "fsdp2-tp": "parallelize_module(model", "fsdp-handwritten": "no library call to paste",
+         "deepspeed-zero1": "deepspeed.initialize(", "deepspeed-zero2": "deepspeed.initialize(",
+         "deepspeed-zero3": "deepspeed.initialize(", "deepspeed-autotp": "deepspeed.initialize("}
+SPELLED = {"sharding_strategy": "ShardingStrategy.{}", "reshard_after_forward": "reshard_after_forward={}",
+           "stage": "'stage': {}", "replicate": "({}, 2)", "hybrid_shard_size": "(2, {})"}
+OPTIONS = {name: options for name, _, options, _ in LAYOUTS}
+
+
+@pytest.mark.parametrize("world_size, precision, name", RUNS)
+def test_every_run_writes_the_settings_it_ran_with(matrix, world_size, precision, name):
+    """Rank 0's settings to paste (summary.json's ``code``) are Python, make the strategy's own library call, and
+    spell the run's options, precision and micro-batches as the run used them."""
+    run = next(r for r in _summary(matrix(world_size, precision))["runs"] if r["name"] == name)
+    code, strategy = run["code"], STRATEGY[name]
+    ast.parse(code)
+    assert CALLS[strategy] in code, code
+    for key, value in OPTIONS[name].items():
+        if strategy == "fsdp-handwritten":  # its comment names FSDP1's equivalent
+            assert ("FULL_SHARD" if value else "SHARD_GRAD_OP") in code, code
+        elif strategy == "deepspeed-autotp" and key == "tp":
+            assert f"'autotp_size': {value}" in code, code
+        elif key in SPELLED:
+            assert SPELLED[key].format(value) in code, (key, code)
+    if strategy.startswith("deepspeed-zero"):
+        assert f"'stage': {strategy[-1]}" in code, code
+    assert bool(re.search(r"bfloat16|'bf16'", code)) == (precision == "bf16-params"), code
+    accum = 2 if (world_size, precision) == ACCUM2 else 1
+    if strategy.startswith("deepspeed"):
+        assert f"'gradient_accumulation_steps': {accum}" in code, code
+    else:
+        assert f"{accum} micro-batch(es)" in code, code

@@ -59,6 +59,12 @@ def test_precision_joins_only_when_allowed_and_says_so():
     changed = [x for x in cands if x.changes_math]
     assert changed and all(x.run.precision == "bf16-autocast" for x in changed)
     assert {x.run.strategy for x in cands} == {"ddp"}
+    # the gradient reduction's dtype too (FSDP2's reduce_dtype), marked, and never without --allow precision
+    allowed = space.candidates(_comparison(), world_size=2, allow=("precision",), only=("fsdp2",))
+    bf16 = [x for x in allowed if x.run.options.get("reduce_dtype") == "bf16"]
+    assert bf16 and all(x.changes_math and not x.refused for x in bf16)
+    assert "fsdp2.reduce-bf16" in {x.name for x in bf16}
+    assert not [x for x in space.candidates(_comparison(), world_size=2, only=("fsdp2",)) if "reduce_dtype" in x.run.options]
     with pytest.raises(KeyError, match="unknown strategy 'nope'"):
         space.candidates(_comparison(), world_size=2, only=("nope",))
 
@@ -239,7 +245,8 @@ def test_the_app_shows_a_search_live_and_its_answer(tmp_path):
             await pilot.press("escape")  # stops what it started
             await wait_for(pilot, lambda: isinstance(app.screen, PresetsScreen))
             c = app.screen.comparison
-            screen = TuneScreen(c, str(tmp_path / "t"), budget_s=120, steps=4, only=("ddp", "fsdp2"))
+            screen = TuneScreen(c, str(tmp_path / "t"), budget_s=120, steps=4, only=("ddp", "fsdp2"),
+                                max_rounds=1)
             app.push_screen(screen)
             await wait_for(pilot, lambda: bool(screen.lines) and not screen.running, 600)
             answer = screen.answer
@@ -288,3 +295,72 @@ def test_a_crafted_tune_json_is_one_line_in_the_report_never_a_crash(tmp_path, t
     section = choose.report_section(str(tmp_path))
     assert section.startswith("## The search this comparison proved") and "unreadable (" in section
     assert choose.report_section(str(tmp_path / "none")) == ""
+
+
+def _round(baseline: str, verdicts: dict[str, tuple[float, float]], order: list[str]) -> dict:
+    """A proving round's summary as rounds.combine reads it: each run's verdict (ratio, band) against ``baseline``."""
+    runs = {baseline: {"status": "ok"}}
+    runs.update({n: {"status": "ok", "verdict": {"ratio": r, "band": b}} for n, (r, b) in verdicts.items()})
+    return {"baseline": baseline, "recommendation": {"runs": runs}, "order": order}
+
+
+def test_rounds_pool_a_lead_that_holds_and_call_a_flip_a_tie():
+    """A lead that every round confirms beyond its own noise stays a winner; a lead that the second round reverses
+    is a tie; ratios are pooled against the first round's winner whatever each round's baseline."""
+    from shardscope.analysis.tune import rounds
+
+    cands = [space.Candidate(RunSpec(n, "ddp")) for n in ("a", "b", "c")]
+    # round 1's baseline is c (the preset's run), a won; round 2 runs a (its baseline) and b, reversed
+    first = _round("c", {"a": (1.5, 1.05), "b": (1.2, 1.05)}, ["c", "a", "b"])
+    held = _round("a", {"b": (0.7, 1.1)}, ["b", "a"])
+    answer = rounds.combine([first, held], "a", cands)
+    assert answer["winner"] == "a" and answer["tie"] == [], answer
+    assert answer["pooled"]["b"] == pytest.approx((1.2 / 1.5 + 0.7) / 2)
+    assert cands[1].measured["rounds"] == [pytest.approx(0.8), 0.7]
+    assert "measured in 2 rounds" in answer["lines"][0] and "(a b / b a)" in answer["lines"][0]
+    flipped = _round("a", {"b": (1.3, 1.1)}, ["b", "a"])
+    answer = rounds.combine([first, flipped], "a", cands)
+    assert answer["winner"] == "b" and answer["tie"] == ["a"], answer  # 0.8 then 1.3: no round-proof lead either way
+    # within a round's noise (band 1.3 > 1 / 0.8) is never "beaten"
+    noisy = _round("a", {"b": (0.8, 1.3)}, ["b", "a"])
+    assert rounds.combine([first, noisy], "a", cands)["tie"] == ["b"]
+
+
+def test_the_next_round_runs_the_tie_else_the_runner_up_beside_the_presets_runs():
+    from shardscope.analysis.tune import rounds
+
+    cands = [space.Candidate(RunSpec(n, "ddp")) for n in ("a", "b", "c", "d")]
+    cands[3].of_preset = "ddp"
+    summary = {"runs": [{"name": n, "status": "ok", "median_tokens_per_s": r}
+                        for n, r in (("a", 100), ("b", 90), ("c", 95), ("d", 50), ("a.again", 99))]}
+    assert rounds.contenders(cands, {"winner": "a", "tie": ["b"]}, summary) == ["a", "b", "d"]
+    assert rounds.contenders(cands, {"winner": "a", "tie": []}, summary) == ["a", "c", "d"]  # the runner-up
+    assert rounds.contenders(cands, {"winner": None, "tie": []}, summary) == []
+
+
+@pytest.mark.slow
+def test_the_proof_is_measured_again_in_reversed_order_and_the_winner_comes_with_its_settings(tmp_path):
+    """The preset's two runs are always measured, so round 1 has at least two; a budget far above what 5-step runs
+    cost leaves room for round 2, which runs the winner beside its tie or runner-up in the reversed order with its
+    own A/A control; the answer pools both rounds, and carries the winner's settings as its rank 0 wrote them."""
+    import ast
+
+    out = tmp_path / "t"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--strategies",
+                           "ddp,fsdp2", "--keep-within", "0.0001", "--budget", "600s", "--steps", "5", "--rounds", "2",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    answer = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])
+    assert answer["round_dirs"] == [str(out / "proof-2")], answer["lines"]
+    second = json.loads((out / "proof-2" / "summary.json").read_text(encoding="utf-8"))
+    first = json.loads((out / "proof" / "summary.json").read_text(encoding="utf-8"))
+    ran = lambda s: [r["name"] for r in s["runs"] if not r.get("control_of")]  # noqa: E731
+    # round 1's winner is round 2's reference (its baseline), first among the contenders, so last once reversed
+    assert len(ran(second)) >= 2 and ran(second)[-1] == second["baseline"] and set(ran(second)) <= set(ran(first))
+    assert any(r.get("control_of") for r in second["runs"])  # its own A/A control
+    assert answer["lines"][0].startswith("measured in 2 rounds")
+    by = {x["name"]: x for x in answer["candidates"]}
+    assert len(by[answer["winner"]]["measured"]["rounds"]) == 2
+    code = answer["settings"]["code"]
+    ast.parse(code)
+    assert ("fully_shard(" if by[answer["winner"]]["strategy"] == "fsdp2" else "DistributedDataParallel(") in code

@@ -22,6 +22,7 @@ from shardscope.core import registry
 from shardscope.profiling import comm_theory, memory_model, phases
 from shardscope.core.numbers import fmt_bytes
 from shardscope.core.rundir import SUMMARY
+from shardscope.core.text import code_block
 
 PLACEHOLDERS = {
     "run": "the run's name and where its numbers come from",
@@ -261,4 +262,16 @@ def explain_summary(c: Comparison, summary: dict[str, Any], run_name: str) -> di
     steps = ((summary.get("explain") or {}).get(run_name) or {})
     f = figures(c, run, f"run directory {summary.get('out_dir', '')}, predicted beside measured",
                 memory=mem, comm=comm or {}, steps=steps or None)
-    return {"text": render(run.strategy, f["values"]), "numbers": f["numbers"], "notes": [], "run": run.name}
+    return {"text": render(run.strategy, f["values"]) + settings_section(summary, run_name), "numbers": f["numbers"],
+            "notes": [], "run": run.name}
+
+
+def settings_section(summary: dict[str, Any], run_name: str) -> str:
+    """The run's settings as its rank 0 wrote them (summary.json's ``code``: the strategy's calls with the values
+    it passed), as a section to paste from; "" when the run wrote none."""
+    entry = next((r for r in summary.get("runs") or [] if isinstance(r, dict) and r.get("name") == run_name), {})
+    code = entry.get("code")
+    if not isinstance(code, str) or not code:
+        return ""
+    return ("\n\n## The settings to paste into your own training script\n\nWritten by the run's rank 0 from the values "
+            "it passed to the library.\n\n" + code_block(code) + "\n")

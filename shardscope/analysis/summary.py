@@ -147,6 +147,9 @@ def run_entry(c: Comparison, state: RunState, base: RunState) -> dict[str, Any]:
     pipeline = bubble.pipeline_entry(state.bubble, (state.start.get(0) or {}).get("notes") or {})
     if pipeline is not None:
         entry["pipeline"] = pipeline
+    code = (state.start.get(0) or {}).get("code")
+    if isinstance(code, str) and code:  # the strategy's settings as a user pastes them (engines/settings_code)
+        entry["code"] = code
     if state.error:
         entry["error"] = state.error
         entry["traceback_tail"] = "\n".join(state.traceback.splitlines()[-15:])

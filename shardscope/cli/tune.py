@@ -91,11 +91,14 @@ def _print_table(console: Any, cands: list[Any], answer: dict[str, Any], unit: s
               "model puts above it are out.")
 @click.option("--budget", default="10m", show_default=True, help="Time for the proving runs (90s, 10m, 1h).")
 @click.option("--steps", type=int, default=12, show_default=True, help="Steps of each proving run.")
+@click.option("--rounds", "max_rounds", type=click.IntRange(1, 5), default=3, show_default=True, help="Rounds of the "
+              "proof at most: after the first, the winner runs again beside the candidates within its noise (or the "
+              "runner-up), the order reversed, while the budget allows.")
 @click.option("--keep-within", type=float, default=0.4, show_default=True, help="Keep candidates predicted within "
               "this fraction of the best step time (the predictor's worst error on a loaded 2-core machine was 37%: "
               "docs/predict.md).")
 @click.option("--allow", multiple=True, type=click.Choice(["precision"]), help="Also try what changes the "
-              "mathematics: precision (bf16-autocast). Such candidates are marked.")
+              "mathematics: precision (bf16-autocast, and FSDP2's reduce_dtype bf16). Such candidates are marked.")
 @click.option("--strategies", default="", metavar="A,B", help="Search only these strategies (default: every "
               "registered one that can run the model).")
 @click.option("--calibrate", "calibrate_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
@@ -108,7 +111,7 @@ def _print_table(console: Any, cands: list[Any], answer: dict[str, Any], unit: s
 def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_name: str | None,
              device_memory: str | None, budget: str, steps: int, keep_within: float, allow: tuple[str, ...],
              strategies: str, calibrate_dirs: tuple[str, ...], out_dir: str | None, as_json: bool,
-             dry_run: bool) -> None:
+             dry_run: bool, max_rounds: int) -> None:
     """Search the fastest configuration of a preset's model that fits, by prediction, and prove it by real runs."""
     from shardscope.analysis.tune import choose, space
     from shardscope.orchestrator import devices
@@ -158,7 +161,8 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
 
         given = tuple(checked_calibrations(calibrate_dirs))
     req = search.Request(comparison, ws, out, budget_s=budget_s, steps=steps, keep_within=keep_within, allow=allow,
-                         only=only, device_memory=limit, calibrate_dirs=given, host=devices.host_info(dev))
+                         only=only, device_memory=limit, calibrate_dirs=given, host=devices.host_info(dev),
+                         max_rounds=max_rounds)
     try:
         cands, answer = search.search(req, lambda c, where, deadline: _run_quietly(c, where, dev, deadline),
                                       lambda line: click.echo(clean(line)))
@@ -189,6 +193,10 @@ def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, de
             if answer.get("against_preset"):
                 click.echo(clean(f"  {answer['against_preset']}"))
             click.echo(clean(f"  preset: {answer['preset']}\n  launch: {answer['launch']}\n  report: {answer['report']}"))
+            snippet = (answer.get("settings") or {}).get("code")
+            if snippet:
+                click.echo("  the settings to paste into your own training script, as the winner's rank 0 set it up:")
+                click.echo(clean("\n".join(f"    {line}" for line in snippet.rstrip().splitlines())))
         else:
             click.echo("no winner: no candidate was measured ok")
         over = f", {proof_s - budget_s:.0f} s over: runs cost more than the calibration said" if proof_s > budget_s else ""

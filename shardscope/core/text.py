@@ -16,3 +16,10 @@ _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def clean(text: str) -> str:
     """``text`` with its control characters (all of C0 and C1 but ``\\n`` and ``\\t``, and DEL) spelled ``\\xNN``."""
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text) if text else text
+
+
+def code_block(code: str, lang: str = "python") -> str:
+    """``code`` (which may come from a record) as a markdown fenced block that no backtick run inside can close."""
+    longest = max((len(run) for run in re.findall("`+", code)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{clean(code).rstrip()}\n{fence}"

@@ -120,6 +120,8 @@ class Prepared:
     # which is not divergence); None: a strategy whose steps are never skipped by itself.
     step_applied: Callable[[], bool] | None = None
     notes: dict[str, Any] = field(default_factory=dict)  # strategy facts for the start record
+    # the strategy's library calls as a user pastes them (``settings_code.Code``, from the values it passed)
+    code: Any = None
     # A strategy that runs a step's micro-batches itself (pipeline schedules): ``run_micro_batches(micro, divisor)``
     # runs forward and backward over every micro-batch (each loss divided by ``divisor``) and returns the detached
     # sum of the micro-batches' mean losses, as the loop's own path does, on every rank.

@@ -36,6 +36,8 @@ from shardscope.engines.deepspeed_config import build_config, precision_config  
 from shardscope.engines.deepspeed_measure import StateCounter, layer_norms_at_reduction
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import checkpoint_blocks
+from shardscope.engines import settings_code
+from shardscope.engines.settings_code import Code, Name
 
 
 def import_deepspeed(device: torch.device) -> Any:
@@ -252,5 +254,21 @@ def prepare_engine(
         step_applied=engine.was_step_applied,  # False after DeepSpeed's fp16 scaler skipped an overflow
         layer_norms=layer_norms_at_reduction(engine, tp_size),
         notes=facts,
+        code=_code(settings, config, clip if grad_norm is not None else None),
     )
+
+
+def _code(settings: TrainSettings, config: dict[str, Any], own_clip: float | None) -> Code:
+    """``deepspeed.initialize`` as the run called it (``settings_code``); ``own_clip``: the clipping the
+    optimizer's pre-step hook applies where DeepSpeed keeps no norm (its own clipping is off then)."""
+    adamw = settings_code.call("torch.optim.AdamW", Name("params"), lr=settings.lr, betas=settings.betas,
+                               eps=settings.eps, weight_decay=settings.weight_decay)
+    lines = [settings_code.ds_config(config), settings_code.call(
+        "engine, optimizer, _, _ = deepspeed.initialize", model=Name("model"),
+        optimizer=Name(f"lambda params: {adamw}"),
+        model_parameters=Name("[p for p in model.parameters() if p.requires_grad]"), config=Name("ds_config"))]
+    if own_clip:
+        lines.append(f"# gradients clipped to a global norm of {own_clip} in a pre-step hook of the optimizer "
+                     "(DeepSpeed keeps no norm here)")
+    return Code(["import deepspeed"], lines=lines, compiled=["engine.compile()"])
 

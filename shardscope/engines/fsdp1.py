@@ -21,10 +21,11 @@ from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStr
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from shardscope.engines import memory_accounting, norms
+from shardscope.engines import memory_accounting, norms, settings_code
 from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import blocks_of, parallelize
+from shardscope.engines.settings_code import Code, Name, call
 from shardscope.core.registry import split_data_parallel
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
@@ -65,19 +66,15 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     mp = mixed_precision(settings.precision)
     mesh = hybrid_mesh(ctx, options["hybrid_shard_size"]) if strategy == ShardingStrategy.HYBRID_SHARD else None
 
+    block_types = {type(b) for b in blocks_of(model)}  # checkpointing and compile keep each block's class
+    where = settings_code.blocks_path(model, blocks_of(model))
+    kwargs = {"sharding_strategy": strategy, "backward_prefetch": PREFETCH[options["backward_prefetch"]],
+              "limit_all_gathers": options["limit_all_gathers"], "use_orig_params": options["use_orig_params"],
+              "mixed_precision": mp}
+
     def wrap(m: nn.Module) -> nn.Module:
-        return FSDP(
-            m,
-            process_group=None if mesh is not None else ctx.dp_group,
-            device_mesh=mesh,
-            auto_wrap_policy=ModuleWrapPolicy({type(b) for b in blocks_of(m)}),
-            sharding_strategy=strategy,
-            backward_prefetch=PREFETCH[options["backward_prefetch"]],
-            limit_all_gathers=options["limit_all_gathers"],
-            use_orig_params=options["use_orig_params"],
-            mixed_precision=mp,
-            device_id=ctx.device,
-        )
+        return FSDP(m, process_group=None if mesh is not None else ctx.dp_group, device_mesh=mesh,
+                    auto_wrap_policy=ModuleWrapPolicy(block_types), device_id=ctx.device, **kwargs)
 
     fsdp = parallelize(model, ctx, settings, data_parallel=wrap)
     params = list(fsdp.parameters())  # FlatParameters (local shards), or views of them with use_orig_params
@@ -110,4 +107,23 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         layer_norms=layer_norms,
         handles_precision=mp is not None,
         notes=notes,
+        code=_code(ctx, settings, mesh, where, kwargs),
     )
+
+
+def _code(ctx: RankContext, settings: TrainSettings, mesh: Any, blocks: str, kwargs: dict[str, Any]) -> Code:
+    """The FSDP call as the run made it (``settings_code``)."""
+    imports = ["from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, BackwardPrefetch, "
+               "MixedPrecision, ShardingStrategy", "from torch.distributed.fsdp.wrap import ModuleWrapPolicy"]
+    first = []
+    where: dict[str, Any] = {}
+    if mesh is not None:
+        imports.append("from torch.distributed.device_mesh import init_device_mesh")
+        first.append(settings_code.mesh(ctx.device.type, mesh))
+        where["device_mesh"] = Name("mesh")
+    elif ctx.dp_size != ctx.world_size:
+        where["process_group"] = Name("dp_group")
+    device = Name("torch.device('cuda', local_rank)") if ctx.device.type == "cuda" else ctx.device
+    policy = Name(f"ModuleWrapPolicy({{type(block) for block in {blocks}}})")  # the classes of your blocks
+    return Code(imports, first, [call("model = FSDP", Name("model"), **where, auto_wrap_policy=policy, device_id=device,
+                                      **kwargs), settings_code.optimizer(settings)])

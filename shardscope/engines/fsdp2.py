@@ -19,11 +19,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from shardscope.engines import memory_accounting, norms
+from shardscope.engines import memory_accounting, norms, settings_code
 from shardscope.engines.api import PrecisionPolicy, Prepared, RankContext, TrainSettings
 from shardscope.engines.optim import make_optimizer, optimizer_clip_and_step
 from shardscope.engines.parallelize import blocks_of, parallelize
 from shardscope.engines.precision import option_dtype
+from shardscope.engines.settings_code import Code, Name, call
 from shardscope.core.registry import split_data_parallel
 
 
@@ -64,10 +65,31 @@ def shard_model(model: nn.Module, mesh: Any, *, reshard_after_forward: bool, mp:
     The root's ``reshard_after_forward`` is left to torch (None): its parameters are used first in
     forward and first again in backward, so torch keeps them gathered in between. Passing True there
     would free them after forward and all-gather them again at the start of backward."""
+    unit, root = shard_arguments(reshard_after_forward, mp)
     for block in blocks_of(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp)
+        fully_shard(block, mesh=mesh, **unit)
+    fully_shard(model, mesh=mesh, **root)
     return model
+
+
+def shard_arguments(reshard_after_forward: bool, mp: MixedPrecisionPolicy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fully_shard``'s keyword arguments for each block and for the root (``shard_model``)."""
+    return ({"reshard_after_forward": reshard_after_forward, "mp_policy": mp},
+            {"reshard_after_forward": None, "mp_policy": mp})
+
+
+def shard_code(model: nn.Module, settings: TrainSettings, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
+               *, imports: list[str], first: list[str]) -> Code:
+    """``shard_model``'s calls as a user pastes them (``settings_code``), over the mesh ``first`` builds."""
+    unit, root = shard_arguments(reshard_after_forward, mp)
+    blocks = settings_code.blocks_path(model, blocks_of(model))
+    policy = {"mp_policy": Name("mp_policy")}
+    return Code(["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard", *imports], first, [
+        f"mp_policy = {settings_code.literal(mp)}",
+        f"for block in {blocks}:",
+        call("fully_shard", Name("block"), indent="    ", mesh=Name("mesh"), **{**unit, **policy}),
+        call("fully_shard", Name("model"), mesh=Name("mesh"), **{**root, **policy}),
+        settings_code.optimizer(settings)])
 
 
 def fsdp2_prepared(model: nn.Module, settings: TrainSettings, mp: MixedPrecisionPolicy, notes: dict[str, Any]) -> Prepared:
@@ -114,4 +136,8 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     notes = {"param_dtype": str(mp.param_dtype or "float32"), "reduce_dtype": str(mp.reduce_dtype or "float32"),
              "reshard_after_forward": reshard, "units": len(blocks_of(sharded)) + 1,
              "replicas": replicas, "shard_group_size": mesh.size(mesh.ndim - 1)}
-    return fsdp2_prepared(sharded, settings, mp, notes)
+    prepared = fsdp2_prepared(sharded, settings, mp, notes)
+    prepared.code = shard_code(sharded, settings, reshard, mp,
+                               imports=["from torch.distributed.device_mesh import init_device_mesh"],
+                               first=[settings_code.mesh(ctx.device.type, mesh)])
+    return prepared

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardscope.engines import tp_plan
+from shardscope.engines import settings_code, tp_plan
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
-from shardscope.engines.fsdp2 import dp_mesh, fsdp2_prepared, mixed_precision, shard_model
+from shardscope.engines.fsdp2 import dp_mesh, fsdp2_prepared, mixed_precision, shard_code, shard_model
 from shardscope.engines.global_grad import clip_coefficient, total_norm
 from shardscope.engines.parallelize import blocks_of, parallelize
+from shardscope.engines.settings_code import Name, call
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
@@ -81,5 +82,13 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
              "param_dtype": str(mp.param_dtype or "float32"), "reshard_after_forward": reshard,
              "units": len(blocks_of(sharded)) + 1}
     prepared = fsdp2_prepared(sharded, settings, mp, notes)
+    styles = {pattern: Name(f"{type(style).__name__}()") for pattern, style in tp_plan.styled(plan).items()}
+    prepared.code = shard_code(sharded, settings, reshard, mp, imports=[
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module"], first=[
+        settings_code.mesh(ctx.device.type, ctx.mesh, "world_mesh"),
+        "tp_plan = {" + "".join(f"\n    {pattern!r}: {style}," for pattern, style in styles.items()) + "\n}",
+        call("parallelize_module", Name("model"), Name('world_mesh["tp"]'), Name("tp_plan")),
+        'mesh = world_mesh["dp"]'])
     prepared.clip_and_step = clip_and_step_fn(list(sharded.parameters()), prepared.optimizer)
     return prepared

@@ -50,6 +50,7 @@ from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.global_grad import clip_coefficient
 from shardscope.engines.optim import make_optimizer
 from shardscope.engines.parallelize import blocks_of, parallelize
+from shardscope.engines.settings_code import Code
 
 
 class ShardedUnit:
@@ -247,4 +248,12 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         notes={"units": len(units), "param_dtype": str(policy.param_dtype), "reduce_dtype": str(policy.reduce_dtype),
                "reshard_after_forward": options["reshard_after_forward"],
                "shard_numel": sum(u.shard_size for u in units)},
+        # no library call to paste: the same units, flattened and sharded, are FSDP1's with use_orig_params
+        code=Code(lines=[
+            "# shardscope's hand-written FSDP (shardscope/engines/handwritten_fsdp.py) teaches what FSDP does: it has",
+            "# no library call to paste. The same flattened units: FSDP(model, auto_wrap_policy=ModuleWrapPolicy("
+            "{<your block class>}),",
+            f"#     sharding_strategy=ShardingStrategy.{'FULL_SHARD' if options['reshard_after_forward'] else 'SHARD_GRAD_OP'}"
+            ", use_orig_params=True) (run fsdp1 for its settings as they run)",
+            f"# this run gathered parameters in {policy.param_dtype} and reduced gradients in {policy.reduce_dtype}"]),
     )

@@ -32,11 +32,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 
 from shardscope.core import pipeline_layout, registry
-from shardscope.engines import memory_accounting, norms, pipeline_stages
+from shardscope.engines import memory_accounting, norms, pipeline_stages, settings_code
 from shardscope.engines.api import Prepared, RankContext, TrainSettings
 from shardscope.engines.comm_count import instrumentation
 from shardscope.engines.global_grad import full_value
 from shardscope.engines.optim import make_optimizer
+from shardscope.engines.settings_code import Code, Name, call
 
 SCHEDULES = {  # registry schedule -> (torch class, whether it takes every stage of the rank)
     "gpipe": ("ScheduleGPipe", False),
@@ -182,7 +183,8 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
 
     cls_name, looped = SCHEDULES[info.schedule]
     cls = getattr(schedules, cls_name)
-    schedule = cls(stages if looped else stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    kwargs = {"n_microbatches": m, "scale_grads": False}
+    schedule = cls(stages if looped else stages[0], loss_fn=loss_fn, **kwargs)
     stage_rank = pipeline_layout.stage_ranks(n_stages, pp)
     theory = pipeline_layout.bubble_theory(info.schedule, pp, m, v)
     # Only where no formula holds (zero bubble): torch 2.13's 1F1B grid labels its last rank's forwards F1..Fm.
@@ -256,7 +258,34 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         model=nn.ModuleList(modules), optimizer=optimizer, clip_and_step=clip_and_step,
         model_state_bytes=lambda: memory_accounting.model_state_bytes(params, optimizer),
         layer_norms=layer_norms, handles_precision=True, run_micro_batches=run_micro_batches,
-        step_fields=step_fields, notes=notes)
+        step_fields=step_fields, notes=notes, code=_code(cls_name, looped, kwargs, notes, sharded, settings, ctx))
+
+
+def _code(cls_name: str, looped: bool, kwargs: dict[str, Any], notes: dict[str, Any], sharded: bool, settings: TrainSettings,
+          ctx: RankContext) -> Code:
+    """The stages and the schedule as the run built them (``settings_code``), for this rank (rank 0's is kept)."""
+    n = notes["pp"] * notes["stages_per_rank"]
+    lines = [f"# this rank's stage(s) {notes['stages']} of {n}, split by parameter count: {notes['units']}",
+             "# stage_modules: your model's parts for those stages; loss_fn(logits, targets) sums the cross entropy "
+             f"and divides by the tokens of a step ({notes['chunk']} samples per micro-batch)"]
+    if sharded:
+        lines += ["for part in stage_modules:  # FSDP2 on each stage across the pipelines",
+                  "    for block in <the part's blocks>:",
+                  '        fully_shard(block, mesh=world_mesh["dp"], reshard_after_forward=False)',
+                  '    fully_shard(part, mesh=world_mesh["dp"], reshard_after_forward=False)']
+    device = "torch.device('cuda', local_rank)" if ctx.device.type == "cuda" else f"torch.device({ctx.device.type!r})"
+    lines += [f"stages = [PipelineStage(part, index, {n}, {device}, group=pp_group)",
+              f"          for index, part in zip({notes['stages']}, stage_modules)]",
+              call(f"schedule = {cls_name}", Name("stages" if looped else "stages[0]"),
+                   loss_fn=Name("loss_fn"), **kwargs),
+              settings_code.optimizer(settings, "(p for part in stage_modules for p in part.parameters())")]
+    imports = [f"from torch.distributed.pipelining import PipelineStage, {cls_name}"]
+    if sharded:
+        imports.append("from torch.distributed.fsdp import fully_shard")
+    per_step = (f"# per pipeline and optimizer step: {settings.micro_batch_size * settings.grad_accum} sample(s), "
+                f"split by the schedule into {kwargs['n_microbatches']} micro-batches of {notes['chunk']}, over "
+                f"{ctx.dp_size} pipeline(s)")
+    return Code(imports, lines=lines, per_step=per_step)
 
 
 def _entry(strategy: str) -> Callable[..., Prepared]:

@@ -36,7 +36,7 @@ from shardscope.core import events, record_secret, record_wire
 from shardscope.config import Comparison
 from shardscope.core import registry
 from shardscope.engines.api import RankContext, TrainSettings
-from shardscope.engines import failure
+from shardscope.engines import failure, settings_code
 from shardscope.engines.data import build_batches
 from shardscope.engines.faults import Fault
 from shardscope.engines.init_weights import content_sha256, ensure_init
@@ -176,6 +176,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
     model.to(ctx.device)
     marks["model"] = time.time()
     info = registry.get(run["strategy"])
+    blocks = settings_code.blocks_of_model(model)  # where its blocks sit, before a strategy wraps it
     # The loop's options (registry.LOOP_OPTIONS) are the loop's: the strategy gets its own.
     prep = resolve(info.entry)(model, ctx, settings,
                                {k: v for k, v in run["options"].items() if k not in registry.LOOP_OPTIONS})
@@ -199,6 +200,7 @@ def run_rank(spec: dict[str, Any], ctx: RankContext, writer: events.RecordWriter
                  dp=ctx.dp_size, tp=ctx.tp_size, **({"pp": ctx.pp_size} if ctx.pp_size > 1 else {}),
                  micro_batch_size=settings.micro_batch_size,
                  grad_accum=settings.grad_accum, notes=prep.notes,
+                 **settings_code.start_field(prep, settings, strategy=run["strategy"], blocks=blocks, ctx=ctx),
                  straggler={"threshold": comparison.straggler_threshold, "window": comparison.straggler_window},
                  startup=marks, forked=bool(marks.get("process")) and _T_IMPORTED < marks["process"])
     cfg.global_batch, cfg.tokens_per_sample = comparison.global_batch, source.tokens_per_sample

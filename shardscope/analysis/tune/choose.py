@@ -22,6 +22,7 @@ from shardscope.analysis.tune.space import Candidate
 from shardscope.config import Comparison, RunSpec, resolved_grad_accum, resolved_options
 from shardscope.core.numbers import fmt_bytes, read_json
 from shardscope.core.rundir import RunDir
+from shardscope.core.text import code_block
 from shardscope.profiling import memory_model
 
 
@@ -122,7 +123,8 @@ def verdict(summary: dict[str, Any], cands: list[Candidate]) -> dict[str, Any]:
         if name in by_name:
             by_name[name].measured = {"status": r.get("status"), "tokens_per_s": r.get("median_tokens_per_s")
                                       or r.get("median_samples_per_s"), "peak_mem_bytes": r.get("peak_mem_bytes"),
-                                      "speedup": r.get("speedup"), "error": r.get("error")}
+                                      "speedup": r.get("speedup"), "error": r.get("error"),
+                                      **({"code": r["code"]} if isinstance(r.get("code"), str) else {})}
     winner = rec.get("fastest") if rec.get("fastest") in by_name else None
     tie = [n for n in rec.get("no_clear_difference") or [] if n in by_name and n != winner]
     return {"winner": winner, "tie": tie, "lines": list(rec.get("lines") or []), "unit": rec.get("unit", "tokens/s")}
@@ -183,6 +185,10 @@ def markdown(cands: list[Candidate], answer: dict[str, Any], preset: str) -> str
         if answer.get("against_preset"):
             out.append(f"{cell(answer['against_preset'])}.\n")
         out.append(f"Preset: `{cell(answer.get('preset', ''))}`; launch: `{cell(answer.get('launch', ''))}`.\n")
+        code = (answer.get("settings") or {}).get("code")
+        if isinstance(code, str) and code:
+            out.append("The winner's settings to paste into your own training script, as its rank 0 set it up:\n\n"
+                       + code_block(code) + "\n")
     else:
         out.append("No winner: no candidate was measured ok.\n")
     out += [f"- {cell(line)}" for line in answer.get("lines", []) if " vs " not in line]
@@ -235,6 +241,8 @@ def outcome(x: Candidate, answer: dict[str, Any]) -> str:
                 else f"measured: {x.measured.get('status')}") + (f" ({x.measured['error']})" if x.measured.get("error") else "")
     else:
         text = x.refused and f"cannot run: {x.refused}" or x.pruned or "candidate"
+    if x.measured.get("rounds"):  # measured again (analysis/tune/rounds): its ratio to the reference in each round
+        text += " (ratio per round " + " / ".join(f"{r:.3f}" for r in x.measured["rounds"]) + ")"
     return (text + (f" (the preset's run {x.of_preset})" if x.of_preset else "")
             + (" [changes the mathematics: --allow precision]" if x.changes_math else ""))
 

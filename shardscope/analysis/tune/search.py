@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardscope import config
-from shardscope.analysis.tune import choose, space
+from shardscope.analysis.tune import choose, rounds, space
 from shardscope.analysis.tune.space import Candidate
 from shardscope.core.rundir import RunDir, read_json_or_none
 
@@ -44,6 +44,7 @@ class Request:
     device_memory: int | None = None
     calibrate_dirs: tuple[str, ...] = ()
     host: Any = None
+    max_rounds: int = rounds.MAX_ROUNDS  # rounds of the proof at most (``rounds``): 1 measures each candidate once
     answer: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,12 +115,16 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
         baseline = proof.baseline
         # the budget is kept by the clock too: what still runs when it is spent is stopped (the estimate can be short)
         runner(proof, where, t1 + req.budget_s)
-    proof_s = time.monotonic() - t1
     for x in chosen:
         x.measured = {}
-    answer = choose.verdict(read_json_or_none(RunDir(where).summary) or {}, cands)
+    first = read_json_or_none(RunDir(where).summary) or {}
+    answer = choose.verdict(first, cands)
+    round_dirs = _repeat(req, runner, say, cands, answer, {**first, "order": [x.name for x in chosen]},
+                         t1, startup, fallback) if chosen else []
+    proof_s = time.monotonic() - t1
     answer.update(elapsed_s=time.monotonic() - t0, proof_s=proof_s, budget_s=req.budget_s, proof_dir=where,
-                  proof_baseline=baseline, presets_runs={x.of_preset: x.name for x in cands if x.of_preset})
+                  proof_baseline=baseline, presets_runs={x.of_preset: x.name for x in cands if x.of_preset},
+                  round_dirs=round_dirs)
     if proof_s >= req.budget_s:  # the clock stopped these, not a failure of theirs
         for x in cands:
             if x.measured.get("status") == "stopped" and not x.measured.get("error"):
@@ -128,6 +133,38 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
     _write_answer(req, cands, answer)
     changed(cands)
     return cands, answer
+
+
+def _repeat(req: Request, runner: Runner, say: Callable[[str], None], cands: list[Candidate], answer: dict[str, Any],
+            first: dict[str, Any], t1: float, startup: float, step_s: float) -> list[str]:
+    """Further rounds of the proof while the noise rule needs them and the budget allows (``rounds``): the answer's
+    winner, tie and lines become the rounds' pooled verdict. Returns the rounds' directories after the first."""
+    reference, done, dirs = answer.get("winner"), [first], []
+    by = {x.name: x for x in cands}
+    while reference and len(done) < req.max_rounds and (len(done) == 1 or answer["tie"]):
+        names = rounds.contenders(cands, answer, done[-1])
+        cost = (len(names) + 1) * (startup + req.steps * step_s)  # the A/A control too
+        if not names:
+            break
+        if time.monotonic() - t1 + cost > req.budget_s:
+            say(f"tune 3/3: no further round: about {cost:.0f} s to measure {', '.join(names)} again, "
+                f"{max(0.0, req.budget_s - (time.monotonic() - t1)):.0f} s of the budget left")
+            break
+        order = names[::-1] if len(done) % 2 else names  # the previous round's order reversed
+        where = os.path.join(req.out, f"proof-{len(done) + 1}")
+        say(f"tune 3/3: round {len(done) + 1} ({'to resolve a tie' if answer['tie'] else 'to confirm the lead'}): "
+            f"{' '.join(order)}, {req.steps} steps each -> {where}")
+        proof = dataclasses.replace(choose.proving_comparison(req.comparison, [by[n] for n in order], req.steps),
+                                    baseline=reference)
+        runner(config.with_control(config.validate(proof)), where, t1 + req.budget_s)
+        done.append({**(read_json_or_none(RunDir(where).summary) or {}), "order": order})
+        dirs.append(where)
+        pooled = rounds.combine(done, reference, cands)
+        answer.setdefault("first_round_lines", answer["lines"])
+        answer.update(winner=pooled["winner"], tie=pooled["tie"], pooled=pooled["pooled"],
+                      lines=pooled["lines"] + [f"first round: {line}" for line in answer["first_round_lines"]
+                                               if " vs " not in line])
+    return dirs
 
 
 def _write_answer(req: Request, cands: list[Candidate], answer: dict[str, Any]) -> None:
@@ -141,7 +178,8 @@ def _write_answer(req: Request, cands: list[Candidate], answer: dict[str, Any]) 
         answer["launch"] = f"shardscope run --preset {path} --headless"
         answer["settings"] = {"strategy": winner.run.strategy, "options": winner.run.options,
                               "activation_checkpointing": winner.run.activation_checkpointing,
-                              "precision": winner.run.precision or c.precision}
+                              "precision": winner.run.precision or c.precision,
+                              "code": winner.measured.get("code")}  # written by its rank 0 (engines/settings_code)
     answer["report"] = os.path.join(req.out, "tune.md")
     config.write_atomic(answer["report"], lambda fh: fh.write(choose.markdown(cands, answer, c.name)))
     proof = RunDir(answer["proof_dir"])

@@ -4,8 +4,8 @@ accumulation at the same global batch (``ACCUM_TRIED``).
 
 No strategy is named here: the space walks the registry and varies options by their own names (``SPEED_OPTIONS``).
 A candidate the comparison's checks refuse (the model, the world size, the host) is kept with its refusal, so the
-answer lists why it was not tried. Options that change the numbers (the precision policy) join only when the user
-allows them (``--allow precision``), and every such candidate says so.
+answer lists why it was not tried. What changes the numbers (the precision policy, ``MATH_OPTIONS``: the gradient
+reduction's dtype) joins only when the user allows it (``--allow precision``), and every such candidate says so.
 """
 
 from __future__ import annotations
@@ -39,10 +39,14 @@ ALLOWED = ("precision",)  # what --allow may add
 LIMIT = 2000
 
 
+PRECISION_TRIED = ("bf16-autocast",)
+# option -> values tried with --allow precision only: each changes the numbers (the reduction's rounding)
+MATH_OPTIONS: dict[str, tuple[Any, ...]] = {"reduce_dtype": ("bf16",)}
+
+
 def truncated(cands: list[Candidate]) -> bool:
     """Whether ``candidates`` stopped at ``LIMIT``."""
     return len(cands) >= LIMIT
-PRECISION_TRIED = ("bf16-autocast",)
 
 
 @dataclass
@@ -70,12 +74,14 @@ def _degrees(option: str, spec: registry.OptionSpec, world_size: int) -> list[in
     return [d for d in range(max(2, low), world_size + 1) if world_size % d == 0]
 
 
-def _variants(info: registry.StrategyInfo, world_size: int) -> list[dict[str, Any]]:
-    """Every combination of the strategy's speed options and degrees (the defaults included), defaults first."""
+def _variants(info: registry.StrategyInfo, world_size: int, math: bool = False) -> list[dict[str, Any]]:
+    """Every combination of the strategy's speed options and degrees (the defaults included), defaults first;
+    with ``math``, the options that change the numbers too (``MATH_OPTIONS``)."""
     axes: list[tuple[str, list[Any]]] = []
+    tried = {**SPEED_OPTIONS, **(MATH_OPTIONS if math else {})}
     for key, spec in info.options.items():
-        if key in SPEED_OPTIONS:
-            values = [spec.default] + [v for v in SPEED_OPTIONS[key] if v != spec.default]
+        if key in tried:
+            values = [spec.default] + [v for v in tried[key] if v != spec.default]
             if spec.choices is not None:
                 values = [v for v in values if v in spec.choices]
             axes.append((key, values))
@@ -119,12 +125,12 @@ def candidates(c: Comparison, *, world_size: int, allow: tuple[str, ...] = (), h
     chosen = [registry.get(name) for name in only] if only else list(registry.STRATEGIES.values())
     accums = [{}] + [{"grad_accum": a} for a in ACCUM_TRIED if a != c.grad_accum]
     for info in chosen:
-        for variant, accum, ac, precision in itertools.product(_variants(info, world_size), accums, (False, True),
-                                                               precisions):
+        variants = _variants(info, world_size, math="precision" in allow)
+        for variant, accum, ac, precision in itertools.product(variants, accums, (False, True), precisions):
             options = {**variant, **accum}
             run = RunSpec(name=_name(info.name, options, ac, precision), strategy=info.name, world_size=world_size,
                           options=options, activation_checkpointing=ac, precision=precision)
-            cand = Candidate(run, changes_math=bool(precision))
+            cand = Candidate(run, changes_math=bool(precision) or any(k in MATH_OPTIONS for k in options))
             try:
                 validate(dataclasses.replace(c, runs=[run], baseline=run.name, world_size=world_size), host=host)
             except ConfigError as err:

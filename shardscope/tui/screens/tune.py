@@ -78,9 +78,10 @@ class TuneScreen(RunnerScreen):
     stop_note = "Stopping the tune's runs…"
 
     def __init__(self, comparison: Comparison, out_dir: str, budget_s: float = 300.0, steps: int = 12,
-                 only: tuple[str, ...] = ()) -> None:
+                 only: tuple[str, ...] = (), max_rounds: int = 3) -> None:
         super().__init__()
         self.comparison, self.out_dir, self.budget_s, self.steps = comparison, out_dir, budget_s, steps
+        self.max_rounds = max_rounds  # rounds of the proof at most, as the command line's --rounds
         self.only = only  # these strategies (all when empty), as the command line's --strategies
         self.lines: list[str] = []
         self.statuses: list[tuple[str, str]] = []  # (run, status) of the proving runs, as they changed
@@ -115,7 +116,8 @@ class TuneScreen(RunnerScreen):
             dev = devices.resolve_device(self.comparison.launch.device)
             self.runner.device = dev
             req = search.Request(self.comparison, self.comparison.world_size, self.out_dir, budget_s=self.budget_s,
-                                 steps=self.steps, only=self.only, host=devices.host_info(dev))
+                                 steps=self.steps, only=self.only, host=devices.host_info(dev),
+                                 max_rounds=self.max_rounds)
             cands, answer = search.search(req, self.runner.run, lambda line: self.post_message(TuneLine(line)),
                                           lambda cands: self.post_message(TuneRows(rows_of(cands, {}))))
             self.post_message(TuneRows(rows_of(cands, answer)))
@@ -157,7 +159,10 @@ class TuneScreen(RunnerScreen):
         elif a.get("winner"):
             tie = f"; not distinguishable from {', '.join(a['tie'])} on this machine now" if a.get("tie") else ""
             text = (f"winner: {a['winner']}{tie}\n{a.get('against_preset') or ''}\npreset: {a.get('preset', '')}\nlaunch: {a.get('launch', '')}\n"
-                    f"report: {a.get('report', '')}\nthe proving runs took {a.get('proof_s', 0):.0f} s of a "
+                    f"report: {a.get('report', '')}"
+                    + ("  (with the winner's settings to paste into your own training script)"
+                       if (a.get("settings") or {}).get("code") else "")
+                    + f"\nthe proving runs took {a.get('proof_s', 0):.0f} s of a "
                     f"{a.get('budget_s', 0):.0f} s budget")
         else:
             text = "no winner: no candidate was measured ok"
