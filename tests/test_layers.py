@@ -230,3 +230,25 @@ def test_a_prefix_shared_by_more_than_five_files_is_a_room():
                 prefixes[f.split("_")[0]] += 1
         crowded.update({f"{os.path.relpath(folder, PKG)}/{p}_*": n for p, n in prefixes.items() if n > 5})
     assert crowded == {}, f"make these rooms: {crowded}"
+
+
+# What a run's description is built from (issue 48): only ``profiling/run_description`` calls these on a model or a
+# run; every other module reads a ``RunDescription`` (or ``ModelDescription``) it was handed or built once.
+BUILDERS = ("layout_for", "params_for", "model_params", "flops_per_token")
+BUILT_IN = {"profiling/run_description.py", "profiling/param_shapes.py"}
+
+
+def test_a_runs_model_and_layout_are_described_in_one_place():
+    calls = []
+    for mod, path in modules().items():
+        rel = os.path.relpath(path, PKG)
+        if rel in BUILT_IN:
+            continue
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in BUILDERS:
+                    calls.append(f"{rel}:{node.lineno} {name}")
+    assert calls == [], f"describe the run once (profiling/run_description.describe_run) instead: {calls}"

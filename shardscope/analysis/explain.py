@@ -16,7 +16,6 @@ import os
 import string
 from typing import Any
 
-from shardscope import config
 from shardscope.config import Comparison, RunSpec
 from shardscope.core import registry
 from shardscope.profiling import comm_theory, memory_model, phases
@@ -165,11 +164,9 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
     ``phases``) the figures are predictions only. The raw numbers are under ``numbers`` so tests and
     views can compare them with summary.json.
     """
-    info = registry.get(run.strategy)
-    layout = memory_model.layout_for(c, run)
-    params = memory_model.params_for(c.model, layout)
-    options = config.resolved_options(run)
-    predicted = (memory or {}).get("predicted") or memory_model.predict_run(c, run)
+    d = memory_model.describe_run(c, run)  # the model and its layout, once: everything below reads it
+    info, layout, params, options = d.info, d.layout, list(d.params), d.options
+    predicted = (memory or {}).get("predicted") or memory_model.predict_run(c, run, described=d)
     full = memory_model.model_state_bytes(params, dataclasses.replace(layout, dp=1, shard_group=0))
     if memory is None:
         measured: Any = NOT_RUN
@@ -177,19 +174,18 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         measured = ((memory.get("measured") or {}).get("model_state_bytes")
                     or f"not measured ({SUMMARY} has no memory record of this run: it failed or stopped before its first "
                        "step, or the summary was written before memory records existed)")
-    theory = (comm or {}).get("theory") or comm_theory.expected_comm(
-        config.run_spec_payload(c, run, out_dir=".", device="cpu"))
+    theory = (comm or {}).get("theory") or comm_theory.comm_of(d)
     collectives = (comm or {}).get("collectives") or None
     why = NOT_RUN if memory is None else "not measured (no trace: profiling off, or the run ended before its profiled steps)"
     p_bytes, g_bytes, c_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))
     if layout.low_precision_params:
         p_bytes = g_bytes = c_bytes
-    units = memory_model.unit_numels(params, layout.tp)
+    units = d.unit_numels
     blocks = [n for k, n in units.items() if k != "root"]
     values = {
         "run": f"run `{run.name}` — {source}",
         "world_size": str(layout.world_size), "dp": str(layout.dp), "tp": str(layout.tp),
-        "params": f"{sum(p.numel for p in params):,}",
+        "params": f"{d.model.param_count:,}",
         "n_blocks": str(len(blocks)),
         "block_bytes": fmt_bytes(max(blocks, default=0) * p_bytes),
         "block_grad_bytes": fmt_bytes(max(blocks, default=0) * g_bytes),

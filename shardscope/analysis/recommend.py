@@ -215,10 +215,11 @@ def smallest_fitting_world_size(c: Any, run: Any, device_memory_bytes: int) -> i
     from shardscope.profiling import memory_model
 
     for ws in SCALE_SIZES:
-        layout = memory_model.layout_for(c, run, ws)
+        d = memory_model.describe_run(c, run, ws)
+        layout = d.layout
         if ws % layout.tp or c.global_batch % max(1, (ws // layout.tp) * layout.accum):
             continue
-        if memory_model.predict_run(c, run, ws)["total_bytes"] <= device_memory_bytes:
+        if memory_model.predict_run(c, run, ws, described=d)["total_bytes"] <= device_memory_bytes:
             return ws
     return None
 

@@ -47,9 +47,9 @@ def memory_section(c: Comparison, states: dict[str, RunState]) -> dict[str, Any]
             continue
         try:
             notes = (st.start.get(0) or {}).get("notes") or {}
-            layout = memory_model.layout_for(c, run, st.world_size or None, notes)
+            d = memory_model.describe_run(c, run, st.world_size or None, notes)  # with the rank's own facts
+            layout, params = d.layout, list(d.params)
             predicted = memory_model.predict_run(c, run, st.world_size or None)
-            params = memory_model.params_for(c.model, layout)
         except (KeyError, ValueError) as err:
             out["runs"][run.name] = {"error": str(err)}
             continue
@@ -89,7 +89,7 @@ def communication_section(c: Comparison, states: dict[str, RunState], out_dir: s
     out: dict[str, Any] = {"runs": {}}
     fpt = None
     try:
-        fpt = memory_model.flops_per_token(c.model)
+        fpt = memory_model.describe_model(c.model).counted_flops_per_token
     except (KeyError, ValueError):
         pass
     for run in c.runs:

@@ -33,15 +33,13 @@ import math
 from typing import Any
 
 from shardscope.config import Comparison, RunSpec
-from shardscope.core import model_facts, registry
+from shardscope.core import model_facts
 from shardscope.profiling import pipeline_model
-from shardscope.profiling.memory_model import (
-    ARCHS,
+from shardscope.profiling.memory_model import ARCHS, PRECISION_BYTES, flat_offsets
+from shardscope.profiling.run_description import (
     FLAT_VIEW_ALIGN,
-    PRECISION_BYTES,
-    flat_offsets,
-    layout_for,
-    params_for,
+    RunDescription,
+    describe_run,
     reshards_after_forward,
     tp_local,
     unit_numels,
@@ -86,14 +84,15 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
     run = RunSpec(name=resolved["name"], strategy=resolved["strategy"], world_size=resolved.get("world_size", 0),
                   precision=resolved.get("precision", ""), options=resolved.get("options", {}),
                   activation_checkpointing=resolved.get("activation_checkpointing", False))
-    layout = layout_for(comp, run)
-    info = registry.get(run.strategy)
-    quirks = set(info.comm_quirks)
-    params = params_for(comp.model, layout)
-    local_shapes = [tp_local(p, layout.tp) for p in params]
-    local = sum(math.prod(s) for s in local_shapes)
+    return comm_of(describe_run(comp, run))
+
+
+def comm_of(d: RunDescription) -> dict[str, Any]:
+    """``expected_comm``'s figures from a run's description (``profiling/run_description``)."""
+    comp, layout, params, quirks = d.comparison, d.layout, list(d.params), d.quirks
+    local = d.local_elements
     _, g_bytes, compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))
-    opts = resolved.get("options", {})
+    opts = d.options
     low = layout.low_precision_params or layout.precision in LOW_PARAM_POLICIES
     gather_bytes = _DTYPE_BYTES.get(str(opts.get("param_dtype", "auto")), compute_bytes if low else 4)
     reduce_bytes = _DTYPE_BYTES.get(str(opts.get("reduce_dtype", "auto")),
@@ -121,7 +120,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                        "gradients on a group of one")
     if dp > 1 or one_rank:
         if no_shard:  # FSDP1's NO_SHARD all-reduces its flat buffers, alignment padding included
-            flat = (sum(flat_offsets(sizes, FLAT_VIEW_ALIGN)[-1][1] for sizes in unit_sizes(params, layout.tp).values())
+            flat = (sum(flat_offsets(sizes, FLAT_VIEW_ALIGN)[-1][1] for sizes in d.units.values())
                     if layout.shard_layout == "flat-views" else local)
             parts["all_reduce"] = flat * reduce_bytes
             basis.append("all-reduce of every gradient")
@@ -181,8 +180,7 @@ def expected_comm(spec: dict[str, Any]) -> dict[str, Any]:
                 reasons.append("the root unit stays gathered from forward to backward: it is not re-gathered")
     if layout.tp > 1:
         micro = max(1, comp.global_batch // (dp * accum))
-        m = comp.model
-        h, layers, seq = model_facts.hidden_size(m), model_facts.layers(m), model_facts.tokens_per_sample(m)
+        h, layers, seq = d.model.hidden, d.model.layers, d.model.tokens_per_sample
         # Forward: after attention's and the MLP's row-parallel output. Backward: the input gradient of
         # every column-parallel linear (q, k, v, gate, up... each a separate module) is a partial sum.
         col = column_linears(params)

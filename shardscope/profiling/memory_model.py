@@ -19,16 +19,29 @@ compute dtype, with full recomputation when activation checkpointing is on.
 from __future__ import annotations
 
 import math
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
-from shardscope.config import (Comparison, RunSpec, resolved_grad_accum, resolved_options, resolved_precision,
-                               resolved_world_size)
-from shardscope.core import registry
+from shardscope.config import Comparison, RunSpec
 from shardscope.core import model_facts
 from shardscope.profiling import pipeline_model
 from shardscope.core.hf_archs import ARCHS  # noqa: F401  (memory_model.ARCHS: callers read the table through here)
+from shardscope.profiling.run_description import (  # noqa: F401  (the layout's helpers, read through here too)
+    FLAT_VIEW_ALIGN,
+    LAYOUT_BY_OPTION,
+    SHARDS_BY_OPTION,
+    Layout,
+    RunDescription,
+    describe_model,
+    describe_run,
+    dim0_shard_numel,
+    layout_for,
+    params_for,
+    reshards_after_forward,
+    shards_for,
+    tp_local,
+    unit_numels,
+    unit_sizes,
+)
 # The shapes live in param_shapes; callers read them through this module too.
 from shardscope.profiling.param_shapes import (  # noqa: F401
     PARAM_SHAPES,
@@ -54,140 +67,7 @@ STEP_COUNTER_BYTES = 4  # torch AdamW keeps a float32 scalar "step" per paramete
 MASTER_BYTES = 4
 
 
-# --- sharding ---------------------------------------------------------------------------------
-
-
-def tp_local(p: Param, tp: int) -> tuple[int, ...]:
-    """Shape of ``p`` on one tensor-parallel rank."""
-    if tp <= 1 or not p.tp_split:
-        return p.shape
-    dim = 0 if p.tp_split == "col" or len(p.shape) == 1 else 1
-    shape = list(p.shape)
-    shape[dim] = math.ceil(shape[dim] / tp)
-    return tuple(shape)
-
-
-def dim0_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
-    """Elements rank ``rank`` of ``dp`` holds when dim 0 is chunked like ``torch.chunk`` (FSDP2)."""
-    if not shape:
-        return 1 if rank == 0 else 0
-    chunk = math.ceil(shape[0] / dp)
-    rows = max(0, min(chunk, shape[0] - rank * chunk))
-    return rows * math.prod(shape[1:])
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one run places model states: data- and tensor-parallel degrees and what is sharded."""
-
-    world_size: int
-    tp: int
-    dp: int
-    shards: str  # none | optim | grads | all
-    precision: str
-    low_precision_params: bool  # params/grads held in the compute dtype, fp32 masters in the optimizer
-    activation_checkpointing: bool
-    master_copy: bool = False  # the optimizer keeps its own fp32 copy of its partition (ZeRO-1/2, 16-bit params)
-    flat_optimizer: bool = False  # the optimizer sees flat partitions (one step counter), not the model's tensors
-    shard_layout: str = "flat"  # "flat": each unit's elements split evenly (ZeRO-3, hand-written FSDP); "flat-views":
-    # so, seen as the tensors' slices (FSDP1 use_orig_params); "per-parameter": dim 0 of every tensor chunked
-    # (FSDP2's DTensors), so ranks can hold different amounts
-    grads_of_overlapping_tensors: bool = False  # ZeRO-2: whole gradients of every tensor its partition touches
-    shard_group: int = 0  # hybrid sharding: ranks each sharded state is split over (0 = all dp ranks)
-    hybrid: bool = False  # hybrid sharding: gradient shards all-reduced across the dp / shard_size replicas
-    head_split: str = ""  # an untied output layer's weight split by vocabulary under tp (registry "vocab-split-head")
-    pp: int = 1  # pipeline: ranks per pipeline, stages per rank (v), micro-batches (m), schedule (profiling/pipeline_model)
-    v: int = 1
-    microbatches: int = 1
-    schedule: str = ""
-    accum: int = 1  # micro-batches per optimizer step on each rank (the run's grad_accum)
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks each sharded model state is split over: the shard group under hybrid sharding, else dp."""
-        return self.shard_group or self.dp
-
-
-# Options that change what a strategy shards, by option name and value (the registry's ``shards``
-# is the default): FSDP1's sharding strategy, a ZeRO stage chosen by option. FSDP1's SHARD_GRAD_OP
-# holds sharded parameters at rest too; it only keeps them gathered from forward to backward.
-# LAYOUT_BY_OPTION: FSDP1 without use_orig_params hands its flat shards themselves to the optimizer.
-# A pipeline's stages sharded with FSDP2 across the pipelines (``dp_shard = "fsdp2"``) hold per-parameter DTensors.
-LAYOUT_BY_OPTION: dict[str, dict[Any, str]] = {"use_orig_params": {False: "flat"}, "dp_shard": {"fsdp2": "per-parameter"}}
-SHARDS_BY_OPTION: dict[str, dict[Any, str]] = {
-    "sharding_strategy": {"FULL_SHARD": "all", "HYBRID_SHARD": "all", "SHARD_GRAD_OP": "all", "NO_SHARD": "none"},
-    "stage": {0: "none", 1: "optim", 2: "grads", 3: "all"},
-    "dp_shard": {"replicate": "none", "fsdp2": "all"},
-}
-
-
-def reshards_after_forward(options: dict[str, Any]) -> bool:
-    """False when gathered parameters stay gathered from forward to backward (no re-gather)."""
-    return bool(options.get("reshard_after_forward", True)) and options.get("sharding_strategy") != "SHARD_GRAD_OP"
-
-
-def shards_for(info: registry.StrategyInfo, options: dict[str, Any]) -> str:
-    """What the strategy shards with these options: ``SHARDS_BY_OPTION`` where an option says, else the registry's."""
-    for key, table in SHARDS_BY_OPTION.items():
-        if key in info.options and options.get(key) in table:
-            return table[options[key]]
-    return info.shards
-
-
-def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
-               notes: dict[str, Any] | None = None) -> Layout:
-    """Return the run's layout at ``world_size`` (default: the run's own). ``notes`` (a run's ``start``
-    record's strategy facts) may say ``shard_layout``, else the registry's. Raises ValueError when the
-    run's hybrid sharding does not divide its data-parallel ranks."""
-    info = registry.get(run.strategy)
-    ws = world_size or resolved_world_size(c, run)
-    options = resolved_options(run)
-    tp = info.tp_degree(options)
-    precision = resolved_precision(c, run)
-    low = info.needs_deepspeed and precision in ("bf16-params", "fp16")
-    shards = shards_for(info, options)
-    # Measured (benchmarks/memory_model.py): DeepSpeed ZeRO-1/2 keep a separate fp32 partition for
-    # the optimizer even in fp32 training; so does ZeRO-3 as it ships, unless shardscope's
-    # ``reuse_fp32_partitions`` fix is on (then it steps its partitions in place).
-    copy = shards in ("optim", "grads") or not options.get("reuse_fp32_partitions", False)
-    master = low or (info.needs_deepspeed and copy)
-    by_option = next((t[options[k]] for k, t in LAYOUT_BY_OPTION.items() if k in info.options and options.get(k) in t), "")
-    shard_layout = str((notes or {}).get("shard_layout") or by_option or info.shard_layout or "flat")
-    pp = info.pp_degree(options)
-    dp = max(1, ws // (tp * pp))  # hybrid sharding (the registry's ``hybrid``): sharded over a group, replicated across
-    groups = info.hybrid.groups(options, dp, max(1, ws // c.launch.nnodes)) if info.hybrid else None
-    head = model_facts.untied_head(c.model) if tp > 1 and "vocab-split-head" in info.comm_quirks else ""
-    return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
-                  shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups),
-                  head, pp, int(options.get("stages_per_rank") or 1), int(options.get("microbatches") or 1),
-                  info.schedule, resolved_grad_accum(c, run))
-
-
-def params_for(m: Any, layout: Layout) -> list[Param]:
-    """The model's parameter tensors as the run's strategy splits them under tensor parallelism: the model's own
-    plan, and an untied output layer split by vocabulary where the layout says so (``Layout.head_split``)."""
-    params = model_params(m)
-    if not layout.head_split:
-        return params
-    return [dataclasses.replace(p, split="col") if p.name == layout.head_split else p for p in params]
-
-
-def unit_sizes(params: list[Param], tp: int = 1) -> dict[str, list[int]]:
-    """Elements of each tensor of each sharding unit, in order: one unit per block (``layers.<i>.``), the
-    rest in a "root" unit."""
-    units: dict[str, list[int]] = {}
-    for p in params:
-        units.setdefault(p.unit, []).append(math.prod(tp_local(p, tp)))
-    return units
-
-
-def unit_numels(params: list[Param], tp: int = 1) -> dict[str, int]:
-    """Elements per sharding unit (``unit_sizes`` summed)."""
-    return {k: sum(sizes) for k, sizes in unit_sizes(params, tp).items()}
-
-
-FLAT_VIEW_ALIGN = 4  # FSDP1 use_orig_params: each tensor starts 16 bytes into the fp32 flat buffer
-
+# --- sharding: decided in run_description, read through here too --------------------------------
 
 def flat_offsets(sizes: list[int], align: int = 1) -> list[tuple[int, int]]:
     """(start, end) of each tensor in a flat buffer holding ``sizes`` in order, each starting at a multiple
@@ -278,13 +158,14 @@ def model_state_bytes(params: list[Param], layout: Layout, rank: int = 0, pp_ran
     return out
 
 
-def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
+def activation_bytes(c: Comparison, layout: Layout, params: tuple[Param, ...] | None = None) -> dict[str, int]:
     """Predicted activation memory per rank for one micro-batch: ``layers`` (all blocks) and ``logits``.
 
     Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit without recomputation; the
     attention-score term is left out because the models use fused scaled-dot-product attention;
     tensor parallelism divides the 24 sharded units of the 34 by tp; fp32 compute doubles it;
-    full recomputation keeps 2·s·b·h per layer. Logits and their gradient: 2 x b·s·V x 4 bytes.
+    full recomputation keeps 2·s·b·h per layer. Logits and their gradient: 2 x b·s·V x 4 bytes. ``params``: the
+    model's tensors from the run's description (a pipeline's stages hold its blocks; read here when not given).
     """
     m = c.model
     micro = max(1, c.global_batch // max(1, layout.dp * layout.accum))
@@ -303,7 +184,8 @@ def activation_bytes(c: Comparison, layout: Layout) -> dict[str, int]:
         per_layer = sbh * (10 + (5 + 19 * ffn_ratio) / layout.tp)
     logits = 2 * micro * s * vocab * 4 // max(1, layout.tp if vocab else 1) if vocab else 0
     if layout.pp > 1:  # rank 0's blocks, times the chunks its schedule holds
-        held = pipeline_model.activation_bytes(c, layout, per_layer * scale, int(logits))
+        held = pipeline_model.activation_bytes(list(params or describe_model(m).params), layout, per_layer * scale,
+                                               int(logits))
         return {"layers": held["layers"], "logits": held["logits"], "micro_batch": micro}
     return {"layers": int(per_layer * scale * layers), "logits": int(logits), "micro_batch": micro}
 
@@ -335,26 +217,28 @@ def activation_basis(c: Comparison) -> str:
     return "activations per Korthikanti et al.'s formula (fused attention)"
 
 
-def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> dict[str, Any]:
+def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None,
+                described: RunDescription | None = None) -> dict[str, Any]:
     """Predicted per-rank memory of one run: model states (rank 0), activations and their total.
 
     Returns a dict with the layout, ``param_count``, ``param_bytes``, ``grad_bytes``,
-    ``optim_bytes``, ``model_state_bytes``, ``activation_bytes`` and ``total_bytes``. Raises
-    KeyError for an unknown strategy and ValueError for an unknown model kind.
+    ``optim_bytes``, ``model_state_bytes``, ``activation_bytes`` and ``total_bytes``. ``described``: the run's
+    description when the caller has it (else built here). Raises KeyError for an unknown strategy and
+    ValueError for an unknown model kind.
     """
-    layout = layout_for(c, run, world_size)
-    params = params_for(c.model, layout)
+    d = described or describe_run(c, run, world_size)
+    layout, params = d.layout, list(d.params)
     states = model_state_bytes(params, layout)
-    acts = activation_bytes(c, layout)
+    acts = activation_bytes(c, layout, d.params)
     # While in use FSDP/ZeRO-3 gathers one unit (a block) in full: count the largest one, plus the root
     # where the strategy keeps it gathered from forward to backward.
     gathered = 0
     if layout.shards == "all" and layout.shard_size > 1:
-        blocks = unit_numels(params, layout.tp)
+        blocks = d.unit_numels
         compute_bytes = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         # Without reshard-after-forward every unit stays gathered from its forward to its backward.
-        keep = not reshards_after_forward(resolved_options(run))
-        root = blocks.pop("root", 0) if "root-kept" in registry.get(run.strategy).comm_quirks else 0
+        keep = not reshards_after_forward(d.options)
+        root = blocks.pop("root", 0) if "root-kept" in d.quirks else 0
         gathered = (sum(blocks.values()) + root if keep else root + max(blocks.values(), default=0)) * compute_bytes
     activation_total = acts["layers"] + acts["logits"]
     return {
@@ -369,7 +253,7 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
         "replicas": layout.dp // layout.shard_size if layout.hybrid else 1,
         "precision": layout.precision,
         "activation_checkpointing": layout.activation_checkpointing,
-        "param_count": sum(p.numel for p in params),
+        "param_count": d.model.param_count,
         **states,
         "gathered_unit_bytes": gathered,
         "activation_bytes": activation_total,
@@ -380,7 +264,8 @@ def predict_run(c: Comparison, run: RunSpec, world_size: int | None = None) -> d
 
 def predict_comparison(c: Comparison, world_size: int | None = None) -> list[dict[str, Any]]:
     """``predict_run`` for every run of the comparison (at ``world_size`` if given)."""
-    return [predict_run(c, run, world_size) for run in c.runs]
+    model = describe_model(c.model)  # the model once, every run's layout over it
+    return [predict_run(c, run, world_size, describe_run(c, run, world_size, model=model)) for run in c.runs]
 
 
 def layout_label(pred: dict[str, Any]) -> str:

@@ -39,25 +39,21 @@ def theory_phases(c: Any, run: Any, theory: dict[str, Any]) -> list[dict[str, An
     split over the phases, so the rows of a type add up to ``theory["by_type"][type]``. ``count`` is
     None where the runtime's bucketing decides it (DDP, ZeRO).
     """
-    from shardscope import config
-    from shardscope.core import model_facts, registry
     from shardscope.profiling import comm_theory, memory_model
+    from shardscope.profiling.run_description import describe_run
 
     by_type = dict(theory.get("by_type") or {})
-    layout = memory_model.layout_for(c, run)
-    options = config.resolved_options(run)
-    quirks = set(registry.get(run.strategy).comm_quirks)
+    d = describe_run(c, run)  # the model and its layout, read below
+    layout, options, quirks, params = d.layout, d.options, d.quirks, list(d.params)
     accum = max(1, layout.accum)
-    params = memory_model.params_for(c.model, layout)
-    units = memory_model.unit_numels(params, layout.tp)
+    units = d.unit_numels
     n_units, n_blocks = len(units), len(units) - ("root" in units)
     rows: list[dict[str, Any]] = []
     tp_bytes = 0.0
     if layout.tp > 1 and "all_reduce" in by_type:
         # As the theory counts them: 2 per layer in forward (row-parallel outputs), one per column-parallel
         # linear in backward (its input gradient is a partial sum).
-        m = c.model
-        h, layers, seq = model_facts.hidden_size(m), model_facts.layers(m), model_facts.tokens_per_sample(m)
+        h, layers, seq = d.model.hidden, d.model.layers, d.model.tokens_per_sample
         compute = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
         micro = max(1, c.global_batch // (layout.dp * accum))
         col = comm_theory.column_linears(params)

@@ -57,10 +57,11 @@ def held_chunks(schedule: str, pp: int, m: int, v: int, pp_rank: int) -> int:
     return min(v * m, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
-def activation_bytes(c: Any, layout: Any, per_layer_bytes: float, logits_bytes: int, pp_rank: int = 0) -> dict[str, int]:
+def activation_bytes(params_all: list[Param], layout: Any, per_layer_bytes: float, logits_bytes: int,
+                     pp_rank: int = 0) -> dict[str, int]:
     """Activations ``pp_rank`` holds at its peak: its blocks' per-chunk activations (``per_layer_bytes`` for one
-    chunk through one block) times the chunks it holds, and the logits where it holds the last stage."""
-    params_all = model_facts_params(c)
+    chunk through one block) times the chunks it holds, and the logits where it holds the last stage
+    (``params_all``: the model's tensors, as the run's description lists them)."""
     units, ranges = stage_units(params_all, layout.pp * layout.v)
     mine = pipeline_layout.stages_of(pp_rank, layout.pp, layout.v)
     blocks = sum(1 for s in mine for i in range(*ranges[s]) if units[i].name.startswith("layers."))
@@ -69,13 +70,6 @@ def activation_bytes(c: Any, layout: Any, per_layer_bytes: float, logits_bytes: 
     last = layout.pp * layout.v - 1 in mine
     return {"layers": int(per_layer_bytes * per_stage_blocks * held), "logits": logits_bytes if last else 0,
             "held_chunks": held}
-
-
-def model_facts_params(c: Any) -> list[Param]:
-    """The comparison model's parameters (through param_shapes, imported here to keep arrows one way)."""
-    from shardscope.profiling.param_shapes import model_params
-
-    return model_params(c.model)
 
 
 def p2p_bytes(c: Any, layout: Any, dp: int) -> int:

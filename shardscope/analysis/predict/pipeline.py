@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from shardscope.core import model_facts, pipeline_layout
+from shardscope.core import pipeline_layout
 from shardscope.core.bounded import run_bounded
 from shardscope.profiling import pipeline_model
 
@@ -37,11 +37,11 @@ class GridError(ValueError):
     """The schedule's action grid could not be read."""
 
 
-def stage_shares(c: Any, params: list, n_stages: int) -> list[float]:
-    """Each stage's share of the model's training FLOPs: a block's 6 x its parameters + 12 x hidden x sequence of
-    attention per token, the head's 6 x its parameters, the embeddings' none (a lookup)."""
-    units, ranges = pipeline_model.stage_units(params, n_stages)
-    attn = 12.0 * model_facts.hidden_size(c.model) * model_facts.tokens_per_sample(c.model)
+def stage_shares(d: Any, n_stages: int) -> list[float]:
+    """Each stage's share of the model's training FLOPs (``d``: the run's description): a block's 6 x its parameters
+    + 12 x hidden x sequence of attention per token, the head's 6 x its parameters, the embeddings' none (a lookup)."""
+    units, ranges = pipeline_model.stage_units(list(d.params), n_stages)
+    attn = 12.0 * d.model.hidden * d.model.tokens_per_sample
 
     def flops(unit: pipeline_layout.Unit) -> float:
         if unit.name == "embeddings":
@@ -53,17 +53,18 @@ def stage_shares(c: Any, params: list, n_stages: int) -> list[float]:
     return [f / total for f in per_stage]
 
 
-def facts(c: Any, layout: Any, params: list) -> dict[str, Any]:
-    """What the step model needs of a pipeline run: schedule, pp, v, m, each stage's FLOP share, each pipeline
-    rank's parameter elements, and the bytes of one boundary transfer."""
+def facts(d: Any) -> dict[str, Any]:
+    """What the step model needs of a pipeline run (``d``: its description, ``profiling/run_description``): schedule,
+    pp, v, m, each stage's FLOP share, each pipeline rank's parameter elements, and the bytes of one boundary
+    transfer."""
+    layout, params = d.layout, list(d.params)
     n_stages = layout.pp * layout.v
-    batch = c.global_batch // max(1, layout.dp)
+    batch = d.comparison.global_batch // max(1, layout.dp)
     chunk = batch // max(1, layout.microbatches)
-    boundary = (chunk * model_facts.tokens_per_sample(c.model) * model_facts.hidden_size(c.model)
-                * pipeline_model.ACTIVATION_BYTES)
+    boundary = chunk * d.model.tokens_per_sample * d.model.hidden * pipeline_model.ACTIVATION_BYTES
     held = [pipeline_model.rank_params(params, layout.pp, layout.v, r) for r in range(layout.pp)]
     return {"schedule": layout.schedule, "pp": layout.pp, "v": layout.v, "m": layout.microbatches,
-            "shares": stage_shares(c, params, n_stages), "boundary_bytes": boundary,
+            "shares": stage_shares(d, n_stages), "boundary_bytes": boundary,
             "rank_elements": [sum(p.numel for p in rank) for rank in held],
             "rank_tensors": [len(rank) for rank in held], "sharded": layout.shards == "all"}
 

@@ -1,9 +1,11 @@
 """What one optimizer step of a run asks of a machine, for ``shardscope predict``: FLOPs, optimizer
 elements, units and the bytes each collective moves, and how the strategy schedules them.
 
-Everything here follows from the comparison and the registry (no measurement, no torch):
+Everything here follows from the run's description (``profiling/run_description.describe_run``, built once in
+``work_of``: the model's tensors, units and FLOPs, the strategy's layout) and the registry's schedule traits (no
+measurement, no torch):
 
-- FLOPs per token from ``memory_model.flops_per_token`` (torchtitan's count; plus the output matmul of a
+- FLOPs per token from the description (``flops_per_token`` (torchtitan's count; plus the output matmul of a
   tied embedding, which that count leaves out with the embedding's parameters); an image model's per patch
   (``vit_flops_per_patch``), its throughput in samples/s: a third in forward, two
   thirds in backward (activation checkpointing adds one more forward inside backward); tensor
@@ -25,10 +27,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardscope import config
 from shardscope.core import model_facts, registry
 from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import comm_theory, memory_model
+from shardscope.profiling.run_description import RunDescription, describe_model, describe_run, tied_head_flops
 from shardscope.analysis.predict import pipeline
 
 _BLOCK = re.compile(r"layers\.(\d+)\.")
@@ -158,17 +160,14 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
     )
 
 
-def unit_shares(c: Comparison, tp: int) -> list[tuple[str, float, int]]:
+def unit_shares(d: RunDescription) -> list[tuple[str, float, int]]:
     """(unit, share of the step's FLOPs, parameter elements on a tensor-parallel rank), root first then the
     blocks in order. A block's FLOPs per token: 6 x its parameters + 12 x hidden x sequence of attention; the
     root's: 6 x its non-embedding parameters (final norm and head)."""
-    m = c.model
-    params = memory_model.model_params(m)
-    numel = memory_model.unit_numels(params, tp)
-    emb = memory_model.embedding_count(m)
-    attn = 12.0 * model_facts.hidden_size(m) * tokens_per_sample(m)
+    tp, numel, m = d.layout.tp, d.unit_numels, d.model
+    attn = 12.0 * m.hidden * m.tokens_per_sample
     flops = {u: 6.0 * n * tp + (attn if u != "root" else 0.0) for u, n in numel.items()}
-    flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - emb) + tied_head_flops(c)
+    flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - m.embedding_elements) + tied_head_flops(m.spec)
     total = sum(flops.values()) or 1.0
     blocks = sorted((u for u in numel if u != "root"), key=lambda u: int(_BLOCK.search(u).group(1)))  # type: ignore[union-attr]
     order = ["root", *blocks] if "root" in numel else blocks
@@ -181,41 +180,20 @@ def tokens_per_sample(m: Any) -> int:
 
 
 def vit_flops_per_patch(m: Any) -> float:
-    """Training FLOPs per patch of the ViT classifier (param_shapes.vit_params), counted as torchtitan counts a
-    token: 6 x the parameters every patch goes through (patch projection, blocks, final norm) + 12 x layers x
-    d_model x patches of attention, plus the head's 6 x its parameters once per image, shared over its patches.
-    The position embedding is an addition (no FLOPs counted, as token embeddings)."""
-    params = memory_model.model_params(m)
-    head = sum(p.numel for p in params if p.name.startswith("head."))
-    per_patch = sum(p.numel for p in params if not p.name.startswith("head.")) - memory_model.embedding_count(m)
-    t = tokens_per_sample(m)
-    return 6.0 * per_patch + 6.0 * head / t + 12.0 * m.n_layers * m.d_model * t
+    """Training FLOPs per patch of the ViT classifier (``run_description.vit_flops_per_patch``, as the model's
+    description counts it)."""
+    return float(describe_model(m).flops_per_token or 0.0)
 
 
-def tied_head_flops(c: Comparison) -> float:
-    """Training FLOPs per token of an output layer that shares the embedding's weight (tied built-in Hugging Face
-    architectures): ``flops_per_token`` leaves the embedding's parameters out, and with them this matmul. A user's
-    model's counted FLOPs include it already."""
-    m = c.model
-    if m.kind != "hf" or model_facts.is_described(m) or not model_facts.tied_embeddings(m):
-        return 0.0
-    return 6.0 * model_facts.vocab_size(m) * model_facts.hidden_size(m)
-
-
-def tp_layer_bytes(c: Comparison, dp: int, tp: int, compute_bytes: int, accum: int = 0) -> tuple[float, float]:
+def tp_layer_bytes(d: RunDescription, compute_bytes: int) -> tuple[float, float]:
     """(forward, backward) all-reduce bytes of tensor-parallel activations per layer and micro-batch, as
     ``comm_theory`` counts them: two in forward, one per column-parallel linear in backward."""
-    if tp <= 1:
+    layout, c = d.layout, d.comparison
+    if layout.tp <= 1:
         return (0.0, 0.0)
-    m = c.model
-    micro = max(1, c.global_batch // (dp * max(1, accum or c.grad_accum)))  # accum: the run's (Layout.accum)
-    one = float(micro * m.seq_len * model_facts.hidden_size(m) * compute_bytes)
-    return (2 * one, column_linears(c) * one)
-
-
-def column_linears(c: Comparison) -> int:
-    """Column-parallel linears per layer (each all-reduces its input's gradient in backward)."""
-    return comm_theory.column_linears(memory_model.model_params(c.model))
+    micro = max(1, c.global_batch // (layout.dp * max(1, layout.accum or c.grad_accum)))  # the run's accumulation
+    one = float(micro * c.model.seq_len * d.model.hidden * compute_bytes)
+    return (2 * one, comm_theory.column_linears(list(d.params)) * one)
 
 
 def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
@@ -224,33 +202,27 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
     Raises NotPredicted when the model has no FLOP count (a kind no count covers), KeyError/ValueError for a
     run the memory model or the communication theory cannot read.
     """
-    fpt = vit_flops_per_patch(c.model) if c.model.kind == "vit" else memory_model.flops_per_token(c.model)
+    d = describe_run(c, run, world_size)  # the model and its layout, once: everything below reads it
+    fpt = d.model.flops_per_token
     if fpt is None:
         raise NotPredicted(f"model.kind = {c.model.kind!r} has no FLOPs-per-token count (memory_model.flops_per_token): "
                            "compute cannot be scaled from the calibration")
-    fpt += tied_head_flops(c)
-    info = registry.get(run.strategy)
-    layout = memory_model.layout_for(c, run, world_size)
-    options = config.resolved_options(run)
+    info, layout, options, params = d.info, d.layout, d.options, list(d.params)
     ws = layout.world_size
-    spec = config.run_spec_payload(c, run, out_dir=".", device="cpu")
-    spec["run"]["world_size"], spec["run"]["dp"] = ws, layout.dp
-    spec["comparison"]["world_size"] = ws
-    theory = comm_theory.expected_comm(spec)
-    params = memory_model.params_for(c.model, layout)
-    full = sum(math.prod(memory_model.tp_local(p, layout.tp)) for p in params)
+    theory = comm_theory.comm_of(d)
+    full = d.local_elements
     shard_group = int(getattr(layout, "shard_size", layout.dp) or layout.dp)
     optim_elements = full if layout.shards == "none" else math.ceil(full / max(1, shard_group))
-    tokens_per_step = c.global_batch * tokens_per_sample(c.model)
+    tokens_per_step = c.global_batch * d.model.tokens_per_sample
     tokens_per_rank = tokens_per_step / layout.dp
     ac = bool(run.activation_checkpointing)
-    layers = model_facts.layers(c.model)
+    layers = d.model.layers
     compute_bytes = memory_model.PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2]
-    piped = pipeline.facts(c, layout, params) if info.schedule else None
+    piped = pipeline.facts(d) if info.schedule else None
     return Work(
         run=run.name, strategy=run.strategy, shards=layout.shards, pipeline=piped,
         family=PIPELINE if piped else family_of(layout.shards, layout.tp),
-        samples_per_step=c.global_batch if model_facts.inputs(c.model) == "images" else 0,
+        samples_per_step=c.global_batch if d.model.inputs == "images" else 0,
         world_size=ws,
         dp=layout.dp, tp=layout.tp, shard_group=shard_group, precision=layout.precision, accum=max(1, layout.accum),
         activation_checkpointing=ac, tokens_per_step=tokens_per_step, tokens_per_rank=tokens_per_rank, layers=layers,
@@ -259,9 +231,9 @@ def work_of(c: Comparison, run: RunSpec, world_size: int | None = None) -> Work:
         layer_tokens=tokens_per_rank * layers,
         optim_elements=optim_elements, optim_tensors=1 if info.needs_deepspeed else len(params),
         param_tensors=len(params),
-        units=unit_shares(c, layout.tp), emb_elements=memory_model.embedding_count(c.model),
+        units=unit_shares(d), emb_elements=d.model.embedding_elements,
         by_type={k: float(v) for k, v in theory["by_type"].items()},
-        tp_layer_bytes=tp_layer_bytes(c, layout.dp, layout.tp, compute_bytes, layout.accum),
-        tp_layer_calls=(2, max(1, column_linears(c))) if layout.tp > 1 else (1, 1),
+        tp_layer_bytes=tp_layer_bytes(d, compute_bytes),
+        tp_layer_calls=(2, max(1, comm_theory.column_linears(params))) if layout.tp > 1 else (1, 1),
         traits=replace(traits_of(info, options, layout.shards, layout.tp, full), hybrid=layout.hybrid),
     )
