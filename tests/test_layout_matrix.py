@@ -72,6 +72,7 @@ LAYOUTS = [
     ("fsdp2-reshard", "fsdp2", {"reshard_after_forward": True}, (2, 4)),
     ("fsdp2-keep", "fsdp2", {"reshard_after_forward": False}, (2, 4)),
     ("fsdp2-hsdp-2x2", "fsdp2", {"replicate": 2}, (4,)),
+    ("fsdp2-unit2", "fsdp2", {"unit_blocks": 2}, (2,)),  # both blocks in one unit: one gather a pass, not two
     ("handwritten", "fsdp-handwritten", {"reshard_after_forward": True}, (2, 4)),
     ("handwritten-keep", "fsdp-handwritten", {"reshard_after_forward": False}, (2, 4)),
     ("zero1", "deepspeed-zero1", {}, (2, 4)),
@@ -87,7 +88,7 @@ ACCUM2 = (2, "fp32")
 # bf16 parameters change the bytes each call moves, not how often a layout calls: the variants that differ from
 # another layout only in their schedule (kept gathered, SHARD_GRAD_OP, HYBRID_SHARD over one replica) are checked in
 # fp32 only (4 runs at 4 ranks, ~2 minutes of CI)
-SCHEDULE_ONLY = ("fsdp1-grad-op", "fsdp1-hybrid", "fsdp2-keep", "handwritten-keep")
+SCHEDULE_ONLY = ("fsdp1-grad-op", "fsdp1-hybrid", "fsdp2-keep", "handwritten-keep", "fsdp2-unit2")
 # bf16 parameters at 2 ranks, the layouts that need 4 at 4: the dtype's effect on the bytes does not depend on the
 # world size, which the fp32 comparisons vary (2 ranks instead of 4 saved ~100 s of CI, 2026-11-29)
 BF16 = (2, "bf16-params")
@@ -331,7 +332,8 @@ CALLS = {"ddp": "model = DistributedDataParallel(", "fsdp1": "model = FSDP(", "f
          "deepspeed-zero1": "deepspeed.initialize(", "deepspeed-zero2": "deepspeed.initialize(",
          "deepspeed-zero3": "deepspeed.initialize(", "deepspeed-autotp": "deepspeed.initialize("}
 SPELLED = {"sharding_strategy": "ShardingStrategy.{}", "reshard_after_forward": "reshard_after_forward={}",
-           "stage": "'stage': {}", "replicate": "({}, 2)", "hybrid_shard_size": "(2, {})"}
+           "stage": "'stage': {}", "replicate": "({}, 2)", "hybrid_shard_size": "(2, {})",
+           "unit_blocks": "range(0, len(blocks), {})"}
 OPTIONS = {name: options for name, _, options, _ in LAYOUTS}
 
 

@@ -18,7 +18,9 @@ from shardscope.engines.settings_code import Name, call, literal
 CASES = [("ddp", {"bucket_cap_mb": 25, "static_graph": False}),
          ("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP", "backward_prefetch": "pre", "limit_all_gathers": True,
                     "use_orig_params": True, "hybrid_shard_size": 0}),
-         ("fsdp2", {"reshard_after_forward": False, "param_dtype": "auto", "reduce_dtype": "auto", "replicate": 1})]
+         ("fsdp2", {"reshard_after_forward": False, "param_dtype": "auto", "reduce_dtype": "auto", "replicate": 1}),
+         ("fsdp2", {"reshard_after_forward": True, "param_dtype": "auto", "reduce_dtype": "bf16", "replicate": 1,
+                    "unit_blocks": 2})]
 
 
 def test_values_are_written_as_source():
@@ -84,7 +86,8 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_pasted_settings_train_as_the_run_did(tmp_path):
-    """DDP, FSDP1 (SHARD_GRAD_OP) and FSDP2 (kept gathered), with activation checkpointing: the pasted code's model is
+    """DDP, FSDP1 (SHARD_GRAD_OP), FSDP2 kept gathered and FSDP2 with two blocks a unit and bf16 reductions, with
+    activation checkpointing: the pasted code's model is
     the same wrapper, and two steps of it land on the same loss as the strategy's own (to fp32 rounding)."""
     import torch.multiprocessing as mp
 

@@ -139,7 +139,8 @@ def test_a_search_end_to_end(tmp_path):
     out = tmp_path / "t"
     proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "tune", "--preset", "smoke", "--strategies",
                            "ddp,fsdp2", "--device-memory", str(limit), "--budget", "60s", "--steps", "4", "--out",
-                           str(out), "--json"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                           str(out), "--json", "--rounds", "1"],  # rounds: their own test below
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     answer = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # after the runs' progress
     by = {x["name"]: x for x in answer["candidates"]}

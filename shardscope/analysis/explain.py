@@ -186,7 +186,7 @@ def figures(c: Comparison, run: RunSpec, source: str, memory: dict[str, Any] | N
         "run": f"run `{run.name}` — {source}",
         "world_size": str(layout.world_size), "dp": str(layout.dp), "tp": str(layout.tp),
         "params": f"{d.model.param_count:,}",
-        "n_blocks": str(len(blocks)),
+        "n_blocks": str(d.model.layers),
         "block_bytes": fmt_bytes(max(blocks, default=0) * p_bytes),
         "block_grad_bytes": fmt_bytes(max(blocks, default=0) * g_bytes),
         "root_bytes": fmt_bytes(units.get("root", 0) * p_bytes),

@@ -192,6 +192,9 @@ register(
                                     "data_parallel_replicate_degree); parameters sharded over dp / replicate ranks, "
                                     "gradients all-reduced across the replicas; must divide dp (1 = no HSDP)",
                                     minimum=1),
+            "unit_blocks": OptionSpec(int, 1, "consecutive blocks per FSDP unit (fully_shard of a list of blocks): "
+                                      "one all-gather and one reduce-scatter per group, fewer and larger calls, more "
+                                      "parameters gathered at once (1 = one unit per block)", minimum=1),
         },
         shards="all",
         shard_layout="per-parameter",  # fully_shard chunks each tensor on dim 0

@@ -270,5 +270,5 @@ def _code(settings: TrainSettings, config: dict[str, Any], own_clip: float | Non
     if own_clip:
         lines.append(f"# gradients clipped to a global norm of {own_clip} in a pre-step hook of the optimizer "
                      "(DeepSpeed keeps no norm here)")
-    return Code(["import deepspeed"], lines=lines, compiled=["engine.compile()"])
+    return Code(["import deepspeed"], lines=lines, compiled=["engine.compile()"], clips_itself=True)
 

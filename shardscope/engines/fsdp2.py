@@ -59,15 +59,24 @@ def hsdp_mesh(ctx: RankContext, replicas: int) -> Any:
     return init_device_mesh(ctx.device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model: nn.Module, mesh: Any, *, reshard_after_forward: bool, mp: MixedPrecisionPolicy) -> nn.Module:
-    """``fully_shard`` each block, then the root; return the model (now an FSDPModule).
+def block_groups(model: nn.Module, unit_blocks: int) -> list[list[nn.Module]]:
+    """The model's blocks in groups of ``unit_blocks`` consecutive ones (the last may hold fewer): one FSDP unit each."""
+    blocks = list(blocks_of(model))
+    k = max(1, unit_blocks)
+    return [blocks[i:i + k] for i in range(0, len(blocks), k)]
+
+
+def shard_model(model: nn.Module, mesh: Any, *, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
+                unit_blocks: int = 1) -> nn.Module:
+    """``fully_shard`` each block (or each group of ``unit_blocks`` blocks, one unit), then the root; return the
+    model (now an FSDPModule).
 
     The root's ``reshard_after_forward`` is left to torch (None): its parameters are used first in
     forward and first again in backward, so torch keeps them gathered in between. Passing True there
     would free them after forward and all-gather them again at the start of backward."""
     unit, root = shard_arguments(reshard_after_forward, mp)
-    for block in blocks_of(model):
-        fully_shard(block, mesh=mesh, **unit)
+    for group in block_groups(model, unit_blocks):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, **unit)
     fully_shard(model, mesh=mesh, **root)
     return model
 
@@ -79,15 +88,18 @@ def shard_arguments(reshard_after_forward: bool, mp: MixedPrecisionPolicy) -> tu
 
 
 def shard_code(model: nn.Module, settings: TrainSettings, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
-               *, imports: list[str], first: list[str]) -> Code:
+               *, imports: list[str], first: list[str], unit_blocks: int = 1) -> Code:
     """``shard_model``'s calls as a user pastes them (``settings_code``), over the mesh ``first`` builds."""
     unit, root = shard_arguments(reshard_after_forward, mp)
     blocks = settings_code.blocks_path(model, blocks_of(model))
     policy = {"mp_policy": Name("mp_policy")}
+    loop = ([f"for block in {blocks}:", call("fully_shard", Name("block"), indent="    ", mesh=Name("mesh"),
+                                             **{**unit, **policy})] if unit_blocks <= 1 else
+            [f"blocks = list({blocks})", f"for i in range(0, len(blocks), {unit_blocks}):  # {unit_blocks} blocks a unit",
+             call("fully_shard", Name(f"blocks[i:i + {unit_blocks}]"), indent="    ", mesh=Name("mesh"),
+                  **{**unit, **policy})])
     return Code(["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard", *imports], first, [
-        f"mp_policy = {settings_code.literal(mp)}",
-        f"for block in {blocks}:",
-        call("fully_shard", Name("block"), indent="    ", mesh=Name("mesh"), **{**unit, **policy}),
+        f"mp_policy = {settings_code.literal(mp)}", *loop,
         call("fully_shard", Name("model"), mesh=Name("mesh"), **{**root, **policy}),
         settings_code.optimizer(settings)])
 
@@ -123,21 +135,22 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     """Shard ``model`` with FSDP2 over the data-parallel mesh; return the Prepared the loop drives.
 
     Options: ``reshard_after_forward`` (bool), ``param_dtype`` and ``reduce_dtype`` ("auto" | fp32 | bf16 | fp16),
-    ``replicate`` (HSDP replicas; 1 = shard over every data-parallel rank).
+    ``replicate`` (HSDP replicas; 1 = shard over every data-parallel rank), ``unit_blocks`` (blocks per unit).
     """
     mp = mixed_precision(options, settings.precision)
     reshard = options["reshard_after_forward"]
     mesh = hsdp_mesh(ctx, int(options.get("replicate", 1)))
+    k = int(options.get("unit_blocks", 1))
     sharded = parallelize(
         model, ctx, settings,
-        data_parallel=lambda m: shard_model(m, mesh, reshard_after_forward=reshard, mp=mp),
+        data_parallel=lambda m: shard_model(m, mesh, reshard_after_forward=reshard, mp=mp, unit_blocks=k),
     )
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
     notes = {"param_dtype": str(mp.param_dtype or "float32"), "reduce_dtype": str(mp.reduce_dtype or "float32"),
-             "reshard_after_forward": reshard, "units": len(blocks_of(sharded)) + 1,
+             "reshard_after_forward": reshard, "units": len(block_groups(sharded, k)) + 1, "unit_blocks": k,
              "replicas": replicas, "shard_group_size": mesh.size(mesh.ndim - 1)}
     prepared = fsdp2_prepared(sharded, settings, mp, notes)
     prepared.code = shard_code(sharded, settings, reshard, mp,
                                imports=["from torch.distributed.device_mesh import init_device_mesh"],
-                               first=[settings_code.mesh(ctx.device.type, mesh)])
+                               first=[settings_code.mesh(ctx.device.type, mesh)], unit_blocks=k)
     return prepared

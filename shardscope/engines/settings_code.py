@@ -76,6 +76,7 @@ class Code:
     lines: list[str] = field(default_factory=list)
     compiled: list[str] | None = None  # how the strategy compiles, after its calls (None: per block, before them)
     per_step: str = ""  # what a step's batch is, when the strategy splits it itself (pipeline schedules)
+    clips_itself: bool = False  # its config clips the gradients (DeepSpeed's gradient_clipping)
 
 
 def blocks_path(model: nn.Module, blocks: nn.Module) -> str:
@@ -134,9 +135,12 @@ def script(code: Code, settings: TrainSettings, *, strategy: str, blocks: str, l
                 f"{settings.micro_batch_size} sample(s), gradients accumulated, over {dp} data-parallel rank(s)")
     if loop_autocast is not None:
         body.append(f"# each forward under: with torch.autocast({device!r}, dtype={literal(loop_autocast)}):")
-    seen: set[str] = set()
-    heads = [x for x in imports if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
-    return "\n".join(heads) + "\n\n" + "\n".join(body) + "\n"
+    if settings.grad_clip > 0 and not code.clips_itself:
+        body.append(f"# before each optimizer step, gradients clipped to a global norm of {settings.grad_clip} "
+                    "(torch.nn.utils.clip_grad_norm_; FSDP1: model.clip_grad_norm_)")
+    body.append(f"# learning rate: {settings.lr} after a linear warm-up of {settings.warmup_steps} step(s), then a "
+                "cosine decay")
+    return "\n".join(dict.fromkeys(imports)) + "\n\n" + "\n".join(body) + "\n"
 
 
 def blocks_of_model(model: nn.Module) -> str:

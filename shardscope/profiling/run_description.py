@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,7 @@ class Layout:
     microbatches: int = 1
     schedule: str = ""
     accum: int = 1  # micro-batches per optimizer step on each rank (the run's grad_accum)
+    unit_blocks: int = 1  # consecutive blocks per sharding unit (FSDP2's ``unit_blocks``)
 
     @property
     def shard_size(self) -> int:
@@ -136,7 +138,8 @@ def layout_for(c: Comparison, run: RunSpec, world_size: int | None = None,
     return Layout(ws, tp, dp, shards, precision, low, run.activation_checkpointing, master, info.needs_deepspeed,
                   shard_layout, info.needs_deepspeed and shards == "grads", groups[1] if groups else 0, bool(groups),
                   head, pp, int(options.get("stages_per_rank") or 1), int(options.get("microbatches") or 1),
-                  info.schedule, resolved_grad_accum(c, run))
+                  info.schedule, resolved_grad_accum(c, run),
+                  int(options.get("unit_blocks") or 1) if "unit_blocks" in info.options else 1)
 
 
 def params_for(m: Any, layout: Layout) -> list[Param]:
@@ -257,9 +260,26 @@ def describe_run(c: Comparison, run: RunSpec, world_size: int | None = None, not
     comparison). Raises KeyError for an unknown strategy, ValueError for a model or layout it cannot read."""
     layout = layout_for(c, run, world_size, notes)
     described = model or describe_model(c.model)
-    params = tuple(_split_head(described.params, layout))
+    params = tuple(_grouped(_split_head(described.params, layout), layout.unit_blocks))
     return RunDescription(c, run, registry.get(run.strategy), resolved_options(run), layout, described, params,
                           tuple(tp_local(p, layout.tp) for p in params), unit_sizes(list(params), layout.tp))
+
+
+_BLOCK_UNIT = re.compile(r"^(.*?)(\d+)\.$")
+
+
+def _grouped(params: list[Param], k: int) -> list[Param]:
+    """The tensors with each block's unit replaced by its group's (``unit_blocks`` = k consecutive blocks a unit:
+    ``layers.0.`` and ``layers.1.`` both ``layers.0.`` for k = 2), as ``engines/fsdp2.block_groups`` groups them."""
+    if k <= 1:
+        return params
+    out = []
+    for p in params:
+        found = _BLOCK_UNIT.match(p.unit) if p.unit != "root" else None
+        if found:
+            p = dataclasses.replace(p, block=f"{found.group(1)}{int(found.group(2)) // k * k}.")
+        out.append(p)
+    return out
 
 
 def _split_head(params: tuple[Param, ...], layout: Layout) -> list[Param]:

@@ -163,10 +163,16 @@ def traits_of(info: registry.StrategyInfo, options: dict[str, Any], shards: str,
 def unit_shares(d: RunDescription) -> list[tuple[str, float, int]]:
     """(unit, share of the step's FLOPs, parameter elements on a tensor-parallel rank), root first then the
     blocks in order. A block's FLOPs per token: 6 x its parameters + 12 x hidden x sequence of attention; the
-    root's: 6 x its non-embedding parameters (final norm and head)."""
-    tp, numel, m = d.layout.tp, d.unit_numels, d.model
+    root's: 6 x its non-embedding parameters (final norm and head). A unit of several blocks (``unit_blocks``) has
+    the attention of each."""
+    tp, numel, m, k = d.layout.tp, d.unit_numels, d.model, d.layout.unit_blocks
     attn = 12.0 * m.hidden * m.tokens_per_sample
-    flops = {u: 6.0 * n * tp + (attn if u != "root" else 0.0) for u, n in numel.items()}
+
+    def blocks_in(unit: str) -> int:
+        first = int(_BLOCK.search(unit).group(1))  # type: ignore[union-attr]
+        return max(1, min(k, m.layers - first)) if k > 1 else 1
+
+    flops = {u: 6.0 * n * tp + (attn * blocks_in(u) if u != "root" else 0.0) for u, n in numel.items()}
     flops["root"] = 6.0 * max(0, numel.get("root", 0) * tp - m.embedding_elements) + tied_head_flops(m.spec)
     total = sum(flops.values()) or 1.0
     blocks = sorted((u for u in numel if u != "root"), key=lambda u: int(_BLOCK.search(u).group(1)))  # type: ignore[union-attr]

@@ -27,6 +27,7 @@ SPEED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "bucket_mb": (25, 100),  # DeepSpeed's reduce and all-gather buckets: the same sums, grouped otherwise
     "microbatches": (4, 8),
     "dp_shard": ("replicate", "fsdp2"),
+    "unit_blocks": (1, 2),  # FSDP2's blocks per unit: the same sums, gathered and reduced in fewer, larger calls
 }
 # Options whose values follow the world size: the degrees of model parallelism.
 DEGREE_OPTIONS = ("tp", "pp")
