@@ -87,16 +87,17 @@ def mark_presets_runs(c: Comparison, cands: list[Candidate]) -> list[str]:
 
 
 def within_budget(cands: list[Candidate], budget_s: float, startup_s: float, steps: int,
-                  fallback_step_s: float) -> list[Candidate]:
+                  fallback_step_s: float, what: str = "the budget") -> list[Candidate]:
     """The kept candidates, the preset's own runs first, then in order of predicted step time, while their predicted
-    cost fits ``budget_s`` (the first always); the others are out "over the budget"."""
+    cost fits ``budget_s`` (the first always); the others are out "over the budget" (``what``: how the reason names
+    that budget)."""
     live = sorted((x for x in cands if not x.refused and not x.pruned),
                   key=lambda x: (not x.of_preset, x.predicted_step_s or fallback_step_s))
     chosen, spent = [], 0.0
     for cand in live:
         cost = startup_s + steps * (cand.predicted_step_s or fallback_step_s)
         if chosen and spent + cost > budget_s:
-            cand.pruned = f"over the budget: {budget_s - spent:.0f} s left, about {cost:.0f} s to measure"
+            cand.pruned = f"over {what}: {budget_s - spent:.0f} s left, about {cost:.0f} s to measure"
             continue
         chosen.append(cand)
         spent += cost

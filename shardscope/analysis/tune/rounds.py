@@ -10,6 +10,7 @@ its own A/A control.
   noise band (``numbers.speed_verdict``). The winner is the highest median ratio; another run is distinguishable
   from it only when every round that measured both puts it below the winner beyond that round's band. Otherwise
   the two are a tie: "not distinguishable on this machine now".
+- **Budget**: the first round is chosen within ``FIRST_ROUND_SHARE`` of the budget when further rounds may follow.
 - **Stop**: when a round leaves no tie to resolve after a confirmation, at ``MAX_ROUNDS``, or when the next round's
   estimated cost no longer fits the budget.
 """
@@ -22,6 +23,10 @@ from typing import Any
 from shardscope.analysis.tune.space import Candidate
 
 MAX_ROUNDS = 3
+# The first round's share of the budget when further rounds may follow: the rest is what confirms or resolves its
+# verdict (the first round otherwise fills the budget, and no lead is ever measured twice; seen on ddp-vs-fsdp at 4
+# ranks with a 5-minute budget, 2026-11-29: round 1 took 265 s of 300, round 2 needed about 60)
+FIRST_ROUND_SHARE = 0.7
 
 
 def contenders(cands: list[Candidate], answer: dict[str, Any], summary: dict[str, Any]) -> list[str]:

@@ -102,7 +102,10 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
     # agent, the report) less its steps: runs after the first start sooner (the next agent is prepared ahead), so
     # the budget is spent conservatively. A given calibration has no such figure: 10 s.
     startup = max(1.0, calibration_s - CALIBRATION_STEPS * fallback) if calibration_s else 10.0
-    chosen = choose.within_budget(cands, req.budget_s, startup, req.steps, fallback)
+    # the first round takes a share of the budget when more may follow, so the lead can be confirmed (rounds.py)
+    first_share = rounds.FIRST_ROUND_SHARE if req.max_rounds > 1 else 1.0
+    chosen = choose.within_budget(cands, req.budget_s * first_share, startup, req.steps, fallback,
+                                  "the budget" if first_share == 1 else f"the first round's {first_share:.0%} of the budget")
     for x in chosen:
         x.measured = {"status": "queued"}  # what the screens show until the proof's summary says more
     changed(cands)
@@ -150,7 +153,8 @@ def _repeat(req: Request, runner: Runner, say: Callable[[str], None], cands: lis
             say(f"tune 3/3: no further round: about {cost:.0f} s to measure {', '.join(names)} again, "
                 f"{max(0.0, req.budget_s - (time.monotonic() - t1)):.0f} s of the budget left")
             break
-        order = names[::-1] if len(done) % 2 else names  # the previous round's order reversed
+        prev = list(done[-1].get("order") or [])  # the previous round's order, reversed: drift favours no one
+        order = [n for n in prev if n in names][::-1] + [n for n in names if n not in prev]
         where = os.path.join(req.out, f"proof-{len(done) + 1}")
         say(f"tune 3/3: round {len(done) + 1} ({'to resolve a tie' if answer['tie'] else 'to confirm the lead'}): "
             f"{' '.join(order)}, {req.steps} steps each -> {where}")
