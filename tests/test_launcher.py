@@ -58,3 +58,41 @@ def test_torchrun_argv():
     s = " ".join(argv)
     assert "--nproc-per-node 4" in s and "--nnodes 2" in s and "--node-rank 1" in s and "--rdzv-endpoint h:29500" in s
     assert s.endswith("-m shardscope.engines.worker /x/spec.json")
+
+
+RANKS = r"""
+import os, subprocess, sys, time
+child = "import time; time.sleep(600)"
+for rank in range(2):
+    subprocess.Popen([sys.executable, "-c", child], env={**os.environ, "RANK": str(rank)})
+time.sleep(600)
+"""
+
+
+def test_rank_processes_are_scanned_until_all_are_seen_then_at_most_every_interval(tmp_path):
+    """A scan walks every process on the machine: the orchestrator's poll makes one while a rank is missing, and then
+    only when the last is ``every_s`` old; each scan's answer is the ranks' real pids."""
+    plan = launcher.LaunchPlan("t", (sys.executable, "-c", RANKS), {}, str(tmp_path / "console.log"), str(tmp_path))
+    proc = launcher.start(plan)
+    scans = []
+    real = proc.refresh_descendants
+
+    def counted():
+        scans.append(time.monotonic())
+        return real()
+
+    proc.refresh_descendants = counted
+    try:
+        deadline = time.time() + 30
+        while len(ranks := proc.rank_processes(2, every_s=3600.0)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(ranks.values()) == [0, 1]
+        assert {p.pid for p in psutil.Process(proc.pid).children()} == set(ranks)
+        n = len(scans)
+        for _ in range(5):  # every rank known, the last scan fresh: no walk of the process table
+            assert proc.rank_processes(2, every_s=3600.0) == ranks
+        assert len(scans) == n
+        assert proc.rank_processes(3, every_s=3600.0) == ranks and len(scans) == n + 1  # one missing: scanned
+        assert proc.rank_processes(2, every_s=0.0) == ranks and len(scans) == n + 2  # the interval passed: scanned
+    finally:
+        proc.kill()

@@ -26,6 +26,9 @@ class _Proc:
     def refresh_descendants(self):
         return {}
 
+    def rank_processes(self, expected):
+        return {}
+
     def stop(self, grace_s):
         self.stopped = True
 

@@ -62,7 +62,8 @@ class RunSupervision:
         self._read(active)
         code = active.proc.poll()
         if code is None:
-            active.ranks = active.proc.refresh_descendants()
+            world, nnodes = self.states[active.name].world_size, self.comparison.launch.nnodes
+            active.ranks = active.proc.rank_processes(world // nnodes if world > 0 else 1 << 30)
             stalled = time.monotonic() - active.last_progress > self._stall_limit(active)
             if stalled and not active.stop_reason:
                 active.stop_reason = "stalled"
