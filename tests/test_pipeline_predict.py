@@ -42,6 +42,26 @@ def test_torchs_grid_holds_every_action_once_and_interleaved_equals_its_formula(
         assert pl.grid_bubble(grid, stage_rank) < formula
 
 
+def test_grids_read_together_are_the_grids_read_alone_from_one_torch_process(monkeypatch):
+    """Tune and predict read every grid their pipeline runs need in one subprocess (each alone started torch anew):
+    one process for three grids, the same grids as read alone, and nothing read again afterwards."""
+    keys = [("interleaved-1f1b", 2, 4, 2), ("zero-bubble", 2, 4, 2), ("interleaved-1f1b", 2, 6, 2), ("1f1b", 2, 4, 1)]
+    alone = {k: pipeline.grid(*k) for k in keys}
+    monkeypatch.setattr(pipeline, "_READ", {})
+    pipeline._grid_text.cache_clear()
+    started = []
+    real = pipeline.run_bounded
+
+    def counted(argv, *args, **kwargs):
+        started.append(argv)
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_bounded", counted)
+    pipeline.read_grids(keys)
+    assert len(started) == 1 and started[0][-12:] == [str(x) for k in sorted(keys[:3]) for x in k]  # 1F1B: no torch
+    assert {k: pipeline.grid(*k) for k in keys} == alone and len(started) == 1
+
+
 def test_the_step_model_gives_the_formula_for_equal_stages_and_free_transfers():
     """Stages of equal compute, transfers and all-reduces costing nothing, no optimizer: the span is (m + p − 1)
     slots of forward + backward, the bubble (p − 1)/(m + p − 1) for GPipe and 1F1B."""

@@ -53,6 +53,8 @@ def what_if(preset: str, sets: list[str], spec: Any, world_size: int | None, lim
     click.echo(clean(head), err=as_json)
     cands = space.candidates(comparison, world_size=world_size, allow=allow, host=host, only=only)
     choose.prune_by_memory(comparison, cands, memory)
+    predictor.read_grids_for((dataclasses.replace(comparison, runs=[x.run], baseline=x.name), x.run)
+                             for x in cands if not x.refused and not x.pruned)
     rows = {x.name: predictor.predict_run(dataclasses.replace(comparison, runs=[x.run], baseline=x.name), x.run, None,
                                           device=spec)
             for x in cands if not x.refused and not x.pruned}

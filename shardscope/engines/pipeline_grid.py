@@ -1,6 +1,6 @@
 """A multi-stage pipeline schedule's action grid, read from torch's own schedule object, for ``predict``:
 ``python -m shardscope.engines.pipeline_grid SCHEDULE PP MICROBATCHES STAGES_PER_RANK`` prints
-``{rank: [[kind, stage, microbatch], ...]}`` as one JSON line.
+``{rank: [[kind, stage, microbatch], ...]}`` as one JSON line (several quadruples: a line each, in turn).
 
 The schedules that hold several stages per rank (interleaved 1F1B, interleaved zero bubble) compute every rank's
 order when they are built; building one needs only its stages' shapes and a process group, so the stages here are
@@ -45,13 +45,18 @@ def grid(schedule: str, pp: int, m: int, v: int) -> dict[int, list[tuple[str, in
 
 
 def main(argv: list[str]) -> int:
-    """Print the grid of ``argv = [schedule, pp, m, v]`` as one JSON line; exit 2 on arguments it cannot read."""
+    """Print the grid of each ``schedule pp m v`` in ``argv`` (one or more, in turn) as one JSON line; exit 2 on
+    arguments it cannot read. Several in one process import torch once (3-4 s a start on a 2-core VM)."""
     try:
-        schedule, pp, m, v = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    except (IndexError, ValueError):
-        print("usage: python -m shardscope.engines.pipeline_grid SCHEDULE PP MICROBATCHES STAGES_PER_RANK", file=sys.stderr)
+        if not argv or len(argv) % 4:
+            raise ValueError(argv)
+        specs = [(argv[i], int(argv[i + 1]), int(argv[i + 2]), int(argv[i + 3])) for i in range(0, len(argv), 4)]
+    except ValueError:
+        print("usage: python -m shardscope.engines.pipeline_grid SCHEDULE PP MICROBATCHES STAGES_PER_RANK [...]",
+              file=sys.stderr)
         return 2
-    print(json.dumps({str(r): [list(a) for a in acts] for r, acts in grid(schedule, pp, m, v).items()}), flush=True)
+    for schedule, pp, m, v in specs:
+        print(json.dumps({str(r): [list(a) for a in acts] for r, acts in grid(schedule, pp, m, v).items()}), flush=True)
     return 0
 
 

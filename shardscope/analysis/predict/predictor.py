@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Iterable
 
 from shardscope.config import Comparison, RunSpec
 from shardscope.profiling import memory_model
@@ -258,6 +258,21 @@ def _pipeline_row(w: Work, comp: dict[str, float], reference: dict[str, float], 
             "bubble": got["bubble"], "notes": notes}
 
 
+def read_grids_for(pairs: Iterable[tuple[Comparison, RunSpec]]) -> None:
+    """Read the action grids that the pipeline runs among ``pairs`` (comparison, run) need, all in one torch
+    subprocess, before ``predict_run`` predicts them one by one (``pipeline.read_grids``). A run whose work cannot
+    be counted is skipped here: ``predict_run`` says why."""
+    keys = set()
+    for c, run in pairs:
+        try:
+            f = work_of(c, run).pipeline
+        except (KeyError, ValueError, NotPredicted):
+            continue
+        if f is not None:
+            keys.add((f["schedule"], f["pp"], f["m"], f["v"]))
+    pipeline.read_grids(keys)
+
+
 def predict_run(c: Comparison, run: RunSpec, model: MachineModel | None, device: DeviceSpec | None = None,
                 probed: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run's prediction: ``name strategy world_size family`` and ``tokens_per_s step_time_s compute_s
@@ -321,6 +336,7 @@ def predict_comparison(c: Comparison, model: MachineModel | None, device: Device
     """``{"preset", "what_if", "device", "runs": [predict_run rows], "assumptions", "calibration", "fit_error"}``;
     ``probes``: {run name: its compute probe} (``predict_probe.probe_runs``)."""
     probes = probes or {}
+    read_grids_for((c, run) for run in c.runs)
     return {
         "preset": c.name,
         "what_if": device is not None,

@@ -90,6 +90,8 @@ def search(req: Request, runner: Runner, say: Callable[[str], None],
     choose.prune_by_memory(c, cands, req.device_memory)
     changed(cands)
     rows = {}
+    predictor.read_grids_for((dataclasses.replace(c, runs=[x.run], baseline=x.name), x.run)
+                             for x in cands if not x.refused and not x.pruned)
     for x in cands:
         if not x.refused and not x.pruned:
             rows[x.name] = predictor.predict_run(dataclasses.replace(c, runs=[x.run], baseline=x.name), x.run, model)
