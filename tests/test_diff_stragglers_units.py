@@ -108,6 +108,30 @@ def test_cuda_split_is_shown_and_said_not_judged(tmp_path):
     assert path and Image.open(path).size[0] > 0
 
 
+def test_the_busy_plot_keeps_the_steps_in_scale_and_says_the_first_is_off_it(monkeypatch, tmp_path):
+    """Step 0 (start-up: 10-25x a step) alone would set the panel's scale; it is left off the scale and said so,
+    and a run whose first step is like the rest keeps matplotlib's own scale."""
+    from shardscope.analysis import plots, straggler_report
+    from shardscope.profiling.state import RecordsArrived, RunState
+
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig) or path)
+    for first, off_scale in ((0.5, True), (0.015, False)):
+        st = RunState("ddp", "ddp", 2, 8)
+        recs = [{"kind": "step", "run": "ddp", "rank": r, "step": s, "local_loss": 1.0, "step_time_s": 0.05,
+                 "tokens": 8, "tokens_per_s": 160.0, "busy_s": first if s == 0 else 0.01 + 0.001 * (s % 3),
+                 "idle_s": 0.001, "time_forward_s": 0.01} for s in range(8) for r in (0, 1)]
+        st.apply(RecordsArrived("ddp", tuple(recs), 0))
+        straggler_report.plot({"ddp": st}, str(tmp_path / "rank_timing.png"))
+        ax = saved[-1].axes[0]
+        said = [t.get_text() for t in ax.texts]
+        if off_scale:
+            assert ax.get_ylim()[1] == pytest.approx(1.15 * 12.0) and said == [
+                "step 0: up to 500 ms (start-up), off the scale"]
+        else:
+            assert ax.get_ylim()[1] >= 15.0 and said == []
+
+
 def test_trace_judgement_flags_compute_above_the_peers_median():
     from shardscope.analysis import straggler_report
     from shardscope.profiling.state import RunState

@@ -186,12 +186,19 @@ def plot(states: dict[str, RunState], path: str) -> str | None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
     for ax, (name, st) in zip(axes[:, 0], runs):
         busy = all(BUSY in figures for steps in st.stragglers.timing.values() for figures in steps.values())
+        first: list[float] = []  # each rank's first step (its start-up: allocations, first collectives)
+        later: list[float] = []
         for i, (rank, steps) in enumerate(sorted(st.stragglers.timing.items())):
             xs = sorted(steps)
             flagged = rank in st.stragglers.flagged
             ys = [1000 * (steps[s][BUSY] if busy else sum(steps[s].get(k, 0.0) for k in STREAM)) for s in xs]
             ax.plot(xs, ys, label=f"rank {rank}" + (" (straggler)" if flagged else ""),
                     **{**run_style(i), "linewidth": 2.0 if flagged else 1.2})
+            first, later = first + ys[:1], later + ys[1:]
+        if later and max(first) > 2 * max(later):  # the first step alone would set the scale and flatten the rest
+            ax.set_ylim(0, 1.15 * max(later))
+            ax.text(0.01, 0.97, f"step {min(min(s) for s in st.stragglers.timing.values() if s)}: up to "
+                    f"{max(first):,.0f} ms (start-up), off the scale", transform=ax.transAxes, va="top", fontsize=8)
         window = sorted(st.profiled_steps)
         if window:  # the profiler's steps and the one after (its trace export) run slower on every rank
             ax.axvspan(window[0] - 0.5, window[-1] + 1.5, color="#999", alpha=0.15,
