@@ -192,7 +192,9 @@ class RunProcess:
         otherwise at most every ``every_s``. A scan walks every process on the machine (psutil builds its parent map
         from each ``/proc/<pid>/stat``): 4.6 ms with 80 processes on a 2-core VM, five times a second, was half of
         the orchestrator's CPU while the ranks trained, and a preempted rank holds its peers in the next collective
-        (2026-11-29). ``stop`` and ``kill`` scan again themselves, so nothing started since is missed."""
+        (2026-11-29). ``stop`` scans again itself; ``kill`` (torchrun already gone, its descendants no longer under
+        it) signals what the scans remembered, so a process a rank started less than ``every_s`` before is not
+        among them (it was 0.2 s, the poll interval, before)."""
         now = time.monotonic()
         if len(self._ranks) < expected or now - self._scanned >= every_s:
             self._ranks, self._scanned = self.refresh_descendants(), now
