@@ -96,3 +96,61 @@ def test_rank_processes_are_scanned_until_all_are_seen_then_at_most_every_interv
         assert proc.rank_processes(2, every_s=0.0) == ranks and len(scans) == n + 2  # the interval passed: scanned
     finally:
         proc.kill()
+
+
+SPAWNING_RANKS = r"""
+import os, subprocess, sys, time
+trigger = sys.argv[1]
+child = (
+    "import os, subprocess, sys, time\n"
+    "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+    "late = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+    " time.sleep(600)'], start_new_session=True)\n"
+    "open(sys.argv[1] + '.' + os.environ['RANK'], 'w').write(str(late.pid))\n"
+    "time.sleep(600)\n"
+)
+for rank in range(2):
+    subprocess.Popen([sys.executable, "-c", child, trigger], env={**os.environ, "RANK": str(rank)})
+time.sleep(600)
+"""
+
+
+def test_a_process_a_rank_starts_between_scans_is_remembered_and_killed_with_the_job(tmp_path):
+    """Between the machine-wide scans each poll walks torchrun's own subtree: a process a rank starts after the last
+    scan is remembered at the next poll, without a scan, and ``kill`` (torchrun gone, so nothing left under it to
+    find) still ends it."""
+    trigger = tmp_path / "go"
+    plan = launcher.LaunchPlan("t", (sys.executable, "-c", SPAWNING_RANKS, str(trigger)), {},
+                               str(tmp_path / "console.log"), str(tmp_path))
+    proc = launcher.start(plan)
+    late = []
+    try:
+        deadline = time.time() + 30
+        while len(proc.rank_processes(2, every_s=3600.0)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(proc.rank_processes(2, every_s=3600.0)) == 2
+        scans = []
+        real = proc.refresh_descendants
+        proc.refresh_descendants = lambda: scans.append(1) or real()
+        trigger.write_text("")
+        deadline = time.time() + 30
+        while len(late) < 2 and time.time() < deadline:
+            late = [int(p.read_text()) for p in tmp_path.glob("go.*") if p.read_text()]
+            time.sleep(0.05)
+        assert len(late) == 2
+        proc.rank_processes(2, every_s=3600.0)
+        assert scans == [] and set(late) <= set(proc.seen)
+        proc.popen.kill()  # torchrun gone: the late processes are orphans, found by no walk from it
+        proc.popen.wait(timeout=30)
+        proc.kill()
+        deadline = time.time() + 60  # a killed process needs CPU time to finish exiting
+        while (alive := _alive(late)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert alive == []
+    finally:
+        proc.kill()
+        for pid in late:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass

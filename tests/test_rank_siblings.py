@@ -50,3 +50,30 @@ print(os.read(r, 4096).decode())
     assert sorted(r[0] for r in rows) == ["0", "1", "2"]
     assert all(r[1] == "True" for r in rows)
     assert all(float(r[2]) >= last_fork for r in rows)
+
+
+def test_a_forked_rank_leads_a_session_of_its_own_as_torchruns_own_ranks_do():
+    """``own_session``: a child forked as the agent forks a rank leaves the agent's session (and so, with autogroup,
+    its scheduling group) and leads its own, as a rank that torchrun starts with ``start_new_session=True``; called
+    again, it says so without failing."""
+    script = """
+import os
+from shardscope.engines import rank
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    first = rank.own_session()
+    again = rank.own_session()
+    group = open("/proc/self/autogroup").read().split()[0] if os.path.exists("/proc/self/autogroup") else "?"
+    os.write(w, f"{first} {again} {os.getsid(0) == os.getpid()} {os.getpgid(0) == os.getpid()} {os.getsid(0)} {group}".encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+group = open("/proc/self/autogroup").read().split()[0] if os.path.exists("/proc/self/autogroup") else "?"
+print(os.read(r, 4096).decode(), os.getsid(0), group)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, again, leader, group_leader, child_sid, child_group, parent_sid, parent_group = out.stdout.split()
+    assert (first, again, leader, group_leader) == ("True", "True", "True", "True")
+    assert child_sid != parent_sid
+    assert child_group == "?" or child_group != parent_group

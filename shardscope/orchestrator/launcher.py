@@ -193,12 +193,30 @@ class RunProcess:
         from each ``/proc/<pid>/stat``): 4.6 ms with 80 processes on a 2-core VM, five times a second, was half of
         the orchestrator's CPU while the ranks trained, and a preempted rank holds its peers in the next collective
         (2026-11-29). ``stop`` scans again itself; ``kill`` (torchrun already gone, its descendants no longer under
-        it) signals what the scans remembered, so a process a rank started less than ``every_s`` before is not
-        among them (it was 0.2 s, the poll interval, before)."""
+        it) signals what was remembered: between scans each call also walks torchrun's own subtree through
+        ``/proc/<pid>/task/<tid>/children`` (a few reads, no scan of the machine), so a process a rank started is
+        remembered from the next call on, as it was when every call scanned."""
         now = time.monotonic()
         if len(self._ranks) < expected or now - self._scanned >= every_s:
             self._ranks, self._scanned = self.refresh_descendants(), now
+        else:
+            self.remember_subtree()
         return self._ranks
+
+    def remember_subtree(self) -> None:
+        """Remember every process now under torchrun, read from the kernel's per-thread ``children`` lists (Linux
+        with CONFIG_PROC_CHILDREN; elsewhere nothing is added and the scans alone keep ``seen``). psutil has no
+        subtree walk of its own: its ``children()`` reads every process on the machine."""
+        todo = [self.pid]
+        while todo:
+            pid = todo.pop()
+            for child in _children_of(pid):
+                if child not in self.seen:
+                    try:
+                        self.seen[child] = psutil.Process(child).create_time()
+                    except psutil.Error:
+                        continue
+                todo.append(child)
 
     def alive_pids(self) -> list[int]:
         """Return the pids of torchrun and of remembered descendants that are still alive (not zombies)."""
@@ -247,6 +265,22 @@ class RunProcess:
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
             self._log = None
+
+
+def _children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, from ``/proc/<pid>/task/*/children``; [] when unreadable."""
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
+                children.extend(int(c) for c in fh.read().split())
+        except (OSError, ValueError):
+            continue
+    return children
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
