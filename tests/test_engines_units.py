@@ -320,3 +320,30 @@ def test_batches_built_ahead_are_the_same_tokens(monkeypatch) -> None:
                         h.update(x.contiguous().numpy().tobytes())
                         h.update(y.contiguous().numpy().tobytes())
             assert h.hexdigest() == pinned[rank], (budget, rank)
+
+
+def _chain_column_by_column(table: torch.Tensor, seed: int, step: int, batch: int, length: int) -> torch.Tensor:
+    """The chain as its definition reads (and as ``markov_batch`` computed it before 2026-11-29): column by column,
+    the same draws, each token the noise token where the draw is noisy, else the table's successor of the last."""
+    gen = torch.Generator().manual_seed(data.step_seed(seed, step))
+    choices = torch.multinomial(torch.tensor(data._BRANCH_PROBS), batch * length, replacement=True,
+                                generator=gen).view(batch, length)
+    noisy = torch.rand(batch, length, generator=gen) < data._NOISE
+    noise = torch.randint(table.shape[0], (batch, length), generator=gen)
+    tokens = torch.empty(batch, length, dtype=torch.long)
+    tokens[:, 0] = noise[:, 0]
+    for t in range(1, length):
+        tokens[:, t] = torch.where(noisy[:, t], noise[:, t], table[tokens[:, t - 1], choices[:, t]])
+    return tokens
+
+
+def test_the_chain_walked_by_segments_is_the_chain_column_by_column() -> None:
+    """``markov_batch`` fills every row's segments at once, one gather per offset from the last restart; the tokens
+    are those of the column-by-column definition, at a long sequence (Llama's 2,048) and at the edges (one column,
+    one row)."""
+    for vocab, batch, length, steps in ((256, 8, 65, 10), (32000, 4, 2049, 2), (7, 1, 1, 3), (7, 3, 2, 3),
+                                        (11, 5, 300, 5)):
+        table = data.markov_table(vocab, 5)
+        for step in range(steps):
+            assert torch.equal(data.markov_batch(table, 9, step, batch, length),
+                               _chain_column_by_column(table, 9, step, batch, length)), (vocab, batch, length, step)

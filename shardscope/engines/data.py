@@ -63,11 +63,23 @@ def markov_batch(table: torch.Tensor, seed: int, step: int, batch: int, length: 
     choices = torch.multinomial(probs, batch * length, replacement=True, generator=gen).view(batch, length)
     noisy = torch.rand(batch, length, generator=gen) < _NOISE
     noise = torch.randint(vocab, (batch, length), generator=gen)
-    tokens = torch.empty(batch, length, dtype=torch.long)
-    tokens[:, 0] = noise[:, 0]
-    for t in range(1, length):  # first-order chain: each column depends on the previous one
-        nxt = table[tokens[:, t - 1], choices[:, t]]
-        tokens[:, t] = torch.where(noisy[:, t], noise[:, t], nxt)
+    # A position holds its noise token where the chain restarts (the first column, or a noisy draw), else the chain's
+    # successor of the position before it: tokens[:, t] = table[tokens[:, t - 1], choices[:, t]]. Each position's
+    # offset from its row's last restart orders the work: every position at offset k follows one at offset k - 1, so
+    # one gather per offset fills all rows' segments at once. Column by column took one gather per column, 2,048
+    # at seq_len 2048 (28 ms a global batch of 8 on one core); segments end on a noisy draw (p = _NOISE), so the
+    # longest offset is about ln(batch x length) / _NOISE (~200). The tokens are the same either way.
+    restart = noisy.clone()
+    restart[:, 0] = True
+    position = torch.arange(batch * length).view(batch, length)
+    offset = (position - torch.where(restart, position, 0).cummax(dim=1).values).flatten()
+    tokens = noise.clone()
+    flat, order = tokens.view(-1), torch.argsort(offset, stable=True)
+    sizes = torch.bincount(offset).tolist()
+    groups = zip(order.split(sizes), (order - 1).split(sizes), choices.flatten()[order].split(sizes))
+    next(groups)  # offset 0: the restarts, already their noise tokens
+    for where, before, choice in groups:
+        flat[where] = table[flat[before], choice]
     return tokens
 
 
