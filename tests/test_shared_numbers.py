@@ -138,3 +138,26 @@ def test_clip_coefficient_matches_torch():
     assert clip_coefficient(10.0, 5.0) == 1.0 and float(clip_coefficient(10.0, torch.tensor(5.0))) == 1.0
     plain = torch.ones(2)
     assert full_value(plain) is plain  # a plain tensor is already whole
+
+
+def test_the_live_median_kept_sorted_is_the_summarys_median_at_every_point():
+    """``RunState.median`` merges only the rates appended since its last call into rates it keeps sorted; at every
+    call it equals ``numbers.median_rate`` of all points (step 0 left out unless alone, repeated steps counted, an odd
+    and an even count), also after the list is replaced by a shorter one."""
+    import random
+
+    from shardscope.core.numbers import median_rate
+
+    rng = random.Random(7)
+    state = st.RunState(name="r")
+    assert state.median is None
+    state.throughput.append((0, 5.0))
+    assert state.median == 5.0  # step 0 alone
+    for step in range(1, 300):
+        for _ in range(rng.choice((0, 1, 1, 3))):  # some calls see no new point, some several (a restart repeats)
+            state.throughput.append((rng.choice((step, step - 1)), rng.uniform(1e3, 2e3)))
+        assert state.median == median_rate(state.throughput), step
+    state.throughput = [(0, 9.0), (1, 4.0), (2, 6.0)]
+    assert state.median == 5.0 == median_rate(state.throughput)
+    state.throughput = [(s, float(s)) for s in range(1000)]
+    assert state.median == 500.0 == median_rate(state.throughput)
