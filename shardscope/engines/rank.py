@@ -75,8 +75,8 @@ def own_session() -> bool:
     it is. Measured on a 2-core VM with autogroup on (2026-11-29, FSDP2 on ``smoke``, 300 steps, 6 alternating
     pairs): with both ranks in the agent's session, rank 0 spent 25.2% of each step neither running nor waiting for
     a core (blocked in collectives; 23.0-26.0%), against 19.0% (16.2-20.8%) with a session each, and trained
-    11% fewer tokens/s (benchmarks/RESULTS.md). Nothing here relies on the agent's process group: the launcher
-    signals every rank by pid, and each rank's watchdog ends it with its orchestrator."""
+    10% fewer tokens/s (medians 13,558 against 15,048; benchmarks/RESULTS.md). Nothing here relies on the agent's
+    process group: the launcher signals every rank by pid, and each rank's watchdog ends it with its orchestrator."""
     try:
         os.setsid()
     except OSError:  # already a session leader (not a forked rank): nothing to do
