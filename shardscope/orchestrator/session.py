@@ -32,6 +32,7 @@ from shardscope.orchestrator.completion import Completion
 from shardscope.orchestrator.device_log import DeviceLog
 from shardscope.orchestrator.tail import ConsoleTailer, MetricsTailer
 from shardscope.orchestrator.session_ends import SessionEnds
+from shardscope.orchestrator.session_requests import Requests
 from shardscope.orchestrator.supervision import RunSupervision, _Active
 from shardscope.core.rundir import STATUS, RunDir
 
@@ -59,7 +60,7 @@ def default_out_dir(preset_name: str, root: str = "shardscope-runs") -> str:
 
 
 
-class Session(RunSupervision, SessionEnds, Completion):
+class Session(Requests, RunSupervision, SessionEnds, Completion):
     """Runs a comparison's runs as real torchrun jobs and publishes what happens."""
 
     def __init__(
@@ -90,6 +91,7 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._active: dict[str, _Active] = {}
         self._attempts: dict[str, int] = {}
         self._stopping = False
+        self._ended = False  # the loop is over: requests are refused, not queued for nobody
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._pending: list[Update] = []
@@ -122,18 +124,6 @@ class Session(RunSupervision, SessionEnds, Completion):
         self._thread = threading.Thread(target=self._main, name="shardscope-session", daemon=True)
         _LIVE.add(self)
         self._thread.start()
-
-    def stop_run(self, name: str) -> None:
-        """Ask for one run to be stopped (status ``stopped``); a queued run is skipped."""
-        self._requests.append(("stop", name))
-
-    def restart_run(self, name: str) -> None:
-        """Ask for a run to be run again from scratch (stopped first if active)."""
-        self._requests.append(("restart", name))
-
-    def stop_all(self) -> None:
-        """Stop every run; queued runs are marked ``stopped``. The summary is still written."""
-        self._requests.append(("stop_all", ""))
 
     # ---- the session thread ------------------------------------------------------------------
 
@@ -206,6 +196,8 @@ class Session(RunSupervision, SessionEnds, Completion):
             for active in list(self._active.values()):
                 active.proc.kill()
         finally:
+            with self._lock:
+                self._ended = True
             self._discard_warm()
             try:
                 self._stop_sampler()
@@ -242,7 +234,13 @@ class Session(RunSupervision, SessionEnds, Completion):
                     break
                 self._launch(self._queue.popleft(), after=[a.proc for a in leaving])
             if not self._active and (not self._queue or self._stopping):
-                break
+                with self._lock:
+                    self._handle_requests()  # asked since the last pass: a restart keeps the loop going
+                    if not self._active and (not self._queue or self._stopping):
+                        self._ended = True
+                if self._ended:
+                    break
+                continue
             for active in list(self._active.values()):
                 self._poll(active)
             self._flush()
@@ -275,28 +273,6 @@ class Session(RunSupervision, SessionEnds, Completion):
             active.stop_reason = active.stop_reason or message
         while self._queue:
             self._emit(state.StatusChanged(self._queue.popleft(), state.FAILED, message))
-
-    def _handle_requests(self) -> None:
-        while self._requests:
-            what, name = self._requests.popleft()
-            if what == "stop_all":
-                self._stopping = True
-                for active in self._active.values():
-                    active.stop_reason = active.stop_reason or "stopped"
-            elif name not in self.run_names:
-                self._emit(state.Notice(f"no run named {name!r}", "warning"))
-            elif what == "stop":
-                if name in self._active:
-                    self._active[name].stop_reason = "stopped"
-                elif name in self._queue:
-                    self._queue.remove(name)
-                    self._emit(state.StatusChanged(name, state.STOPPED, "stopped before it started"))
-            elif what == "restart":
-                if name in self._active:
-                    self._active[name].stop_reason = "stopped"
-                if name not in self._queue:
-                    self._queue.append(name)
-                    self._stopping = False
 
     def _plan(self, run: config.RunSpec) -> launcher.LaunchPlan:
         files = self.rundir.run(run.name)

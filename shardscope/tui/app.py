@@ -245,16 +245,28 @@ class ShardscopeApp(ScreenActions, App):
     def action_stop_run(self) -> None:
         """Stop the selected run."""
         run = self._selected()
-        if self.source is not None and run:
-            self.source.stop_run(run)
-            self.notify(f"Stopping {literal(run)}…")
+        if self.source is None or not run:
+            return
+        if self._ended() or self.source.stop_run(run) is False:
+            self.notify(f"Nothing to stop: the comparison has finished ({literal(run)} ended with it).")
+            return
+        self.notify(f"Stopping {literal(run)}…")
 
     def action_restart_run(self) -> None:
-        """Restart the selected run (stopping it first if it is active)."""
+        """Restart the selected run (stopping it first if it is active); once the comparison has finished its
+        summary and report are written, so it says how to run it again instead."""
         run = self._selected()
-        if self.source is not None and run:
-            self.source.restart_run(run)
-            self.notify(f"Restarting {literal(run)}…")
+        if self.source is None or not run:
+            return
+        if self._ended() or self.source.restart_run(run) is False:
+            self.notify("The comparison has finished and its report is written (o opens it): runs restart only "
+                        "while it runs. To run it again, quit (q) and launch it anew.", severity="warning")
+            return
+        self.notify(f"Restarting {literal(run)}…")
+
+    def _ended(self) -> bool:
+        """A live comparison that has finished (a replay answers r and x itself: it starts nothing)."""
+        return self.started and not self.replaying and bool(getattr(self.source, "finished", False))
 
     def action_set_baseline(self) -> None:
         """Make the selected run the baseline of the difference chart."""
