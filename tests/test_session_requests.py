@@ -84,3 +84,5 @@ def test_a_run_restarted_while_the_comparison_runs_runs_again_to_its_end(tmp_pat
     assert [s for run, s in statuses if run == "fsdp2"] == [state.STOPPED], statuses
     steps = [step for step, _ in session.states["ddp"].step_times]
     assert steps[-1] == c.steps - 1 and steps.count(c.steps - 1) == 1, steps[-5:]
+    first = tmp_path / "out" / "ddp.attempt1"  # the first attempt's files, kept beside the run's
+    assert (first / "metrics" / "rank0.jsonl").is_file() and (tmp_path / "out" / "ddp" / "status.json").is_file()
