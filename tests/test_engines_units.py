@@ -297,7 +297,7 @@ os._exit(0)  # as a rank leaves (worker.exit_now): torch 2.13's static teardown 
 
 
 def test_batches_built_ahead_are_the_same_tokens(monkeypatch) -> None:
-    """The ranks build their batches before step 0 (or one step ahead past a size): the same tokens as built in
+    """The ranks build their batches before step 0 (or a chunk of steps ahead past a size): the same tokens as built in
     the step, and the same as before this changed (the hashes of smoke's steps 0, 3 and 29 on each of 2 ranks)."""
     import hashlib
 
@@ -306,20 +306,26 @@ def test_batches_built_ahead_are_the_same_tokens(monkeypatch) -> None:
     c = config.load_preset("smoke")
     pinned = {0: "6658d79a2eb056b3c761420be4101f63bba920e918b9e2f18f6fb3de66858bca",
               1: "cae426f81d036d8cbb889ddafc70ee14b3d1044b5ac191a142ac5885139435f6"}
-    for budget in (data.AHEAD_BYTES, 1):  # all before step 0; one step ahead on a thread
+    # All before step 0, or a chunk ahead on a thread; chunks as built (all of smoke's 30 steps at once), of 4 and 7
+    # (the last one short), and of one step
+    chunks = data.CHUNK_STEPS
+    for budget, chunk in ((data.AHEAD_BYTES, chunks), (data.AHEAD_BYTES, 7), (1, chunks), (1, 4), (1, 7), (1, 1)):
         monkeypatch.setattr(data, "AHEAD_BYTES", budget)
+        monkeypatch.setattr(data, "CHUNK_STEPS", chunk)
         for rank in (0, 1):
             micro, _ = data.build_batches(c, 2, rank, ahead=True)
             plain, _ = data.build_batches(c, 2, rank)
-            h = hashlib.sha256()
-            for step in range(c.steps):
+            h, seen = hashlib.sha256(), set()
+            # a restart asks for steps again from 0, after steps of a later chunk
+            for step in [*range(c.steps)] + [0, 13, 5, c.steps - 1, c.steps]:
                 got, want = micro(step), plain(step)
                 assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, want)), step
-                if step in (0, 3, 29):
+                if step in (0, 3, 29) and step not in seen:
+                    seen.add(step)
                     for x, y in got:
                         h.update(x.contiguous().numpy().tobytes())
                         h.update(y.contiguous().numpy().tobytes())
-            assert h.hexdigest() == pinned[rank], (budget, rank)
+            assert h.hexdigest() == pinned[rank], (budget, chunk, rank)
 
 
 def _chain_column_by_column(table: torch.Tensor, seed: int, step: int, batch: int, length: int) -> torch.Tensor:
@@ -347,3 +353,15 @@ def test_the_chain_walked_by_segments_is_the_chain_column_by_column() -> None:
         for step in range(steps):
             assert torch.equal(data.markov_batch(table, 9, step, batch, length),
                                _chain_column_by_column(table, 9, step, batch, length)), (vocab, batch, length, step)
+
+
+def test_many_steps_walked_at_once_are_each_steps_own_chain() -> None:
+    """``markov_batches`` walks the chain once for several steps: each step's tokens are ``markov_batch``'s, at
+    smoke's shape, a long sequence, and the edges (one step, one row, one column)."""
+    for vocab, batch, length, steps in ((256, 8, 65, range(0, 40)), (32000, 2, 2049, range(3, 6)),
+                                        (7, 1, 1, range(2, 3)), (7, 3, 2, range(5)), (11, 5, 300, range(9, 16))):
+        table = data.markov_table(vocab, 5)
+        together = data.markov_batches(table, 9, steps, batch, length)
+        assert together.shape == (len(steps), batch, length)
+        for i, step in enumerate(steps):
+            assert torch.equal(together[i], data.markov_batch(table, 9, step, batch, length)), (vocab, length, step)

@@ -34,6 +34,17 @@ class BatchSource:
 
     global_batch: Callable[[int], Batch]
     tokens_per_sample: int
+    # Several steps' global batches at once, stacked ([steps, global_batch, ...]), the same tokens as step by step:
+    # where building them together is cheaper (the Markov chain is walked once for all of them).
+    global_batches: Callable[[range], Batch] | None = None
+
+    def stacked(self, steps: range) -> Batch:
+        """The global batches of ``steps`` stacked along a new first dimension (``global_batches``, or step by
+        step)."""
+        if self.global_batches is not None:
+            return self.global_batches(steps)
+        inputs, targets = zip(*(self.global_batch(step) for step in steps))
+        return torch.stack(inputs), torch.stack(targets)
 
 
 def step_seed(seed: int, step: int, stream: int = 0) -> int:
@@ -57,18 +68,37 @@ def markov_table(vocab_size: int, seed: int) -> torch.Tensor:
 
 def markov_batch(table: torch.Tensor, seed: int, step: int, batch: int, length: int) -> torch.Tensor:
     """Return ``[batch, length]`` tokens of the chain for ``step`` (pure function of its arguments)."""
+    return markov_batches(table, seed, range(step, step + 1), batch, length)[0]
+
+
+def markov_batches(table: torch.Tensor, seed: int, steps: range, batch: int, length: int) -> torch.Tensor:
+    """Return ``[len(steps), batch, length]``: ``markov_batch`` of each step, the chain walked once for them all.
+
+    Each step's draws come from its own generator, as one step's would; the walk costs one gather per offset from a
+    row's last restart, whatever the number of rows. On one core (2026-11-29): smoke's global batch (8 x 65) 0.056
+    ms a step in chunks of 128 steps against 0.58 ms alone; 8 x 2,049 1.5 ms in chunks of 4 against 2.5 ms, and
+    slower again in chunks of 32 (the sort over every position grows faster than the gathers it saves)."""
     vocab = table.shape[0]
-    gen = torch.Generator().manual_seed(step_seed(seed, step))
     probs = torch.tensor(_BRANCH_PROBS)
-    choices = torch.multinomial(probs, batch * length, replacement=True, generator=gen).view(batch, length)
-    noisy = torch.rand(batch, length, generator=gen) < _NOISE
-    noise = torch.randint(vocab, (batch, length), generator=gen)
+    draws = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step_seed(seed, step))
+        choices = torch.multinomial(probs, batch * length, replacement=True, generator=gen).view(batch, length)
+        noisy = torch.rand(batch, length, generator=gen) < _NOISE
+        draws.append((choices, noisy, torch.randint(vocab, (batch, length), generator=gen)))
+    choices, noisy, noise = (torch.cat(d) for d in zip(*draws))
+    return _walk(table, choices, noisy, noise).view(len(steps), batch, length)
+
+
+def _walk(table: torch.Tensor, choices: torch.Tensor, noisy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The chain's tokens ``[rows, length]`` from its draws: every row a chain of its own."""
     # A position holds its noise token where the chain restarts (the first column, or a noisy draw), else the chain's
     # successor of the position before it: tokens[:, t] = table[tokens[:, t - 1], choices[:, t]]. Each position's
     # offset from its row's last restart orders the work: every position at offset k follows one at offset k - 1, so
     # one gather per offset fills all rows' segments at once. Column by column took one gather per column, 2,048
     # at seq_len 2048 (28 ms a global batch of 8 on one core); segments end on a noisy draw (p = _NOISE), so the
-    # longest offset is about ln(batch x length) / _NOISE (~200). The tokens are the same either way.
+    # longest offset is about ln(rows x length) / _NOISE (~200). The tokens are the same either way.
+    batch, length = choices.shape
     restart = noisy.clone()
     restart[:, 0] = True
     position = torch.arange(batch * length).view(batch, length)
@@ -93,7 +123,11 @@ def synthetic_source(comparison: Any) -> BatchSource:
         tokens = markov_batch(table, seed, step, n, m.seq_len + 1)
         return tokens[:, :-1], tokens[:, 1:]
 
-    return BatchSource(global_batch, m.seq_len)
+    def global_batches(steps: range) -> Batch:
+        tokens = markov_batches(table, seed, steps, n, m.seq_len + 1)
+        return tokens[..., :-1], tokens[..., 1:]
+
+    return BatchSource(global_batch, m.seq_len, global_batches)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,20 +196,25 @@ def make_source(comparison: Any) -> BatchSource:
     return resolve(entry)(comparison)
 
 
-def rank_slice(batch: Batch, dp_size: int, dp_rank: int, grad_accum: int) -> list[Batch]:
+def rank_slice(batch: Batch, dp_size: int, dp_rank: int, grad_accum: int, dim: int = 0) -> list[Batch]:
     """Return this data-parallel rank's contiguous slice of ``batch`` as ``grad_accum`` micro-batches,
-    in order. Raises ValueError when the batch does not divide into dp_size x grad_accum."""
+    in order (the samples along ``dim``: 1 for steps stacked along 0). Raises ValueError when the batch does not
+    divide into dp_size x grad_accum."""
     inputs, targets = batch
-    n = inputs.shape[0]
+    n = inputs.shape[dim]
     if n % (dp_size * grad_accum):
         raise ValueError(f"global batch {n} is not divisible by dp ({dp_size}) x grad_accum ({grad_accum})")
     per_rank = n // dp_size
     lo = dp_rank * per_rank
-    x, y = inputs[lo:lo + per_rank], targets[lo:lo + per_rank]
-    return list(zip(x.chunk(grad_accum), y.chunk(grad_accum)))
+    x, y = inputs.narrow(dim, lo, per_rank), targets.narrow(dim, lo, per_rank)
+    return list(zip(x.chunk(grad_accum, dim), y.chunk(grad_accum, dim)))
 
 
-AHEAD_BYTES = 64 << 20  # a rank's batches of the whole run built before step 0 up to this size, else one step ahead
+AHEAD_BYTES = 64 << 20  # a rank's batches of the whole run built before step 0 up to this size, else a chunk ahead
+# Steps whose global batches are built together (``markov_batches``): up to this size and this many; 1 MiB is 128
+# steps of smoke's shape, 4 of a batch of 8 x 2,048 tokens: near the fastest of each (see markov_batches).
+CHUNK_BYTES = 1 << 20
+CHUNK_STEPS = 256
 
 
 def build_batches(comparison: Any, dp_size: int, dp_rank: int, *,
@@ -183,9 +222,10 @@ def build_batches(comparison: Any, dp_size: int, dp_rank: int, *,
     """Return (``micro_batches(step)``, source): this rank's micro-batches for a step, and the source.
 
     With ``ahead`` (a run's ranks), no step waits for its batch: every step's micro-batches are built before step 0
-    when they fit ``AHEAD_BYTES`` (while the previous run tears down), else each step's on a thread while the step
-    before it runs. The tokens are the same either way (each step's global batch is still a pure function of
-    (seed, step)); only this rank's slice is kept."""
+    when they fit ``AHEAD_BYTES`` (while the previous run tears down), else on a thread a chunk of steps ahead of
+    the step that runs. Either way steps are built a chunk at a time (``BatchSource.stacked``: the Markov chain is
+    walked once for up to ``CHUNK_STEPS`` steps). The tokens are the same (each step's global batch is still a pure
+    function of (seed, step)); only this rank's slice is kept."""
     source = make_source(comparison)
 
     def micro_batches(step: int) -> list[Batch]:
@@ -194,47 +234,66 @@ def build_batches(comparison: Any, dp_size: int, dp_rank: int, *,
     if not ahead:
         return micro_batches, source
 
-    def own(step: int) -> list[Batch]:  # the slice alone: the global batch it views is freed
-        return [(x.clone(), y.clone()) for x, y in micro_batches(step)]
+    def own(steps: range) -> list[Batch]:  # the slices alone, [len(steps), ...] each: the global batches are freed
+        stacked = rank_slice(source.stacked(steps), dp_size, dp_rank, comparison.grad_accum, dim=1)
+        return [(x.clone(), y.clone()) for x, y in stacked]
 
     steps = max(1, int(comparison.steps))
-    first = own(0)
+    first = own(range(1))
     size = sum(x.numel() * x.element_size() + y.numel() * y.element_size() for x, y in first)
+    chunk = max(1, min(CHUNK_STEPS, CHUNK_BYTES // max(1, size * dp_size)))  # the global batches' size, about
     if size * steps <= AHEAD_BYTES:
-        built = _all_steps(first, own, steps)
+        built = _all_steps(first, own, steps, chunk)
         return (lambda step: built(step) if 0 <= step < steps else micro_batches(step)), source
-    return _one_step_ahead(own, first, steps), source
+    ahead_of = _chunks_ahead(own, steps, chunk)
+    return (lambda step: ahead_of(step) if 0 <= step < steps else micro_batches(step)), source
 
 
-def _all_steps(first: list[Batch], own: Callable[[int], list[Batch]], steps: int) -> Callable[[int], list[Batch]]:
-    """Every step's micro-batches built now, into one tensor per position (the i-th micro-batch's inputs or targets,
-    all steps), and ``micro_batches(step)`` that hands out views of step's rows. A few large allocations live for the
-    run: kept as thousands of small tensors, each between the freed temporaries that built it (the chain's columns),
-    they left the heap full of holes, and glibc's malloc spent 2-3 times longer on the training step's own
-    allocations (``unlink_chunk``, ``malloc_consolidate``: 7.7% of a DDP rank's CPU, against 4.4% in a bare loop whose
-    batches are one ``randint`` each; ``perf record``, 2026-11-29)."""
-    stores = [torch.empty((steps, *t.shape), dtype=t.dtype, device=t.device) for pair in first for t in pair]
-    for step in range(steps):
-        for store, t in zip(stores, [t for pair in (first if step == 0 else own(step)) for t in pair]):
-            store[step].copy_(t)
+def _all_steps(first: list[Batch], own: Callable[[range], list[Batch]], steps: int,
+               chunk: int) -> Callable[[int], list[Batch]]:
+    """Every step's micro-batches built now, a chunk of steps at a time, into one tensor per position (the i-th
+    micro-batch's inputs or targets, all steps), and ``micro_batches(step)`` that hands out views of step's rows. A
+    few large allocations live for the run: kept as thousands of small tensors, each between the freed temporaries
+    that built it (the chain's columns), they left the heap full of holes, and glibc's malloc spent 2-3 times longer
+    on the training step's own allocations (``unlink_chunk``, ``malloc_consolidate``: 7.7% of a DDP rank's CPU,
+    against 4.4% in a bare loop whose batches are one ``randint`` each; ``perf record``, 2026-11-29)."""
+    stores = [torch.empty((steps, *t.shape[1:]), dtype=t.dtype, device=t.device) for pair in first for t in pair]
+    for start in range(0, steps, chunk):
+        these = range(start, min(steps, start + chunk))
+        part = first if these == range(1) else own(these)
+        for store, t in zip(stores, [t for pair in part for t in pair]):
+            store[start:start + t.shape[0]].copy_(t)
     pairs = list(zip(stores[0::2], stores[1::2]))
     return lambda step: [(x[step], y[step]) for x, y in pairs]
 
 
-def _one_step_ahead(own: Callable[[int], list[Batch]], first: list[Batch], steps: int) -> Callable[[int], list[Batch]]:
-    """``micro_batches(step)`` that builds step + 1's on a thread while step runs (torch's CPU ops release the GIL)."""
+def _chunks_ahead(own: Callable[[range], list[Batch]], steps: int, chunk: int) -> Callable[[int], list[Batch]]:
+    """``micro_batches(step)`` for ``0 <= step < steps`` that hands out views of the chunk of steps that holds it,
+    the next chunk built on a thread meanwhile (torch's CPU ops release the GIL). One build every ``chunk`` steps:
+    built one step ahead, step by step, the thread took 10% of a core on smoke, and rank 0 waited 0.9 ms a step
+    longer for a core than a bare loop's (tokens/s 0.916 of it at 20,000 steps; a chunk ahead 0.964: RESULTS.md,
+    2026-11-29)."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardscope-batches")
-    pending: dict[int, Any] = {}
+
+    def steps_from(start: int) -> range:
+        return range(start, min(steps, start + chunk))
+
+    held: dict[str, Any] = {"start": 0, "parts": own(steps_from(0))}  # before step 0, as the next chunk is begun
+    pending: dict[int, Any] = {chunk: pool.submit(own, steps_from(chunk))} if chunk < steps else {}
 
     def micro_batches(step: int) -> list[Batch]:
-        fut = pending.pop(step, None)
-        batch = first if step == 0 else (fut.result() if fut is not None else own(step))
-        for stale in [s for s in pending if s < step]:  # a step skipped (a restart): its batch is not needed
-            pending.pop(stale).cancel()
-        if step + 1 < steps and step + 1 not in pending:
-            pending[step + 1] = pool.submit(own, step + 1)
-        return batch
+        start = step - step % chunk
+        if held["start"] != start:
+            fut = pending.pop(start, None)
+            held["parts"] = fut.result() if fut is not None else own(steps_from(start))
+            held["start"] = start
+            for stale in [s for s in pending if s != start + chunk]:  # a step skipped (a restart): not needed
+                pending.pop(stale).cancel()
+        if start + chunk < steps and start + chunk not in pending:
+            pending[start + chunk] = pool.submit(own, steps_from(start + chunk))
+        i = step - start
+        return [(x[i], y[i]) for x, y in held["parts"]]
 
     return micro_batches
