@@ -175,9 +175,10 @@ def short_label(m: Any, d: Any) -> str:
 
 
 def pipeline_facts(m: Any) -> dict[str, Any] | None:
-    """What a user's module runs before and after its blocks, as the model check found it (``{"first", "last",
-    "refusal"}``, engines/module_pipeline.py); None for a model whose stages shardscope builds by itself."""
-    if m.kind != "module":
+    """What a described model (a user's module, a Hugging Face config or directory) runs before and after its
+    blocks, as the model check found it (``{"first", "last", "refusal"}`` and, for Hugging Face, ``"tied"``:
+    engines/module_pipeline.py, engines/hf_pipeline.py); None for a model whose stages shardscope builds by itself."""
+    if not is_described(m):
         return None
     return dict(description(m).get("pipeline") or {"first": [], "last": [], "refusal": "not described for pipeline "
                                                    "stages (a module taking images)"})
@@ -191,4 +192,11 @@ def pipeline_units(m: Any, names: list[str]) -> list[str]:
     facts = pipeline_facts(m)
     if facts is None:
         return pipeline_layout.unit_names(names)
-    return pipeline_layout.unit_names(names, blocks=str(description(m)["blocks"]), last=set(facts["last"]))
+    return pipeline_layout.unit_names(names, blocks=str(description(m)["blocks"]),
+                                      last=set(facts["last"]) - set(facts.get("tied") or ()))
+
+
+def pipeline_tied(m: Any) -> list[str]:
+    """Parameters both the first and the last pipeline stage hold (tied embeddings, their gradients summed)."""
+    facts = pipeline_facts(m)
+    return list(facts.get("tied") or ()) if facts is not None else []

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardscope.config import ModelSpec
-from shardscope.engines import hf_model, tp_plan
-from shardscope.engines.parallelize import blocks_of
+from shardscope.engines import hf_model, hf_pipeline, tp_plan
 from shardscope.engines.module_pipeline import pipeline_facts
 from shardscope.engines.user_module import UserModelError, build_model as build_user_module, find_blocks
 
@@ -47,10 +46,6 @@ class DescribeError(ValueError):
     """A model that cannot be described; ``str(err)`` is one line."""
 
 
-def _blocks_path(model: nn.Module, blocks: nn.ModuleList) -> str:
-    return next(name for name, m in model.named_modules() if m is blocks)
-
-
 def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
     """The model for ``spec`` built under ``FakeTensorMode`` (``fake_mode()``): every tensor has its shape, dtype and
     device but no storage, so a 7B model costs nothing. (Fake rather than meta tensors: transformers' mask code
@@ -60,7 +55,7 @@ def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
         if spec.hf_layers > depth:
             raise DescribeError(f"model.hf_layers = {spec.hf_layers}: the config has {depth} decoder layers")
         config = hf_model.hf_config(spec)
-        return hf_model.causal_lm_class(config)(config)
+        return hf_model.causal_lm_class(config)(config).eval()  # as the ranks build it: dropout off
     return build_user_module(spec, seed)
 
 
@@ -230,23 +225,24 @@ def check_weights(model: nn.Module, spec: ModelSpec) -> dict[str, Any] | None:
     if not files:
         return None
     wanted = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    found: dict[str, tuple[int, ...]] = {}
+    rename = hf_model.checkpoint_names(model)  # as transformers renames a checkpoint's keys when it loads them
+    found: dict[str, tuple[int, ...] | None] = {}
     for path in files:
         if not os.path.isfile(path):
             raise DescribeError(f"{hf_model.INDEX} lists {os.path.basename(path)}, which is not in the folder")
         try:
             with safe_open(path, framework="pt") as fh:
-                for name in fh.keys():
-                    if name in wanted:
-                        found[name] = tuple(fh.get_slice(name).get_shape())
+                for key in fh.keys():
+                    name, converted = rename(key)
+                    if name in wanted:  # a converter's target is built from several keys: its shape is theirs combined
+                        found[name] = None if converted else tuple(fh.get_slice(key).get_shape())
         except Exception as err:  # a damaged or foreign file: one line
             raise DescribeError(f"{os.path.basename(path)}: not a readable safetensors file ({err})") from None
     for name, shape in found.items():
-        if shape != wanted[name]:
+        if shape is not None and shape != wanted[name]:
             raise DescribeError(f"weights do not match the config: {name} has shape {list(shape)} in the checkpoint, "
                                 f"{list(wanted[name])} from the config")
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(wanted) - set(found) - tied - hf_model.non_persistent(model))
+    missing = sorted(set(wanted) - set(found) - hf_model.tied_names(model) - hf_model.non_persistent(model))
     if missing:
         raise DescribeError(f"weights do not match the config: the checkpoint lacks {len(missing)} weights the model "
                             f"needs, e.g. {missing[0]}")
@@ -283,8 +279,10 @@ def describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
 def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
     model = build_fake(spec, seed)
     if spec.kind == "hf":
-        blocks = blocks_of(model)
-        blocks_path = _blocks_path(model, blocks)
+        try:
+            blocks_path, blocks = hf_model.find_blocks(model, spec.blocks)
+        except ValueError as err:
+            raise DescribeError(str(err)) from None
         dims = _hf_dims(model)
         declared = tp_plan.declared_plan(model)
     else:
@@ -326,6 +324,7 @@ def _describe(spec: ModelSpec, seed: int) -> dict[str, Any]:
         out["autotp_refusal"] = autotp_refusal(dims["model_type"], tp_refusal)
         out["untied_head"] = _untied_head(model, kept)
         out["weights"] = check_weights(model, spec)
+        out["pipeline"] = hf_pipeline.facts(model, blocks_path, blocks, _sample(spec)[0])
     else:
         out["autotp_refusal"] = "DeepSpeed AutoTP needs a Hugging Face model"
         out["weights"] = None

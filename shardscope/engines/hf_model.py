@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from shardscope.core.hf_archs import ARCHS
+from shardscope.engines.hf_pipeline import FACTS_ATTR
+from shardscope.engines.parallelize import BLOCKS_ATTR
 from shardscope.engines.tp_plan import TP_PLAN_ATTR
 
 
@@ -98,6 +100,9 @@ def causal_lm_class(config: Any) -> type[nn.Module]:
             return super().forward(input_ids=input_ids, use_cache=False, **kwargs).logits
 
     LogitsOnly.__name__ = LogitsOnly.__qualname__ = base.__name__
+    # transformers' own class with only forward narrowed: its checkpoint conversions (key renames such as GPT-NeoX's
+    # embed_out -> lm_head, merged expert tensors) apply to it, which transformers skips for classes defined elsewhere
+    LogitsOnly.__module__ = base.__module__
     return LogitsOnly
 
 
@@ -106,20 +111,57 @@ def build_model(spec: Any, seed: int) -> nn.Module:
     ``*.safetensors`` files beside ``spec.path``'s config. Raises FileNotFoundError or ValueError for weights that
     do not fit the config (the model check names them before the start)."""
     config = hf_config(spec)
-    # transformers initialises from torch's global generator; fork it so building a model
-    # neither depends on nor disturbs anyone else's random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = causal_lm_class(config)(config)
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        model.float()  # (skipped when already fp32: fake tensors, as in estimate --traced, cannot be swapped)
     files = weight_files(spec.path) if spec.path else []
     if files:
-        load_weights(model, files)
+        model = load_weights(spec, config, seed)
+    else:
+        # transformers initialises from torch's global generator; fork it so building a model
+        # neither depends on nor disturbs anyone else's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = causal_lm_class(config)(config)
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model.float()  # (skipped when already fp32: fake tensors, as in estimate --traced, cannot be swapped)
+    model.eval()  # dropout off, as transformers' from_pretrained leaves a model: every strategy computes one function
+    blocks = find_blocks(model, getattr(spec, "blocks", ""))[0]
+    setattr(model, BLOCKS_ATTR, blocks)
+    described = getattr(spec, "described", None) or {}
+    facts = described.get("pipeline")
+    if facts and not facts.get("refusal"):  # for pipeline stages (engines/hf_pipeline.py)
+        setattr(model, FACTS_ATTR, {**facts, "blocks": blocks, "vocab": int(described.get("vocab_size") or 0),
+                                    "width": int(described.get("block_width") or described.get("hidden_size") or 0)})
     if spec.path:  # a config of the user's: tensor parallelism follows its own plan (tp_plan.plan_of), or refuses
         setattr(model, TP_PLAN_ATTR, dict(getattr(model, "_tp_plan", None) or {}))
     model.seq_len = int(spec.seq_len)  # as the built-in transformer carries it: pipeline stages size their buffers by it
     return model
+
+
+def find_blocks(model: nn.Module, declared: str = "") -> tuple[str, nn.ModuleList]:
+    """(attribute path, ModuleList) of a Hugging Face model's decoder layers, held by identity before anything wraps
+    the model: ``declared`` (the preset's ``model.blocks``) when given; else the outermost ``ModuleList`` whose every
+    element is of a ``_no_split_modules`` class (its own decoder layers: ``model.layers``, ``transformer.h``,
+    ``gpt_neox.layers``, ``model.decoder.layers``, ``backbone.layers``, ...); else the ``ModuleList`` holding the most
+    parameters. Raises ValueError (one line) when there is none."""
+    if declared:
+        owner: Any = model
+        for part in declared.split("."):
+            owner = getattr(owner, part, None)
+            if owner is None:
+                raise ValueError(f"model.blocks = {declared!r}: {type(model).__name__} has no attribute {part!r}")
+        if not isinstance(owner, nn.ModuleList) or not len(owner):
+            raise ValueError(f"model.blocks = {declared!r}: {type(owner).__name__}, not a non-empty nn.ModuleList")
+        return declared, owner
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in lists:  # module order: outermost first
+        if no_split and all(any(c.__name__ in no_split for c in type(b).__mro__) for b in module):
+            return name, module
+    sized = [(sum(p.numel() for p in m.parameters()), -i, name, m) for i, (name, m) in enumerate(lists)]
+    if not sized or max(sized)[0] == 0:
+        raise ValueError(f"{type(model).__name__} holds no nn.ModuleList of decoder layers; give model.blocks, the "
+                         "attribute path of its layers (e.g. \"model.layers\")")
+    _, _, name, module = max(sized, key=lambda t: (t[0], t[1]))
+    return name, module
 
 
 INDEX = "model.safetensors.index.json"
@@ -137,29 +179,79 @@ def weight_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
 
 
-def load_weights(model: nn.Module, files: list[str]) -> None:
-    """Load the tensors ``model`` needs from ``files`` (layers beyond the model's depth are never read).
-    Raises ValueError naming a missing weight or a shape that differs from the config's."""
-    from safetensors import safe_open
+def load_weights(spec: Any, config: Any, seed: int) -> nn.Module:
+    """The causal LM for ``config`` holding the checkpoint beside ``spec.path``, loaded by transformers'
+    ``from_pretrained`` (its key renames, merged tensors and tied weights; layers beyond the config's depth are left
+    unread, nothing is fetched). Raises ValueError naming a missing weight or a shape that differs from the config's."""
+    cls = causal_lm_class(config)
+    folder = spec.path if os.path.isdir(spec.path) else os.path.dirname(os.path.abspath(spec.path))
+    import transformers
 
-    wanted = model.state_dict()
-    loaded: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as fh:
-            for name in fh.keys():
-                if name in wanted:
-                    tensor = fh.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(wanted[name].shape):
-                        raise ValueError(f"{os.path.basename(path)}: {name} has shape {list(tensor.shape)}, the "
-                                         f"config gives {list(wanted[name].shape)}")
-                    loaded[name] = tensor.float()
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(wanted) - set(loaded) - tied - non_persistent(model))
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its table of the deeper layers left unread is not the user's error
+    transformers.utils.logging.disable_progress_bar()  # nor is a progress bar in every rank's log
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model, info = cls.from_pretrained(folder, config=config, dtype=torch.float32, local_files_only=True,
+                                              use_safetensors=True, output_loading_info=True,
+                                              ignore_mismatched_sizes=True,  # then named below, with both shapes
+                                              attn_implementation=config._attn_implementation)
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"the checkpoint in {folder} could not be loaded: {_first_line(err)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    mismatched = sorted(info.get("mismatched_keys") or (), key=str)
+    if mismatched:
+        first = mismatched[0]
+        if isinstance(first, (tuple, list)) and len(first) == 3:
+            name, got, want = first
+            raise ValueError(f"{name} has shape {list(got)}, the config gives {list(want)}")
+        raise ValueError(f"the checkpoint's {first} has another shape than the config gives")
+    missing = sorted(set(info.get("missing_keys") or ()) - tied_names(model) - non_persistent(model))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights the config needs, e.g. {missing[0]}")
-    model.load_state_dict(loaded, strict=False)
-    if tied:
-        model.tie_weights()
+    return model
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """State-dict names that share a tensor with an earlier one (tied output and input embeddings): a checkpoint
+    holds them once."""
+    seen: set[int] = set()
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
+def checkpoint_names(model: nn.Module) -> Any:
+    """A function from a checkpoint key to (the model's name for it, whether a converter builds it from several
+    keys), as transformers renames keys when it loads (``conversion_mapping``); the identity on a transformers
+    without conversions."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:
+        return lambda key: (key, False)
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    wanted = {n: True for n in model.state_dict()}
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, bool]:
+        name, converted = rename_source_key(key, renamings, converters, prefix, wanted)
+        return name, converted is not None
+    return rename
 
 
 def non_persistent(model: nn.Module) -> set[str]:

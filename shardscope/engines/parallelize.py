@@ -19,26 +19,22 @@ from torch.utils.checkpoint import checkpoint
 from shardscope.engines.api import RankContext, TrainSettings
 
 
-BLOCKS_ATTR = "_shardscope_blocks"  # set by engines/user_module.py: the attribute path of a user module's blocks
+# The attribute path of a model's blocks, noted on the instance when it is built, before anything wraps it
+# (engines/user_module.py for a user's module, engines/hf_model.py for a Hugging Face model): wrappers rename
+# classes (``fully_shard`` makes ``GPT2Block`` ``FSDPGPT2Block``) but keep attribute paths.
+BLOCKS_ATTR = "_shardscope_blocks"
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """Return the model's repeated blocks, the unit FSDP wraps, tensor parallelism splits and checkpointing
-    recomputes: a user module's declared ``model.blocks`` (noted on the instance), a Hugging Face model's
-    ``ModuleList`` of its ``_no_split_modules`` class (its decoder layers), else ``model.layers``.
-    Raises TypeError when none exists."""
+    recomputes: the path noted on the instance when it was built (``BLOCKS_ATTR``), found through any wrapper,
+    else the built-in transformer's ``model.layers``. Raises TypeError when none exists."""
     path = getattr(model, BLOCKS_ATTR, "")
     if path:
         owner: Any = model
         for part in path.split("."):
             owner = getattr(owner, part)
         return owner
-    no_split = set(getattr(model, "_no_split_modules", None) or ())
-    if no_split:
-        for _, module in model.named_modules():
-            if (isinstance(module, nn.ModuleList) and len(module)
-                    and all(type(b).__name__ in no_split for b in module)):
-                return module
     for owner in (model, getattr(model, "model", None)):
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList):

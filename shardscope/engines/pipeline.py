@@ -128,6 +128,43 @@ def average_across_pipelines(params: list[torch.Tensor], group: Any, dp: int) ->
         offset += g.numel()
 
 
+def tied_pairs(model: nn.Module, modules: list[nn.Module], ctx: RankContext, n_stages: int) -> tuple[Any, list[Any]]:
+    """The group of this pipeline's first- and last-stage ranks and the tied parameters this rank holds there, or
+    (None, []) when the model ties none or this rank holds neither stage. Every rank makes every pipeline's group, in
+    the same order (``new_group`` is collective)."""
+    names = pipeline_stages.tied(model)
+    if not names:
+        return None, []
+    first = dist.get_global_rank(ctx.pp_group, pipeline_layout.stage_ranks(n_stages, ctx.pp_size)[0])
+    last = dist.get_global_rank(ctx.pp_group, pipeline_layout.stage_ranks(n_stages, ctx.pp_size)[n_stages - 1])
+    pairs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, (first, last))
+    mine = None
+    for pair in sorted(set(pairs)):
+        group = dist.new_group(list(pair))
+        if dist.get_rank() in pair:
+            mine = group
+    wanted = set(names)
+    on_stages = {id(q) for mod in modules for q in mod.parameters()}
+    held = [p for n, p in model.named_parameters() if n in wanted and id(p) in on_stages]
+    return (mine, held) if held else (None, [])
+
+
+def sum_tied(params: list[torch.Tensor], group: Any) -> None:
+    """Sum a tied weight's gradients of the first and the last stage (Megatron-LM's embedding all-reduce), so both
+    copies take the same step: one all-reduce of one flat buffer."""
+    grads = [full_grad for p in params if (full_grad := p.grad) is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def grid_of(schedule: Any) -> dict[int, list[tuple[str, int, int]]]:
     """The schedule's action grid as ``{rank: [(kind, stage, microbatch)]}`` (compute actions only)."""
     out: dict[int, list[tuple[str, int, int]]] = {}
@@ -154,11 +191,11 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
     mine = pipeline_layout.stages_of(ctx.pp_rank, pp, v)
     policy = settings.precision
     autocast = policy.compute_dtype if policy.autocast else None
-    modules = [pipeline_stages.stage(model, *ranges[s], autocast) for s in mine]
+    batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
+    modules = [pipeline_stages.stage(model, *ranges[s], autocast, batch // m) for s in mine]
     sharded = options.get("dp_shard") == "fsdp2"
     if sharded:  # before the stages are built: PipelineStage looks at whether its module is an FSDP module
         shard_stages(modules, ctx)
-    batch = settings.micro_batch_size * settings.grad_accum  # this pipeline's share of the global batch
     chunk, seq = batch // m, pipeline_stages.seq_len(model)
     width, vocab = pipeline_stages.widths(model)
     act = dict(dtype=torch.float32, device=ctx.device)
@@ -208,6 +245,8 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
         spans["span_s"] = time.perf_counter() - t0
         if ctx.dp_size > 1 and not sharded:  # FSDP2 on the stages reduce-scatters the gradients itself
             average_across_pipelines(params, ctx.dp_group, ctx.dp_size)
+        if tied_group is not None:
+            sum_tied(tied_params, tied_group)
         timer.clock = None
         mean = (torch.stack([x.detach() for x in losses]).sum() / factor["value"] if has_last
                 else torch.zeros((), device=ctx.device))
@@ -215,12 +254,16 @@ def apply(model: nn.Module, ctx: RankContext, settings: TrainSettings, options: 
             dist.broadcast(mean, src=last_rank, group=ctx.pp_group)
         return mean * len(micro)
 
-    params = [p for mod in modules for p in mod.parameters()]
+    params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
+    tied_group, tied_params = tied_pairs(model, modules, ctx, n_stages)
     release_other_stages(model, params)
     optimizer = make_optimizer(params, settings)
 
+    # a tied weight's (summed) gradient counts once in the global norm: on the first stage's rank
+    once = {id(p) for p in tied_params} if tied_params and not has_first else set()
+
     def clip_and_step(max_norm: float) -> float:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in once]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=ctx.device)
         square = (full_value(local).float() ** 2).reshape(1)  # sharded stages: the stage's norm across the pipelines
         dist.all_reduce(square, group=ctx.pp_group)  # every stage's share of the global norm

@@ -4,7 +4,8 @@ every other strategy's.
 
 - ``TransformerStage``: the built-in transformer (``tok_emb``, ``pos_emb``, ``layers``, ``norm``, ``lm_head``).
 - ``module_pipeline.module_stage``: a user's module that defines ``pre_blocks`` and ``post_blocks``.
-- ``HFStage``: a Hugging Face decoder-only causal LM laid out as Llama is (``model.embed_tokens``,
+- ``hf_pipeline.HFStage``: any Hugging Face decoder the model check described (a config or model directory).
+- ``HFStage``: a built-in Hugging Face architecture (``hf_archs``), laid out as Llama is (``model.embed_tokens``,
   ``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``). Each stage computes the rotary position
   embeddings itself (a buffer, no parameters) and calls its decoder layers as the base model does, with no
   attention mask: SDPA then masks causally, which is the base model's mask for a full-length batch without padding
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from shardscope.core import pipeline_layout
-from shardscope.engines import module_pipeline
+from shardscope.engines import hf_pipeline, module_pipeline
 from shardscope.engines.parallelize import BLOCKS_ATTR
 
 _NULL = contextlib.nullcontext()  # reusable: nullcontext holds no state
@@ -90,6 +91,17 @@ class HFStage(nn.Module):
             return self.lm_head(self.model.norm(x)) if self.last else x
 
 
+def hf_facts(model: nn.Module) -> dict[str, Any] | None:
+    """A described Hugging Face model's pipeline facts (engines/hf_pipeline.py), None for the others."""
+    return getattr(model, hf_pipeline.FACTS_ATTR, None)
+
+
+def tied(model: nn.Module) -> list[str]:
+    """Parameters the first and the last stage both hold (tied input and output embeddings)."""
+    f = hf_facts(model)
+    return list(f["tied"]) if f is not None else []
+
+
 def is_hf(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face causal LM (``model.model.layers``) rather than the built-in transformer."""
     return hasattr(model, "model") and hasattr(model.model, "layers")
@@ -103,6 +115,10 @@ def module_facts(model: nn.Module) -> dict[str, Any] | None:
 def units(model: nn.Module) -> list[pipeline_layout.Unit]:
     """The model's units, in order (core/pipeline_layout.py): a user's module's from its description."""
     names = [(n, p.numel()) for n, p in model.named_parameters()]
+    hf = hf_facts(model)
+    if hf is not None:  # a tied weight's unit is the embeddings': the last stage holds it besides
+        return pipeline_layout.units_of(names, pipeline_layout.unit_names(
+            [n for n, _ in names], blocks=hf["blocks"], last=set(hf["last"]) - set(hf["tied"])))
     facts = module_facts(model)
     if facts is None:
         return pipeline_layout.units_of(names)
@@ -115,8 +131,10 @@ def blocks_path(model: nn.Module) -> str:
     return str(getattr(model, BLOCKS_ATTR, ""))
 
 
-def stage(model: nn.Module, start: int, end: int, autocast: torch.dtype | None) -> nn.Module:
-    """The stage module of units ``[start, end)`` of ``model``."""
+def stage(model: nn.Module, start: int, end: int, autocast: torch.dtype | None, chunk: int) -> nn.Module:
+    """The stage module of units ``[start, end)`` of ``model`` (``chunk``: samples per micro-batch)."""
+    if hf_facts(model) is not None:
+        return hf_pipeline.HFStage(model, start, end, autocast, chunk)
     facts = module_facts(model)
     if facts is not None:
         return module_pipeline.module_stage(model, blocks_path(model), facts, start, end, autocast)
@@ -131,7 +149,7 @@ def seq_len(model: nn.Module) -> int:
 
 def widths(model: nn.Module) -> tuple[int, int]:
     """(hidden width of the residual stream, vocabulary) of ``model``."""
-    facts = module_facts(model)
+    facts = module_facts(model) or hf_facts(model)
     if facts is not None:
         return int(facts["width"]), int(facts["vocab"])
     if is_hf(model):

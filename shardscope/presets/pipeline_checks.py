@@ -38,13 +38,14 @@ def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
     if info.schedule in ("interleaved-1f1b", "zero-bubble") and m % pp:
         return (f"options.microbatches = {m}: the looped schedules ({run.strategy}) need a multiple of pp = {pp} "
                 "(torch.distributed.pipelining runs micro-batches in rounds of pp)")
-    if c.model.kind == "hf":
+    if c.model.kind == "hf" and not model_facts.is_described(c.model):
         refusal = _hf_refusal(c)
         if refusal:
             return refusal
     facts = model_facts.pipeline_facts(c.model)
     if facts is not None and facts["refusal"]:
-        return f"model.entry = {c.model.entry!r}: {facts['refusal']}"
+        named = f"model.entry = {c.model.entry!r}" if c.model.kind == "module" else f"model.path = {c.model.path!r}"
+        return f"{named}: {facts['refusal']}"
     blocks = model_facts.layers(c.model)
     units = blocks + 2  # embeddings, the blocks, the head (core/pipeline_layout.py)
     if units < pp * v:
@@ -56,7 +57,8 @@ def check_pipeline(c: Comparison, run: RunSpec, tp: int, dp: int) -> str:
 
 
 def _hf_refusal(c: Comparison) -> str:
-    """"" when a Hugging Face model's stages can be rebuilt as ``HFStage`` does, else the reason they cannot."""
+    """"" when a built-in Hugging Face architecture's stages can be rebuilt as ``HFStage`` does, else the reason they
+    cannot (a described model's stages are its own: engines/hf_pipeline.py)."""
     m = c.model
     family = str(model_facts.hf_config_value(m, "model_type") or "?")
     if family not in HF_FAMILIES:

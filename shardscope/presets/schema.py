@@ -29,7 +29,7 @@ HF_ARCHS = tuple(HF_ARCH_VALUES)  # hf_archs.ARCHS is the one table of architect
 # The [model] keys each kind uses; any other key a preset or --set gives is an error naming these.
 MODEL_KEYS: dict[str, tuple[str, ...]] = {
     "transformer": ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"),
-    "hf": ("kind", "hf_arch", "path", "hf_layers", "seq_len"),
+    "hf": ("kind", "hf_arch", "path", "hf_layers", "blocks", "seq_len"),
     "vit": ("kind", "d_model", "n_layers", "n_heads", "d_ff", "image_size", "patch_size", "channels", "num_classes"),
     "module": ("kind", "entry", "blocks", "inputs", "args", "seq_len", "image_size", "channels", "num_classes"),
 }
@@ -62,7 +62,7 @@ class ModelSpec:
     hf_layers: int = 0  # kind = "hf": the first N decoder layers; 0 = every layer of the config
     path: str = ""  # kind = "hf": a local model directory or its config.json (+ *.safetensors beside it: real weights)
     entry: str = ""  # kind = "module": "pkg.mod:build" or "./file.py:build", build(model_table, seed) -> nn.Module
-    blocks: str = ""  # kind = "module": attribute path of the ModuleList of blocks; "" = the only ModuleList
+    blocks: str = ""  # attribute path of the ModuleList of blocks; "" = found (module: the only ModuleList; hf: its layers)
     inputs: str = "tokens"  # kind = "module": what forward takes, "tokens" [b, s] or "images" [b, c, h, w]
     args: dict[str, Any] = field(default_factory=dict)  # kind = "module": the user's own keys, handed to build
     image_size: int = 32  # kind = "vit"

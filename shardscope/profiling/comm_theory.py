@@ -37,6 +37,7 @@ from shardscope.core import model_facts
 from shardscope.profiling import pipeline_model
 from shardscope.profiling.memory_model import ARCHS, PRECISION_BYTES, flat_offsets
 from shardscope.profiling.run_description import (
+    dim0_shard_numel,
     FLAT_VIEW_ALIGN,
     RunDescription,
     describe_run,
@@ -236,6 +237,16 @@ def _pipeline_comm(comp: Comparison, layout: Any, params: list, grad_bytes: int)
         held = [sum(p.numel for p in rank) for rank in per_rank]
         parts["all_reduce"] += sum(held) * grad_bytes / layout.pp
         basis.append(f"one all-reduce of each rank's stage gradients across the {layout.dp} pipelines")
+    tied = pipeline_model.tied_params(params)
+    if tied:  # Megatron-LM's embedding all-reduce: the first and the last stage's ranks sum the tied gradient
+        sharded = layout.dp > 1 and layout.shards == "all"
+        numel = sum(sum(dim0_shard_numel(p.shape, layout.shard_size, r) for r in range(layout.shard_size))
+                    / layout.shard_size if sharded else p.numel for p in tied)  # a shard: the mean over the pipelines
+        parts["all_reduce"] += 2 * numel * grad_bytes / layout.pp
+        if sharded:  # the last stage's rank leaves the tied weight out of the norm: one per-tensor norm fewer
+            parts["all_reduce"] -= NORM_BYTES * len(tied) / layout.pp
+        basis.append(f"the tied embedding's gradient ({', '.join(p.name for p in tied)}) all-reduced between the "
+                     "first and the last stage")
     return {"bytes_per_step": sum(parts.values()), "by_type": parts, "basis": "; ".join(basis),
             "reasons": reasons, "dp": layout.dp, "tp": layout.tp, "shards": layout.shards}
 

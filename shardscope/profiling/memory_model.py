@@ -172,7 +172,13 @@ def activation_bytes(c: Comparison, layout: Layout, params: tuple[Param, ...] | 
     if layout.pp > 1:  # one chunk: a micro-batch of the pipeline's schedule
         micro = max(1, c.global_batch // max(1, layout.dp * layout.microbatches))
     if model_facts.is_described(m):
-        return described_activation_bytes(c, layout, micro)
+        out = described_activation_bytes(c, layout, micro)
+        if layout.pp > 1:  # each schedule's rule: the blocks of this rank's stages, times the chunks it holds
+            per_block = out["layers"] / max(1, model_facts.layers(m))
+            held = pipeline_model.activation_bytes(list(params or describe_model(m).params), layout, per_block,
+                                                   out["logits"])
+            out = {**out, "layers": held["layers"], "logits": held["logits"]}
+        return out
     scale = PRECISION_BYTES.get(layout.precision, (4, 4, 4))[2] / 2
     s, h, layers = model_facts.tokens_per_sample(m), model_facts.hidden_size(m), model_facts.layers(m)
     vocab, ffn_ratio = model_facts.vocab_size(m), model_facts.ffn_size(m) / (4 * h)

@@ -38,7 +38,8 @@ class Param:
     shape: tuple[int, ...]
     split: str | None = None  # the model's own plan: "col", "row" or "" (replicated); None: by module name
     block: str | None = None  # "layers.<i>." for the i-th block, "root" otherwise; None: from the name
-    stage_unit: str = ""  # a user's module: its pipeline unit ("embeddings", "layers.<i>", "head"); "": from the name
+    stage_unit: str = ""  # a described model: its pipeline unit ("embeddings", "layers.<i>", "head"); "": from the name
+    tied: bool = False  # a tied embedding: the last pipeline stage holds it too (its gradient summed with the first's)
 
     @property
     def numel(self) -> int:
@@ -128,8 +129,10 @@ def vit_params(m: ModelSpec) -> list[Param]:
 def described_params(m: ModelSpec) -> list[Param]:
     """Shapes of a user's model as the model check found them on the real module (shared tensors once)."""
     rows = model_facts.description(m)["params"]
-    stage_units = model_facts.pipeline_units(m, [str(row[0]) for row in rows]) if m.kind == "module" else [""] * len(rows)
-    return [Param(str(name), tuple(int(x) for x in shape), str(split), str(unit), stage_unit)
+    described = model_facts.pipeline_facts(m) is not None and bool(model_facts.description(m).get("pipeline"))
+    stage_units = model_facts.pipeline_units(m, [str(row[0]) for row in rows]) if described else [""] * len(rows)
+    tied = set(model_facts.pipeline_tied(m))
+    return [Param(str(name), tuple(int(x) for x in shape), str(split), str(unit), stage_unit, str(name) in tied)
             for (name, shape, unit, split), stage_unit in zip(rows, stage_units)]
 
 

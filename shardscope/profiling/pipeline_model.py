@@ -42,10 +42,18 @@ def stage_units(params: list[Param], n_stages: int) -> tuple[list[pipeline_layou
 
 
 def rank_params(params: list[Param], pp: int, v: int, pp_rank: int) -> list[Param]:
-    """The parameters the stages of ``pp_rank`` hold, in model order."""
+    """The parameters the stages of ``pp_rank`` hold, in model order: a tied embedding on the first stage's rank and
+    on the last's."""
     units, ranges = stage_units(params, pp * v)
-    names = {units[i].name for s in pipeline_layout.stages_of(pp_rank, pp, v) for i in range(*ranges[s])}
-    return [p for p, unit in zip(params, _unit_of_each(params)) if unit in names]
+    mine = pipeline_layout.stages_of(pp_rank, pp, v)
+    names = {units[i].name for s in mine for i in range(*ranges[s])}
+    last = pp * v - 1 in mine
+    return [p for p, unit in zip(params, _unit_of_each(params)) if unit in names or (last and p.tied)]
+
+
+def tied_params(params: list[Param]) -> list[Param]:
+    """The tied embeddings: held by the first and the last stage, their gradients all-reduced between the two."""
+    return [p for p in params if p.tied]
 
 
 def held_chunks(schedule: str, pp: int, m: int, v: int, pp_rank: int) -> int:
