@@ -63,7 +63,7 @@ def test_hf_width_and_vocabulary_come_from_the_config():
     """A key the model's kind does not use is refused, not echoed and ignored: a Hugging Face model's width and
     vocabulary are its config's."""
     with pytest.raises(ConfigError, match=r"--set model.vocab_size=1000: not used by model.kind = 'hf'; it uses: "
-                                          r"hf_arch, path, hf_layers, seq_len; the config sets width"):
+                                          r"hf_arch, path, hf_layers, blocks, seq_len; the config sets width"):
         config.load_preset("tp-verification", ["model.vocab_size=1000"])
     with pytest.raises(ConfigError, match=r"--set model.d_model=128: not used by model.kind = 'hf'"):
         config.load_preset("tp-verification", ["model.d_model=128"])

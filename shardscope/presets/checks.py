@@ -168,17 +168,40 @@ def validate(c: Comparison, *, host: HostInfo | None = None) -> Comparison:
     if c.baseline and c.baseline not in names:
         raise ConfigError(f"{src}: baseline = {c.baseline!r}: not a run; runs: {', '.join(names)}")
     baseline = c.baseline or names[0]
-    runs, notes = [], list(c.adjustments)
+    runs, notes, errors = [], list(c.adjustments), []
+    described = model_facts.is_described(c.model)
     for i, run in enumerate(c.runs):
         refusal = _refusal(c, run)
-        if refusal:  # this strategy cannot run the user's model: left out, with the reason; the others run
-            if run.name == baseline:
-                raise ConfigError(f"{src}: runs.{run.name}: the baseline cannot run this model: {run.strategy}: "
-                                  f"{refusal}; choose another baseline")
-            notes.append(f"run {run.name} left out: {run.strategy}: {refusal}")
+        if not refusal:
+            try:
+                runs.append(_validate_run(c, run, f"runs[{i}]", src, host))
+                continue
+            except LayoutRefusal as err:
+                if not described:  # shardscope's own models: their limits are the preset's errors
+                    errors.append(str(err))
+                    continue
+                refusal = err.reason
+            except ConfigError as err:
+                errors.append(str(err))
+                continue
+        # this strategy cannot run the user's model (or not at this layout): left out, with the reason; the others run
+        if run.name == baseline:
+            errors.append(f"{src}: runs.{run.name}: the baseline cannot run this model: {run.strategy}: {refusal}; "
+                          "choose another baseline")
             continue
-        runs.append(_validate_run(c, run, f"runs[{i}]", src, host))
+        notes.append(f"run {run.name} left out: {run.strategy}: {refusal}")
+    if errors:  # every run's error at once, not only the first
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{errors[0]} (and {len(errors) - 1} more: " + "; ".join(errors[1:]) + ")")
     return dataclasses.replace(c, runs=runs, baseline=baseline, adjustments=notes)
+
+
+class LayoutRefusal(ConfigError):
+    """A run that its strategy's layout checks refuse for this model (``reason``: the check's one line)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _refusal(c: Comparison, run: RunSpec) -> str:
@@ -268,7 +291,7 @@ def _validate_run(c: Comparison, run: RunSpec, where: str, src: str, host: HostI
     for check in info.extra_checks:
         message = LAYOUT_CHECKS[check](c, run, tp, dp)
         if message:
-            raise ConfigError(f"{src}: {where}: {message}")
+            raise LayoutRefusal(f"{src}: {where}: {message}", message)
     if info.hybrid is not None:  # a hybrid size that does not divide dp fails here, not in every rank
         try:
             info.hybrid.groups(resolved_options(run), dp, ws // c.launch.nnodes)
