@@ -174,7 +174,9 @@ def main() -> int:
             results[family] = judge(family, Path(tmp), args.real)
             cells = results[family]
             print(f"[{i}/{len(families)}] {family}: " + "; ".join(f"{k} {v[:60]}" for k, v in cells.items()), flush=True)
-    Path(args.out).write_text(markdown(results, args.real), encoding="utf-8")
+            # written after each family: a sweep cut short still leaves the families it judged
+            done = "" if i == len(families) else f"\n(Sweep in progress: {i} of {len(families)} families judged.)\n"
+            Path(args.out).write_text(markdown(results, args.real) + done, encoding="utf-8")
     failed = sum(1 for cells in results.values() for c in cells.values() if c.startswith("failed"))
     print(f"architectures_failed: {failed}; written {args.out}")
     return 0
