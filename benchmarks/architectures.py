@@ -107,7 +107,8 @@ def judge(model_type: str, work: Path, real: bool) -> dict[str, str]:
             cells[name] = "left out: " + line.split(" left out: ", 1)[1].split(": ", 1)[-1].strip()
     if proc.returncode == 2 and not real:
         error = next((ln for ln in proc.stderr.splitlines() if "error:" in ln), proc.stderr.strip()[-300:])
-        return {"*": "refused: " + error.split("error: ", 1)[-1][:300]}
+        error = error.split("error: ", 1)[-1].replace(f"{folder / 'p.toml'}: ", "").replace(f"model.path = '{folder}': ", "")
+        return {"*": "refused: " + error[:300]}
     summary = folder / "run" / "summary.json"
     runs = {r.get("name"): r for r in json.loads(summary.read_text())["runs"]} if real and summary.exists() else {}
     for name, *_ in RUNS:
