@@ -47,21 +47,31 @@ def test_the_blocks_are_found_for_every_layout_and_noted_by_path(tmp_path, famil
     assert not model.training  # dropout off: every strategy computes one function
 
 
-def test_the_blocks_are_found_after_fully_shard_renames_their_class(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+FULLY_SHARD = """
+import sys
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from shardscope.config import ModelSpec
+from shardscope.engines import hf_model
+from shardscope.engines.parallelize import blocks_of
 
-    model = hf_model.build_model(ModelSpec(kind="hf", path=str(family_dir(tmp_path, "gpt2")), seq_len=16), seed=0)
-    blocks = blocks_of(model)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
-        assert type(model).__name__.startswith("FSDP") and type(blocks[0]).__name__ == "FSDPGPT2Block"
-        assert blocks_of(model) is blocks
-    finally:
-        dist.destroy_process_group()
+model = hf_model.build_model(ModelSpec(kind="hf", path=sys.argv[1], seq_len=16), seed=0)
+blocks = blocks_of(model)
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+for block in blocks:
+    fully_shard(block)
+fully_shard(model)
+print(type(model).__name__, type(blocks[0]).__name__, blocks_of(model) is blocks)
+dist.destroy_process_group()
+"""
+
+
+def test_the_blocks_are_found_after_fully_shard_renames_their_class(tmp_path):
+    # its own interpreter: a process group's threads left in a test worker would be there when it forks
+    proc = subprocess.run([sys.executable, "-c", FULLY_SHARD, str(family_dir(tmp_path, "gpt2")), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["FSDPGPT2LMHeadModel", "FSDPGPT2Block", "True"], proc.stdout
 
 
 def test_model_blocks_names_a_hugging_face_models_layers_or_is_refused(tmp_path):
