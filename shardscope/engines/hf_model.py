@@ -23,7 +23,7 @@ from torch import nn
 
 from shardscope.core.hf_archs import ARCHS
 from shardscope.engines.hf_pipeline import FACTS_ATTR
-from shardscope.engines.parallelize import BLOCKS_ATTR
+from shardscope.engines.parallelize import BLOCKS_ATTR, declared_blocks
 from shardscope.engines.tp_plan import TP_PLAN_ATTR
 
 
@@ -143,14 +143,7 @@ def find_blocks(model: nn.Module, declared: str = "") -> tuple[str, nn.ModuleLis
     ``gpt_neox.layers``, ``model.decoder.layers``, ``backbone.layers``, ...); else the ``ModuleList`` holding the most
     parameters. Raises ValueError (one line) when there is none."""
     if declared:
-        owner: Any = model
-        for part in declared.split("."):
-            owner = getattr(owner, part, None)
-            if owner is None:
-                raise ValueError(f"model.blocks = {declared!r}: {type(model).__name__} has no attribute {part!r}")
-        if not isinstance(owner, nn.ModuleList) or not len(owner):
-            raise ValueError(f"model.blocks = {declared!r}: {type(owner).__name__}, not a non-empty nn.ModuleList")
-        return declared, owner
+        return declared, declared_blocks(model, declared)
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     for name, module in lists:  # module order: outermost first

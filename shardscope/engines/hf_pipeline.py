@@ -207,8 +207,9 @@ class HFStage(nn.Module):
         _patch(model, blocks, f["pre_modules"])
         keep_ids = {id(p) for name, p in model.named_parameters()
                     if (self.first and name in f["first"]) or (self.last and name in f["last"])}
-        keep = {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in keep_ids}
-        for name in sorted(keep):
+        names = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in keep_ids]
+        keep = set(names)
+        for name in names:  # in the model's order, every name of a tied weight included
             module_pipeline._place(self, model, name, keep)
         mine = nn.ModuleDict({str(i): blocks[i] for i in range(self.a, self.b)})
         module_pipeline._put(self, f["blocks"], mine, model)

@@ -25,6 +25,21 @@ from shardscope.engines.api import RankContext, TrainSettings
 BLOCKS_ATTR = "_shardscope_blocks"
 
 
+def declared_blocks(model: nn.Module, path: str) -> nn.ModuleList:
+    """The non-empty ``nn.ModuleList`` at attribute path ``path`` of ``model`` (the preset's ``model.blocks``).
+    Raises ValueError (one line) naming what is there instead."""
+    owner: Any = model
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise ValueError(f"model.blocks = {path!r}: {type(model).__name__} has no attribute {part!r}")
+    if not isinstance(owner, nn.ModuleList):
+        raise ValueError(f"model.blocks = {path!r}: a {type(owner).__name__}, not an nn.ModuleList")
+    if not len(owner):
+        raise ValueError(f"model.blocks = {path!r}: an empty nn.ModuleList")
+    return owner
+
+
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """Return the model's repeated blocks, the unit FSDP wraps, tensor parallelism splits and checkpointing
     recomputes: the path noted on the instance when it was built (``BLOCKS_ATTR``), found through any wrapper,

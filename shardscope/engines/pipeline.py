@@ -153,10 +153,9 @@ def tied_pairs(model: nn.Module, modules: list[nn.Module], ctx: RankContext, n_s
 def sum_tied(params: list[torch.Tensor], group: Any) -> None:
     """Sum a tied weight's gradients of the first and the last stage (Megatron-LM's embedding all-reduce), so both
     copies take the same step: one all-reduce of one flat buffer."""
-    grads = [full_grad for p in params if (full_grad := p.grad) is not None]
-    if not grads:
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    if not local:
         return
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     flat = torch.cat([g.reshape(-1) for g in local])
     dist.all_reduce(flat, group=group)
     offset = 0

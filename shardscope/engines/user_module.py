@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardscope.engines.module_pipeline import FACTS_ATTR
-from shardscope.engines.parallelize import BLOCKS_ATTR  # the blocks' attribute path, noted on the instance
+from shardscope.engines.parallelize import BLOCKS_ATTR, declared_blocks  # the blocks' attribute path, noted on the instance
 from shardscope.engines.tp_plan import TP_PLAN_ATTR  # the module's own tensor-parallel plan, noted on the instance
 
 
@@ -80,16 +80,10 @@ def find_blocks(model: nn.Module, path: str) -> tuple[str, nn.ModuleList]:
     """(attribute path, ModuleList) of the model's blocks: ``path`` when given, else the only ModuleList.
     Raises UserModelError."""
     if path:
-        owner: Any = model
-        for part in path.split("."):
-            owner = getattr(owner, part, None)
-            if owner is None:
-                raise UserModelError(f"model.blocks = {path!r}: {type(model).__name__} has no attribute {part!r}")
-        if not isinstance(owner, nn.ModuleList):
-            raise UserModelError(f"model.blocks = {path!r}: a {type(owner).__name__}, not an nn.ModuleList")
-        if not len(owner):
-            raise UserModelError(f"model.blocks = {path!r}: an empty nn.ModuleList")
-        return path, owner
+        try:
+            return path, declared_blocks(model, path)
+        except ValueError as err:
+            raise UserModelError(str(err)) from None
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     outer = [(n, m) for n, m in lists if not any(n != o and n.startswith(o + ".") for o, _ in lists)]
     if len(outer) != 1:
