@@ -5,7 +5,7 @@ embeddings included; every refusal a note, the other runs run.
 The families are transformers' own default configs, shrunk (``benchmarks/architectures.tiny_config``, the sweep's
 own), written as a ``config.json``: nothing is downloaded. End to end (slow): GPT-2 (tied embeddings) under every
 data-parallel strategy and two pipelines, and GPT-NeoX (from its ``save_pretrained`` checkpoint), OPT, BLOOM, Falcon
-and Mamba under DDP, FSDP2 and 1F1B: parity with DDP, observed / theory bytes 1.000, model states exact on every rank.
+Mamba and Mixtral (4 experts, 2 per token) under DDP, FSDP2 and 1F1B: parity with DDP, observed / theory bytes 1.000, model states exact on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from shardscope.engines import describe, hf_model
 from shardscope.engines.parallelize import BLOCKS_ATTR, blocks_of
 
 LAYOUTS = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers", "opt": "model.decoder.layers",
-           "bloom": "transformer.h", "falcon": "transformer.h", "mamba": "backbone.layers", "llama": "model.layers"}
+           "bloom": "transformer.h", "falcon": "transformer.h", "mamba": "backbone.layers", "llama": "model.layers", "mixtral": "model.layers"}
 
 
 def family_dir(root: Path, family: str) -> Path:
@@ -111,6 +111,18 @@ def test_pipeline_facts_find_tied_embeddings_and_what_runs_after_the_blocks(tmp_
     assert neox["tied"] == [] and "lm_head.weight" in neox["last"]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"])
+def test_mixture_of_experts_decoders_pass_the_model_check(tmp_path, family):
+    """Routed experts on fake tensors (describe.MOE_FAKE): every expert's parameters described, FLOPs counted, the
+    experts' gathered weights not counted as activations."""
+    d = describe.describe(ModelSpec(kind="hf", path=str(family_dir(tmp_path, family)), seq_len=16), 0)
+    assert d["train_flops_per_sample"] > 0 and d["pipeline"]["refusal"] == "", d["pipeline"]
+    experts = [p for p in d["params"] if ".experts." in p[0]]
+    assert experts and all(shape[0] == 4 for _, shape, *_ in experts if len(shape) == 3), experts
+    params = sum(n * 4 for n in [int(torch.tensor(shape).prod()) for _, shape, *_ in experts])
+    assert d["saved_bytes_per_sample"] < params  # no per-token copy of the experts' weights
+
+
 def _cli(tmp: Path, text: str, *args: str) -> subprocess.CompletedProcess:
     (tmp / "p.toml").write_text(text, encoding="utf-8")
     return subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(tmp / "p.toml"), *args],
@@ -171,7 +183,7 @@ PIPELINES = [("1f1b", "pp-1f1b", "pp = 2, microbatches = 2", 2),
              ("1f1b-fsdp2", "pp-1f1b", 'pp = 2, microbatches = 2, dp_shard = "fsdp2"', 4)]
 COMPARISONS = {"gpt2": DATA_PARALLEL + PIPELINES,
                **{f: [DATA_PARALLEL[0], DATA_PARALLEL[2], PIPELINES[0]] for f in ("gpt_neox", "opt", "bloom", "falcon",
-                                                                                   "mamba")}}
+                                                                                   "mamba", "mixtral")}}
 
 
 @pytest.fixture(scope="module")

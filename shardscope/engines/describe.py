@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from shardscope.config import ModelSpec
 from shardscope.engines import hf_model, hf_pipeline, tp_plan
@@ -40,6 +41,28 @@ from shardscope.engines.user_module import UserModelError, build_model as build_
 # architecture is refused before the start with that reason.
 AUTOTP_CHECKED = ("llama", "mistral", "gemma2", "qwen2")
 AUTOTP_HEADS = ("lm_head", "embed_out")  # DeepSpeed 0.19's default lm_head_patterns
+
+
+# Mixture-of-experts layers on fake tensors: transformers' default ``grouped_mm`` has a meta kernel that refuses
+# fp32 (its CPU and CUDA kernels take it) and ``eager`` calls ``nonzero`` (a data-dependent shape), so the model
+# check runs the experts as ``batched_mm``: the same parameters and the same matmul FLOPs, the experts' weights
+# gathered per token. Those gathers are parameters' copies, not activations: ``_Gathers`` leaves them out of the
+# saved bytes, as ``grouped_mm`` (what the ranks run) saves the weights themselves.
+MOE_FAKE = "batched_mm"
+
+
+class _Gathers(TorchFunctionMode):
+    """Notes the storage of every tensor indexed out of a parameter (an expert's weight picked per token)."""
+
+    def __init__(self, params: set[int], into: set[int]) -> None:
+        super().__init__()
+        self.ids, self.into = params, into
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__getitem__ and args and id(args[0]) in self.ids and isinstance(out, torch.Tensor):
+            self.into.add(out.untyped_storage()._cdata)
+        return out
 
 
 class DescribeError(ValueError):
@@ -55,6 +78,9 @@ def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
         if spec.hf_layers > depth:
             raise DescribeError(f"model.hf_layers = {spec.hf_layers}: the config has {depth} decoder layers")
         config = hf_model.hf_config(spec)
+        if MOE_FAKE:  # routed experts with static shapes on fake tensors (see MOE_FAKE); the same parameters
+            with contextlib.suppress(AttributeError, ValueError, TypeError):
+                config._experts_implementation = MOE_FAKE
         return hf_model.causal_lm_class(config)(config).eval()  # as the ranks build it: dropout off
     return build_user_module(spec, seed)
 
@@ -169,7 +195,8 @@ def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> d
     x, kind = _sample(spec)
     saved = _Saved(model, blocks)
     try:
-        with flop_counter() as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        gathers = _Gathers({id(p) for p in model.parameters()}, saved.params)
+        with flop_counter() as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), gathers:
             out = model(x)
             if not isinstance(out, torch.Tensor):
                 raise DescribeError(f"forward returned a {type(out).__name__}; it must return the logits tensor")
