@@ -13,13 +13,25 @@ import subprocess
 from typing import Mapping, Sequence
 
 
+# Every child interpreter shardscope starts (the model check, probes, agents, torchrun and its ranks) leaves the
+# working directory and the script's folder off sys.path (Python 3.11's PYTHONSAFEPATH, inherited by the ranks):
+# a typing_extensions.py in the folder shardscope runs from is never imported. A user's module is found through the
+# folder its entry names (engines/user_module.load_entry), not through the working directory.
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's environment when None) with the safe import path for a child interpreter."""
+    return {**(os.environ if env is None else env), **SAFE_PATH}
+
+
 def run_bounded(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
                 merge_stderr: bool = False) -> subprocess.CompletedProcess[str] | None:
     """Run ``cmd`` in a new session and return its CompletedProcess (text output; stderr into stdout with
     ``merge_stderr``), or None if it ran past ``timeout_s``, after killing its whole process group."""
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            env=dict(env) if env is not None else None, start_new_session=True)
+                            env=child_env(env), start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

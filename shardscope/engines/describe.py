@@ -82,7 +82,9 @@ def build_fake(spec: ModelSpec, seed: int) -> nn.Module:
             with contextlib.suppress(AttributeError, ValueError, TypeError):
                 config._experts_implementation = MOE_FAKE
         return hf_model.causal_lm_class(config)(config).eval()  # as the ranks build it: dropout off
-    return build_user_module(spec, seed)
+    # a "package.module:build" entry is found from the folder the command runs in, named here explicitly: this
+    # interpreter keeps the working directory off sys.path (core/bounded.SAFE_PATH); the ranks use the same folder
+    return build_user_module(dataclasses.replace(spec, described={"import_root": os.getcwd()}), seed)
 
 
 def fake_mode() -> Any:

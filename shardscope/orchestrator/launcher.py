@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from shardscope.core import rank_process
+from shardscope.core.bounded import child_env
 from shardscope.core.events import FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PREVIOUS_RUN_ENV
 from shardscope.orchestrator import lifeline
 
@@ -301,7 +302,7 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
     """The whole environment ``plan``'s torchrun gets: this process's, the plan's additions, the lifeline's.
 
     Call it from the thread that launches runs (the lifeline names it)."""
-    return {**os.environ, **plan.env, **lifeline.rank_env()}
+    return child_env({**os.environ, **plan.env, **lifeline.rank_env()})
 
 
 def start(plan: LaunchPlan) -> RunProcess:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 from shardscope.config import Comparison
+from shardscope.core.bounded import child_env
 from shardscope.core import model_facts, registry
 from shardscope.core.events import WARM_AGENT_ENV
 from shardscope.orchestrator import launcher, lifeline
@@ -175,7 +176,7 @@ def start(python: str, ready_path: str, env: dict[str, str], cwd: str, modules: 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=cwd,
-        env={**os.environ, **env, **lifeline.rank_env()},
+        env=child_env({**os.environ, **env, **lifeline.rank_env()}),
         start_new_session=True,  # its own process group, as a cold launch's torchrun
         preexec_fn=lifeline.die_with_parent(),
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 from shardscope import config
 from shardscope.core.numbers import fmt_bytes
+from shardscope.core.bounded import child_env
 from shardscope.config import Comparison, resolved_grad_accum
 from shardscope.core import registry
 from shardscope.profiling import memory_model
@@ -65,7 +66,7 @@ def traced_estimates(comparison: Comparison, world_size: int, timeout_s: float =
             config.dump_json(spec, payload)
             try:
                 proc = subprocess.run([sys.executable, "-m", "shardscope.engines.traced_estimate", spec],
-                                      capture_output=True, text=True, timeout=timeout_s)
+                                      capture_output=True, text=True, timeout=timeout_s, env=child_env())
             except subprocess.TimeoutExpired:
                 out[run.name] = {"error": f"trace took over {timeout_s:.0f} s"}
                 continue
