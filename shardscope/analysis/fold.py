@@ -8,6 +8,8 @@ report rebuilt from files (``shardscope report DIR``, ``diff``) and the app repl
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import time
@@ -37,7 +39,15 @@ def load_comparison(out_dir: str) -> Comparison:
         if not isinstance(run.name, str) or not NAME_RE.match(run.name) or len(run.name) > MAX_NAME:
             raise ValueError(f"{RunDir(out_dir).comparison}: run name {str(run.name)[:40]!r} is not a run name "
                              "(letters, digits, '.', '_', '-'): refused, it would name a path")
-    return c
+    # whatever the file says: this model came from a run directory, and its code runs only if the user names it
+    # again (presets/trust.py); the model check's import_root from the file never reaches sys.path
+    from shardscope.presets import trust
+
+    described = dict(c.model.described)
+    if not trust.is_trusted(out_dir):
+        described.pop("import_root", None)
+    return dataclasses.replace(c, model=dataclasses.replace(c.model, from_run_dir=os.path.abspath(out_dir),
+                                                            described=described))
 
 
 def _status_from_files(files: RunFiles, records: list[dict[str, Any]], summary: dict[str, Any] | None,

@@ -15,6 +15,7 @@ import click
 
 from shardscope import config
 from shardscope.config import ConfigError
+from shardscope.presets import trust
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -113,6 +114,18 @@ def terminate_on(signals: tuple[int, ...], handler: Any) -> None:
         except (ValueError, OSError):  # not the main thread, or a signal this platform lacks
             pass
 
+
+
+def trust_code_option(fn: Any) -> Any:
+    """``--trust-code``: the code a run directory on this command line names (a module's entry) may run: re-runs,
+    probes (presets/trust.py). Without it such a command says in one line what would run and exits 2."""
+    def callback(ctx: Any, param: Any, value: bool) -> bool:
+        if value:
+            trust.trust_all()
+        return value
+    return click.option("--trust-code", is_flag=True, expose_value=False, is_eager=True, callback=callback,
+                        help="Let the code named by the run directories given here run (a module's model.entry): "
+                        "re-runs and probes build that model. Only for directories you trust.")(fn)
 
 
 def tolerance_options(fn: Any) -> Any:

@@ -22,10 +22,10 @@ from shardscope import config
 import shardscope.cli.headless_run as headless_run
 from shardscope.cli.common import (  # noqa: F401  (EXIT_USAGE: importable from cli as before)
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, fail_usage, gate, launch_overrides, resolve, say_adjustments, terminate_on,
-    tolerance_options,
+    tolerance_options, trust_code_option,
 )
 from shardscope.cli.explainview import explain_cmd
-from shardscope.cli.predictview import checked_calibrations, predict_cmd, print_beside, repredict
+from shardscope.cli.predictview import checked_calibrations, predict_cmd, print_beside, refuse_untrusted, repredict
 from shardscope.cli.recommendview import parse_device_memory, recommend_cmd
 from shardscope.cli.report_commands import diff_cmd, estimate_cmd, presets_cmd, report_cmd, slurm_cmd
 from shardscope.cli.tune import tune_cmd
@@ -124,6 +124,7 @@ def records_secret_cmd(path: str) -> None:
 @click.option("--probe", is_flag=True, help="With --calibrate: each run's compute measured by a one-rank probe "
               "(as `shardscope predict --probe`) instead of carried over per FLOP.")
 @tolerance_options
+@trust_code_option
 def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None, headless: bool, dry_run: bool,
             device: str | None, nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None,
             records_endpoint: str | None, rdzv_id: str | None, slurm_task: bool, check_parity: bool, against: str | None, device_memory: str | None,
@@ -158,6 +159,8 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
     if probe and not calibrate_dirs:
         fail_usage("--probe needs --calibrate DIR (a finished comparison of this machine)")
     calibrations = checked_calibrations(calibrate_dirs) if calibrate_dirs else []
+    if probe:  # on CPU the calibration's runs are probed too: their code only when this command line trusts it
+        refuse_untrusted(calibrations)
     from shardscope.orchestrator.preflight import check_space, claim_out_dir
 
     short = check_space(comparison, out)  # traces dominate: refuse a directory that cannot hold them
@@ -195,6 +198,7 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
 
 @main.command("open")
 @click.argument("out_dir", type=click.Path(file_okay=False))
+@trust_code_option
 def open_cmd(out_dir: str) -> None:
     """Open a finished or interrupted run directory in the app."""
     if not RunDir(out_dir).holds_comparison():

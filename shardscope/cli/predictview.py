@@ -16,6 +16,9 @@ from typing import Any
 
 import click
 
+from shardscope.cli.common import trust_code_option
+from shardscope.presets import trust
+
 from shardscope import config
 from shardscope.config import ConfigError
 from shardscope.core.numbers import fmt_bytes, json_ready
@@ -86,6 +89,17 @@ def checked_calibrations(dirs: tuple[str, ...] | list[str]) -> list[str]:
     except (OSError, ValueError) as err:
         _fail(f"--calibrate: not a finished shardscope run directory ({err})")
     return list(dirs)
+
+
+def refuse_untrusted(dirs: tuple[str, ...] | list[str]) -> None:
+    """Before a probe builds the models of ``dirs``' runs: exit 2 with one line when one names code (a module) that
+    this command line did not trust (``--trust-code``, presets/trust.py)."""
+    from shardscope.analysis import fold
+
+    for d in dirs:
+        refused = trust.refusal(fold.load_comparison(d))
+        if refused:
+            _fail(refused)
 
 
 def probed(comparison: config.Comparison, dirs: list[str], model: Any) -> tuple[Any, dict[str, Any]]:
@@ -292,6 +306,7 @@ def _retime_other_world_sizes(result: dict[str, Any], comparison: config.Compari
               "the calibration's per-FLOP compute and overhead over to this model and strategy instead (seconds, "
               "less accurate; the only method for a --device what-if).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@trust_code_option
 def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[str, ...], world_size: int | None,
                 device: str | None, collectives: bool, probe: bool | None, as_json: bool) -> None:
     """Predict step time, tokens/s and peak memory of every run of a preset from a finished comparison."""
@@ -324,7 +339,10 @@ def predict_cmd(calibrate_dirs: tuple[str, ...], preset: str, overrides: tuple[s
         model = _with_collectives(list(calibrate_dirs), model.backend, timed)
     probes = None
     if probe and model is not None and spec is None:
-        model, probes = probed(comparison, list(calibrate_dirs), model)
+        try:
+            model, probes = probed(comparison, list(calibrate_dirs), model)
+        except trust.UntrustedCode as err:  # the calibration's runs are someone's code: said, nothing built
+            _fail(str(err))
     result = predict.predict_comparison(comparison, model, spec, probes)
     if collectives and model is not None and spec is None:
         _retime_other_world_sizes(result, comparison, list(calibrate_dirs), model.backend, timed, probes)

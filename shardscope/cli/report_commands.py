@@ -11,7 +11,7 @@ import sys
 import click
 
 from shardscope import config
-from shardscope.cli.common import EXIT_FAILED, fail_usage, gate, say_adjustments, tolerance_options
+from shardscope.cli.common import EXIT_FAILED, fail_usage, gate, say_adjustments, tolerance_options, trust_code_option
 from shardscope.config import ConfigError
 from shardscope.core.rundir import COMPARISON, SUMMARY, RunDir, read_summary
 from shardscope.core.sizes import parse_size
@@ -137,12 +137,13 @@ def diff_cmd(old: str, new: str, maps: tuple[str, ...], as_json: bool, plots_dir
               "--calibrate`), not from the comparison's own baseline run, beside what it measured. Repeatable.")
 @click.option("--probe", is_flag=True, help="With --calibrate: measure each run's compute in a one-rank probe "
               "(as `shardscope predict --probe`; a subprocess per run) instead of carrying it over per FLOP.")
+@trust_code_option
 def report_cmd(out_dir: str, calibrate_dirs: tuple[str, ...], probe: bool) -> None:
     """Regenerate summary.json, report.md and plots from a run directory alone (exit 1 when the full report
     fails: the core summary is then written and the failure named in one line)."""
     from shardscope.analysis import fold
     from shardscope.analysis.report import write_reports
-    from shardscope.cli.predictview import checked_calibrations, print_beside, repredict
+    from shardscope.cli.predictview import checked_calibrations, print_beside, refuse_untrusted, repredict
 
     try:
         comparison = fold.load_comparison(out_dir)
@@ -151,6 +152,8 @@ def report_cmd(out_dir: str, calibrate_dirs: tuple[str, ...], probe: bool) -> No
     if probe and not calibrate_dirs:
         fail_usage("--probe needs --calibrate DIR (a finished comparison of this machine; DIR itself will do)")
     calibrations = checked_calibrations(calibrate_dirs) if calibrate_dirs else []
+    if probe:  # probes build each run's model: code named in these directories only when named again
+        refuse_untrusted([out_dir, *calibrations])
     try:
         held = RunDir(out_dir).lock()
     except OSError as err:

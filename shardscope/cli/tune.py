@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from shardscope import config
-from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, resolve
+from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, resolve, trust_code_option
 from shardscope.cli.recommendview import parse_device_memory
 from shardscope.core.numbers import fmt_bytes
 from shardscope.core.rundir import RunDir
@@ -108,6 +108,7 @@ def _print_table(console: Any, cands: list[Any], answer: dict[str, Any], unit: s
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (after the runs' progress).")
 @click.option("--dry-run", is_flag=True, help="List the candidates, what cannot run and what does not fit; "
               "calibrate, predict and launch nothing.")
+@trust_code_option
 def tune_cmd(preset: str, overrides: tuple[str, ...], world_size: int | None, device_name: str | None,
              device_memory: str | None, budget: str, steps: int, keep_within: float, allow: tuple[str, ...],
              strategies: str, calibrate_dirs: tuple[str, ...], out_dir: str | None, as_json: bool,

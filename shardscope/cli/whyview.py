@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, terminate_on
+from shardscope.cli.common import EXIT_FAILED, EXIT_OK, fail_usage, terminate_on, trust_code_option
 from shardscope.core.numbers import json_ready
 from shardscope.core.text import clean
 from shardscope.analysis.why import verdict as why
@@ -64,6 +64,7 @@ def print_result(res: dict[str, Any], console: Any = None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (progress lines on stderr).")
 @click.option("--dry-run", is_flag=True, help="List the re-runs and the estimate; start nothing.")
 @click.option("--again", is_flag=True, help="Run again even when DIR/why/RUN holds an earlier result.")
+@trust_code_option
 def why_cmd(out_dir: str, run_name: str, as_json: bool, dry_run: bool, again: bool) -> None:
     """Why RUN's loss differs from the baseline's: short controlled re-runs, each changing one suspect back.
 

@@ -25,6 +25,7 @@ from shardscope import config
 from shardscope.config import Comparison, dump_json
 from shardscope.core import outspace, record_secret, record_wire
 from shardscope.orchestrator.record_server import RecordServer
+from shardscope.presets import trust
 from shardscope.orchestrator import launcher, lifeline, nodes, prestart, verdict
 from shardscope.profiling import state
 from shardscope.profiling.state import RunState, Update
@@ -73,6 +74,7 @@ class Session(Requests, RunSupervision, SessionEnds, Completion):
         poll_interval_s: float = 0.2,
         python: str = sys.executable,
     ) -> None:
+        trust.require_trusted(comparison)  # code named in someone's run directory runs only when the user names it
         self.comparison = comparison
         self.out_dir = os.path.abspath(out_dir)
         self.rundir = RunDir(self.out_dir)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from shardscope import config
 from shardscope.config import ConfigError, dump_json
 from shardscope.orchestrator.preflight import claim_out_dir
+from shardscope.presets import trust
 from shardscope.profiling import state
 from shardscope.analysis.why import verdict as why, variants as why_variants
 from shardscope.analysis.why.verdict import Plan, WhyError
@@ -75,6 +76,9 @@ class WhyRunner:
         out = RunDir(plan.out_dir)
         if not again and (earlier := cached(plan)) is not None:
             return {**earlier, "cached": True}
+        refused = trust.refusal(plan.comparison)  # re-runs build the model: someone's code only when named again
+        if refused:
+            raise WhyError(refused)
         held = out.lock()  # the comparison's own lock: no other command writes it meanwhile
         if held:
             raise WhyError(held)

@@ -19,7 +19,7 @@ from shardscope.presets.schema import (
     DATA_KEYS, MODEL_KEYS, Comparison, DataSpec, LaunchSpec, ModelSpec, ProfileSpec, RunSpec,
 )
 
-_INTERNAL = ("described",)  # filled in by the model and data checks, never by a preset
+_INTERNAL = ("described", "from_run_dir")  # filled in by the checks and by a run directory's load, never by a preset
 _RUN_INTERNAL = ("control_of", "steps")  # the A/A control's (schema.with_control), never a preset's
 # Why a key another kind uses means nothing here, said after the list of keys the kind does use.
 _KIND_HINTS = {

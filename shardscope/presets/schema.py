@@ -72,6 +72,9 @@ class ModelSpec:
     # What the model check found (core/model_check.py, from the real module on the meta device) for kinds whose
     # shapes shardscope cannot know by itself (hf with a path, module). Never set by a preset.
     described: dict[str, Any] = field(default_factory=dict)
+    # The run directory this model was read from (analysis/fold.load_comparison sets it on every load, whatever the
+    # file says): code it names runs only when the user names it again (presets/trust.py). Never set by a preset.
+    from_run_dir: str = ""
 
 
 @dataclass

@@ -23,6 +23,7 @@ import tempfile
 from typing import Any
 
 from shardscope import config
+from shardscope.presets import trust
 from shardscope.config import Comparison
 from shardscope.core import registry
 from shardscope.core.bounded import run_bounded
@@ -49,6 +50,7 @@ def probe_runs(c: Comparison, world_size: int | None = None, timeout_s: float = 
     tensor-parallel run is probed on its 2-D mesh; ``predict`` adds its per-layer activation all-reduces.
     ``progress(text)`` is called before each probe; ``device``: the calibration's ("cuda": the probe runs on
     the first GPU, as the calibration's ranks ran on theirs). Nothing is left running past ``timeout_s``."""
+    trust.require_trusted(c)  # a probe builds the model: code from a run directory only when the user names it
     device = "cuda" if device.startswith("cuda") else "cpu"  # a start record names "cuda:0"
     out: dict[str, dict[str, Any]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as the launcher's ranks
