@@ -6,6 +6,7 @@ text: control characters spelled ``\\xNN`` (``core.text.clean``), table cells as
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -80,7 +81,7 @@ def presets_copy_cmd(name: str, file: str) -> None:
         fail_usage(clean(f"{file}: already exists; choose a new file (shardscope never overwrites it)"))
     except OSError as err:
         fail_usage(clean(f"{file}: cannot write: {err.strerror or err}"))
-    click.echo(clean(f"wrote {file} (preset {name}); run it with: shardscope run --preset {file}"))
+    click.echo(clean(f"wrote {file} (preset {name}); run it with: shardscope run --preset {shlex.quote(file)}"))
 
 
 def _list_presets() -> None:
@@ -235,9 +236,10 @@ def slurm_cmd(preset: str, nodes: int, gpus_per_node: int | None, cpus_per_node:
     Without --gpus-per-node or --cpus-per-node, the preset's world size is split over the nodes, on GPUs
     unless the preset (or --set launch.device) says "cpu".
     """
-    from shardscope.orchestrator.slurm import node_local_paths, node_shape, sbatch_script
+    from shardscope.orchestrator.slurm import node_local_paths, node_shape, refuse_control, sbatch_script
 
     try:
+        refuse_control(preset, overrides)  # up front: before the preset is even read
         comparison = config.load_preset(preset, list(overrides))
         shape = node_shape(comparison.launch.device, comparison.world_size, nodes, gpus_per_node=gpus_per_node,
                            cpus_per_node=cpus_per_node, cpus_per_rank=cpus_per_rank)

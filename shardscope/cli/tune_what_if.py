@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from typing import Any
 
 import click
@@ -71,7 +72,7 @@ def what_if(preset: str, sets: list[str], spec: Any, world_size: int | None, lim
         path = os.path.join(out, "winner.toml")
         config.write_atomic(path, lambda fh: fh.write(choose.winner_toml(comparison, winner, comparison.source or preset,
                                                                          predicted_on=spec.name)))
-        answer.update(preset=path, launch=f"shardscope run --preset {path} --headless",
+        answer.update(preset=path, launch=f"shardscope run --preset {shlex.quote(path)} --headless",
                       tokens_per_s=rows[winner.name].get("tokens_per_s"))
         answer["report"] = os.path.join(out, "tune.md")
         config.write_atomic(answer["report"], lambda fh: fh.write(_markdown(cands, answer, comparison.name, head)))

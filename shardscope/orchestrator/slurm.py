@@ -76,6 +76,16 @@ def node_shape(device: str, world_size: int, nodes: int, *, gpus_per_node: int |
     return NodeShape(per_node, gpus, cpus_per_rank or (4 if gpus else 1))
 
 
+def refuse_control(preset: str, overrides: list[str] | tuple[str, ...]) -> None:
+    """Raise ValueError (one line) for a preset path or ``--set`` value holding a control character: a newline would
+    end the job script's comment line, and the next line would run when the job runs."""
+    for what, value in (("--preset", preset), *(("--set", item) for item in overrides)):
+        bad = next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
+        if bad is not None:
+            raise ValueError(f"{what} {value!r}: holds the control character {bad!r}; a path or value in a job "
+                             "script must have none")
+
+
 def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str, overrides: list[str],
                   python: str = sys.executable) -> str:
     """Return the text of an sbatch script that runs ``preset`` on ``nodes`` nodes of ``shape``.
@@ -83,6 +93,7 @@ def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str,
     The run directory must be on a filesystem every node sees (ranks of every node append their record
     files there, and other nodes wait there for node 0's initial weights).
     """
+    refuse_control(preset, overrides)
     world = nodes * shape.ranks_per_node
     kind = f"{shape.ranks_per_node} GPU{'s' if shape.ranks_per_node > 1 else ''}" if shape.gpus else \
         f"{shape.ranks_per_node} CPU rank{'s' if shape.ranks_per_node > 1 else ''}"
@@ -97,7 +108,7 @@ def sbatch_script(preset: str, *, nodes: int, shape: NodeShape, time_limit: str,
     gres = f"#SBATCH --gpus-per-node={shape.ranks_per_node}\n" if shape.gpus else ""
     out_comment = "# The run directory: on a filesystem every node sees."
     return f"""#!/bin/bash
-# shardscope: preset {preset} on {nodes} node(s) x {kind} (world size {world}).
+# shardscope: preset {shlex.quote(preset)} on {nodes} node(s) x {kind} (world size {world}).
 #SBATCH --job-name={shlex.quote(f"shardscope-{_safe(preset)}")}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1

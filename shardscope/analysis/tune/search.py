@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -181,7 +182,7 @@ def _write_answer(req: Request, cands: list[Candidate], answer: dict[str, Any]) 
         path = os.path.join(req.out, "winner.toml")
         config.write_atomic(path, lambda fh: fh.write(choose.winner_toml(c, winner, c.source or c.name)))
         answer["preset"] = path
-        answer["launch"] = f"shardscope run --preset {path} --headless"
+        answer["launch"] = f"shardscope run --preset {shlex.quote(path)} --headless"  # pasted into a shell
         answer["settings"] = {"strategy": winner.run.strategy, "options": winner.run.options,
                               "activation_checkpointing": winner.run.activation_checkpointing,
                               "precision": winner.run.precision or c.precision,

@@ -7,6 +7,8 @@ names, description and values, and errors quoting them, are shown as text (``for
 
 from __future__ import annotations
 
+import shlex
+
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -205,9 +207,9 @@ class PresetsScreen(Screen):
                                        resolved_precision(comparison, run), opts)))  # str cells are markup
         valid = self.comparison is not None
         self.query_one("#launch", Button).disabled = not valid
-        sets = " ".join(f"--set '{s}'" for s in self.overrides)
+        sets = " ".join(f"--set {shlex.quote(s)}" for s in self.overrides)  # a line to paste: every value quoted
         self.query_one("#cli-line", Static).update(
-            f"[dim]same from a shell:[/dim] shardscope run --preset {literal(self.preset)} {literal(sets)}".rstrip()
+            f"[dim]same from a shell:[/dim] shardscope run --preset {literal(shlex.quote(self.preset))} {literal(sets)}".rstrip()
             if valid else "[dim]fix the fields marked in red to start[/dim]")
 
     # -- launch ----------------------------------------------------------------------------------
