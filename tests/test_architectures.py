@@ -232,3 +232,15 @@ def test_each_family_trains_at_parity_with_exact_bytes_and_states(comparisons, f
             assert row["predicted"][key] == row["measured"][key], (rank, key)
     if family == "gpt2" and name.startswith("1f1b"):  # the tied embedding: summed between the first and last stage
         assert "tied embedding's gradient (transformer.wte.weight)" in theory.get("basis", ""), theory
+
+
+def test_an_index_naming_files_outside_the_model_folder_is_refused_before_reading_them(tmp_path):
+    folder = family_dir(tmp_path, "llama")
+    (tmp_path / "secret.safetensors").write_bytes(b"not read")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "../secret.safetensors"}}), encoding="utf-8")
+    spec = ModelSpec(kind="hf", path=str(folder), seq_len=16)
+    with pytest.raises(describe.DescribeError, match="names '../secret.safetensors', a file outside the model's folder"):
+        describe.describe(spec, 0)
+    with pytest.raises(ValueError, match="outside the model's folder"):
+        hf_model.build_model(spec, seed=0)

@@ -250,7 +250,10 @@ def check_weights(model: nn.Module, spec: ModelSpec) -> dict[str, Any] | None:
     alone. Raises DescribeError naming a missing weight or a shape that differs from the config's."""
     from safetensors import safe_open
 
-    files = hf_model.weight_files(spec.path)
+    try:
+        files = hf_model.weight_files(spec.path)
+    except ValueError as err:  # an index naming files outside the folder: refused before any is read
+        raise DescribeError(str(err)) from None
     if not files:
         return None
     wanted = {n: tuple(t.shape) for n, t in model.state_dict().items()}

@@ -168,7 +168,12 @@ def weight_files(path: str) -> list[str]:
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as fh:
             weight_map = json.load(fh).get("weight_map") or {}
-        return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
+        names = sorted({str(f) for f in weight_map.values()})
+        outside = [f for f in names if os.path.basename(f) != f or f in ("", ".", "..")]
+        if outside:  # every file read stays inside the folder the user named
+            raise ValueError(f"{INDEX} names {outside[0]!r}, a file outside the model's folder; its shards must be "
+                             "file names in that folder")
+        return [os.path.join(folder, f) for f in names]
     return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
 
 
