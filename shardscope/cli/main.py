@@ -142,6 +142,11 @@ def run_cmd(preset: str | None, overrides: tuple[str, ...], out_dir: str | None,
 
     out = out_dir or default_out_dir(comparison.name)
     say_adjustments(comparison, err=not dry_run)
+    from shardscope.orchestrator.preflight import check_memory
+
+    over = check_memory(comparison, dev)  # judged before the start, --dry-run included: nothing launched
+    if over:
+        fail_usage(over)
     if dry_run:
         headless_run.print_dry_run(comparison, dev, out)
         return

@@ -123,6 +123,9 @@ class LaunchSpec:
     start_method: str = "auto"
     grace_period_s: float = 5.0
     startup_timeout_s: float = 300.0  # until a run's first record (imports, rendezvous); then stall_timeout_s
+    # refuse, before the start, a comparison whose ranks on this host need more memory than it has available
+    # (orchestrator/preflight.check_memory); false: a user who knows better
+    check_memory: bool = True
 
 
 @dataclass

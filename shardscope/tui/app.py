@@ -28,7 +28,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from shardscope.config import Comparison, ConfigError, load_preset, with_control
-from shardscope.orchestrator.preflight import check_space, claim_out_dir
+from shardscope.orchestrator.preflight import check_memory, check_space, claim_out_dir
 from shardscope.profiling.state import Notice, Update
 from shardscope.tui import source as sources
 from shardscope.tui.actions import ScreenActions
@@ -109,6 +109,16 @@ class ShardscopeApp(ScreenActions, App):
         self.replaying = True
         self.action_start()
 
+    def _memory_short(self, comparison: Comparison) -> str | None:
+        """As the headless command: a comparison this host's memory cannot hold is refused before the start."""
+        from shardscope.orchestrator import devices
+
+        try:
+            device = devices.resolve_device(comparison.launch.device)
+        except ConfigError:
+            return None  # the source names the device problem when it starts
+        return check_memory(comparison, device)
+
     def launch(self, comparison: Comparison, preset: str, overrides: list[str]) -> None:
         """Start ``comparison`` (from the presets screen): make its source and show the dashboard."""
         if self.source is not None:
@@ -118,6 +128,8 @@ class ShardscopeApp(ScreenActions, App):
         comparison = with_control(comparison)  # the A/A control: the baseline again, last (between-run noise)
         self.out_dir = self.out_dir or sources.default_out_dir(comparison.name)
         short = check_space(comparison, self.out_dir)  # as the headless command does: traces need room
+        if not short:
+            short = self._memory_short(comparison)
         if short:
             self.refuse_launch(f"Cannot start: {short}")
             return

@@ -1,0 +1,36 @@
+"""A comparison this host's memory cannot hold is refused before the start (orchestrator/preflight.check_memory):
+one line naming the run, the figure and what to change, exit 2, nothing launched; ``launch.check_memory = false``
+for a user who knows better. The figure is the memory model's own, checked against its parts here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from shardscope import config
+from shardscope.orchestrator.preflight import RANK_RUNTIME_BYTES, check_memory
+from shardscope.profiling import memory_model
+
+
+def test_the_figure_is_the_memory_models_per_rank_total_times_the_ranks_here():
+    c = config.load_preset("smoke", ["global_batch=65536"])
+    worst = max(memory_model.predict_comparison(c), key=lambda p: p["total_bytes"])
+    per_rank = max(worst["total_bytes"], 4 * memory_model.param_count(c.model)) + RANK_RUNTIME_BYTES
+    need = 2 * per_rank
+    assert check_memory(c, "cpu", available=need) is None  # exactly enough
+    said = check_memory(c, "cpu", available=need - 1)
+    assert said is not None and said.startswith(f"run {worst['run']}: 2 ranks x "), said
+    assert "--set launch.check_memory=false" in said
+    assert check_memory(c, "cuda", available=0) is None  # on a GPU the ranks hold their states on the device
+    off = config.load_preset("smoke", ["global_batch=65536", "launch.check_memory=false"])
+    assert check_memory(off, "cpu", available=0) is None
+
+
+def test_a_batch_no_host_holds_is_refused_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--headless",
+                           "--set", "global_batch=1048576", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardscope: error:")]
+    assert len(lines) == 1 and "of this host's memory" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing written, nothing launched
