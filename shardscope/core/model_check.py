@@ -21,6 +21,27 @@ DESCRIBE_TIMEOUT_S = 300.0  # a 7B config takes seconds; importing torch and tra
 _CACHE: dict[str, dict[str, Any]] = {}
 
 
+# The deepest model the check builds within DESCRIBE_TIMEOUT_S: fake tensors cost nothing per byte but Python time
+# per layer (a 1,024-layer Llama config took 261 s on this project's 2-core VM under load, 2026-12-02); the deepest
+# published decoders have under 200.
+MAX_CHECKED_LAYERS = 512
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _config_depth(path: str) -> int:
+    """The decoder layers a config.json gives (0 when it says none or cannot be read: the check then says why)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            values = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return 0
+    if not isinstance(values, dict):
+        return 0
+    depths = [values[k] for k in _DEPTH_KEYS if isinstance(values.get(k), int) and not isinstance(values[k], bool)]
+    depth = depths[0] if depths else 0
+    return max(0, depth)
+
+
 class ModelCheckError(ValueError):
     """The model cannot be used; ``str(err)`` is one line naming the key and what is wrong."""
 
@@ -64,6 +85,11 @@ def precheck(model: Any) -> None:
         if not os.path.isfile(config):
             raise ModelCheckError(f"{where(model)}: no config.json in that directory (a Hugging Face model directory "
                                   "holds config.json and, for real weights, *.safetensors)")
+        depth = _config_depth(config)
+        built = model.hf_layers or depth
+        if built > MAX_CHECKED_LAYERS:  # judged from the config's numbers, before anything is built
+            raise ModelCheckError(f"{where(model)}: {built:,} decoder layers: more than the model check builds in its "
+                                  f"time budget (at most {MAX_CHECKED_LAYERS}); set model.hf_layers to keep fewer")
     elif model.kind == "module":
         target, sep, attr = model.entry.rpartition(":")
         if not model.entry:

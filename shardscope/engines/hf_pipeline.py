@@ -88,7 +88,8 @@ def facts(model: nn.Module, blocks_path: str, blocks: nn.ModuleList, sample: tor
 
     def ran(module: nn.Module, args: tuple, out: Any) -> None:
         name = owners.get(id(module))
-        if mode.phase == "pre" and name is not None and not name.startswith(blocks_path + ".") and name not in pre_modules:
+        outside = name is not None and not name.startswith(blocks_path + ".")
+        if mode.phase == "pre" and outside and name not in pre_modules:
             pre_modules.append(name)
 
     handles = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
@@ -232,7 +233,10 @@ class HFStage(nn.Module):
         if i >= self.b:  # past the stage's blocks, the stage not the last: its output is this input
             raise _StageOut(hidden)
         if i == self.a and not self.first:  # the stage's input replaces what the skipped prefix computed
-            args, kwargs = ((self._input,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": self._input})
+            if args:
+                args = (self._input,) + tuple(args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": self._input}
         out = real(*args, **kwargs)
         if i == self.b - 1 and not self.last:
             raise _StageOut(out if isinstance(out, torch.Tensor) else out[0])

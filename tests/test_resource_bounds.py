@@ -1,6 +1,7 @@
-"""A comparison this host's memory cannot hold is refused before the start (orchestrator/preflight.check_memory):
-one line naming the run, the figure and what to change, exit 2, nothing launched; ``launch.check_memory = false``
-for a user who knows better. The figure is the memory model's own, checked against its parts here."""
+"""What a machine cannot hold or build is refused before anything starts: a comparison this host's memory cannot hold
+(orchestrator/preflight.check_memory: one line naming the run, the figure and what to change, exit 2, nothing
+launched; ``launch.check_memory = false`` for a user who knows better; the figure the memory model's own, checked
+against its parts here), and a config deeper than the model check builds in its time budget (core/model_check)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,17 @@ def test_a_batch_no_host_holds_is_refused_before_anything_starts(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardscope: error:")]
     assert len(lines) == 1 and "of this host's memory" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written, nothing launched
+
+
+def test_a_config_too_deep_to_check_is_refused_from_its_numbers(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                      "num_hidden_layers": 10**6}), encoding="utf-8")
+    (tmp_path / "p.toml").write_text("\n".join(["global_batch = 4", "world_size = 2", "[model]", 'kind = "hf"',
+                                                f'path = "{tmp_path}"', "seq_len = 8", "[[runs]]", 'name = "ddp"',
+                                                'strategy = "ddp"']) + "\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(tmp_path / "p.toml"),
+                           "--dry-run"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "1,000,000 decoder layers: more than the model check builds in its time budget (at most 512)" in proc.stderr
