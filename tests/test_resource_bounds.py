@@ -49,3 +49,40 @@ def test_a_config_too_deep_to_check_is_refused_from_its_numbers(tmp_path):
                            "--dry-run"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "1,000,000 decoder layers: more than the model check builds in its time budget (at most 512)" in proc.stderr
+
+
+def test_the_model_check_ends_with_the_command_that_started_it(tmp_path):
+    """SIGTERM to ``shardscope run --dry-run`` while its model check builds a deep config: the check ends too."""
+    import json
+    import os
+    import signal
+
+    import psutil
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 500, "num_attention_heads": 4, "num_key_value_heads": 2}),
+        encoding="utf-8")
+    (tmp_path / "p.toml").write_text("\n".join(["global_batch = 4", "world_size = 2", "[model]", 'kind = "hf"',
+                                               f'path = "{tmp_path}"', "seq_len = 8", "[[runs]]", 'name = "ddp"',
+                                               'strategy = "ddp"']) + "\n", encoding="utf-8")
+    cli = subprocess.Popen([sys.executable, "-m", "shardscope.cli", "run", "--preset", str(tmp_path / "p.toml"),
+                            "--dry-run"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        check = None
+        for _ in range(1200):  # until the model check has started (bounded: 120 s)
+            found = [p for p in psutil.Process(cli.pid).children() if "describe" in " ".join(p.cmdline())]
+            if found:
+                check = found[0]
+                break
+            if cli.poll() is not None:
+                break
+            psutil.wait_procs([], timeout=0.1)
+        assert check is not None, "the model check never started"
+        os.kill(cli.pid, signal.SIGTERM)
+        cli.wait(timeout=60)
+        gone, alive = psutil.wait_procs([check], timeout=60)
+        assert not alive, "the model check outlived the command"
+    finally:
+        if cli.poll() is None:
+            cli.kill()

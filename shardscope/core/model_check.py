@@ -129,6 +129,7 @@ def describe(model: Any, seed: int) -> dict[str, Any]:
 
 # The request goes in as an argument, not standard input, so a user's module that reads stdin gets nothing.
 _RUNNER = ("import io, sys; sys.stdin = io.StringIO(sys.argv[1]); "
+           "from shardscope.core.bounded import hold_lifeline; hold_lifeline(); "
            "from shardscope.engines.describe import main; sys.exit(main())")
 
 

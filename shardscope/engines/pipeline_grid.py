@@ -61,4 +61,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from shardscope.core.bounded import hold_lifeline
+
+    hold_lifeline()  # ends with the command that started it (core/bounded.run_bounded)
     sys.exit(main(sys.argv[1:]))
