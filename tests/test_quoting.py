@@ -44,3 +44,12 @@ def test_slurm_refuses_a_control_character_and_quotes_every_path(tmp_path):
     script = proc.stdout
     assert f"# shardscope: preset {shlex.quote(str(odd / 'p.toml'))} on 2 node(s)" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_rendezvous_endpoint_is_a_host_and_a_port_before_anything_launches(tmp_path):
+    for bad in ("a b:29500", "$(x):29500", "host;rm:29500"):
+        proc = _cli(tmp_path, "run", "--preset", "smoke", "--set", f"launch.rdzv_endpoint={bad}", "--dry-run")
+        assert proc.returncode == 2 and "is not a host name or address" in proc.stderr, (bad, proc.stderr)
+    for good in ("node-1.cluster:29500", "10.1.2.3:29500", "[::1]:29500"):
+        proc = _cli(tmp_path, "run", "--preset", "smoke", "--set", f"launch.rdzv_endpoint={good}", "--dry-run")
+        assert proc.returncode == 0, (good, proc.stderr)

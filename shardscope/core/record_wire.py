@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import secrets
 import select
 import socket
@@ -51,7 +52,15 @@ def parse_endpoint(text: str, *, any_port: bool = False) -> tuple[str, int]:
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise ValueError(f"{text!r}: expected host:port with a port in 1..65535")
-    return host.strip("[]"), int(port)
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not _HOST.fullmatch(bare):
+        raise ValueError(f"{text!r}: {host!r} is not a host name or address (letters, digits, '.', '-', ':' in [...])")
+    return bare, int(port)
+
+
+# A DNS name or IPv4 address (letters, digits, '.', '-', '_'), or an IPv6 address (hex digits and ':', written
+# in brackets before the port): nothing a shell, a URL or torchrun would read as more than a host.
+_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})|[0-9A-Fa-f:.]{2,45}")
 
 
 def encode(message: dict[str, Any]) -> bytes:
