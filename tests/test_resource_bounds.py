@@ -86,3 +86,30 @@ def test_the_model_check_ends_with_the_command_that_started_it(tmp_path):
     finally:
         if cli.poll() is None:
             cli.kill()
+
+
+def test_a_tokenizer_that_cannot_encode_the_text_is_one_line(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}))  # no [UNK]: any other word cannot be encoded
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("a b c " * 200, encoding="utf-8")
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "shardscope.cli", "run", "--preset", "smoke", "--dry-run",
+                           "--set", "data.kind=text", "--set", f"data.path={tmp_path / 'corpus.txt'}",
+                           "--set", f"data.tokenizer={tmp_path / 'tokenizer.json'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "could not encode" in proc.stderr and "Missing [UNK] token" in proc.stderr, proc.stderr
+
+
+def test_a_token_file_that_cannot_be_memory_mapped_is_one_line(tmp_path):
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as fh:  # sparse: 20 GB of zeros that take no disk
+        fh.truncate(20 * 2**30)
+    cmd = (f"ulimit -v 3000000; {sys.executable} -m shardscope.cli run --preset smoke --dry-run "
+           f"--set data.kind=tokens --set data.path={big}")
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "cannot be memory-mapped" in proc.stderr, proc.stderr

@@ -104,7 +104,11 @@ def check_ids(path: str, layout: dict[str, Any], vocab: int) -> int:
     the first id at or above ``vocab``."""
     import numpy as np
 
-    tokens = np.memmap(path, dtype=layout["dtype"], mode="r", offset=layout["offset"], shape=(layout["tokens"],))
+    try:
+        tokens = np.memmap(path, dtype=layout["dtype"], mode="r", offset=layout["offset"], shape=(layout["tokens"],))
+    except (OSError, ValueError, MemoryError) as err:  # an address-space cap, a file that shrank: one line
+        raise DataCheckError(f"data.path = {path!r}: cannot be memory-mapped ({type(err).__name__}: "
+                             f"{(str(err).splitlines() or [''])[0][:200]}); the ranks read tokens that way") from None
     width = tokens.dtype.itemsize
     if layout["tokens"] * width <= FULL_SCAN_BYTES:
         parts = [(0, tokens)]
@@ -186,7 +190,11 @@ def tokenize_text(text_path: str, tokenizer_path: str) -> tuple[str, int]:
 
         with open(text_path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
-        ids = np.asarray(tokenizer.encode(text).ids, dtype=np.uint32)
+        try:
+            ids = np.asarray(tokenizer.encode(text).ids, dtype=np.uint32)
+        except Exception as err:  # noqa: BLE001 - the library raises its own type ("Missing [UNK] token")
+            raise DataCheckError(f"data.tokenizer = {tokenizer_path!r}: could not encode {text_path}: "
+                                 f"{(str(err).splitlines() or [type(err).__name__])[0][:200]}") from None
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         tmp = f"{cache}.{os.getpid()}.partial"
         ids.tofile(tmp)
