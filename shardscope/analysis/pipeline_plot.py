@@ -31,15 +31,36 @@ def _checked(raw: Any) -> dict[int, list[list[Any]]]:
     return dict(sorted(out.items()))
 
 
+# Drawn in bounded time whatever a summary file holds: one bar collection per rank and kind, the micro-batch numbers
+# only while they can be read, at most MAX_RANKS rows; more is said in the title, never drawn (a crafted timeline
+# of every rank's MAX_ACTIONS kept `report` in matplotlib for minutes when each action was its own artist).
+MAX_RANKS = 64
+MAX_LABELS = 600
+MAX_IDEAL_ACTIONS = 20_000  # the ideal schedule is simulated action by action: past this it is not drawn
+
+
+def _bounded(timelines: dict[int, list[list[Any]]]) -> tuple[dict[int, list[list[Any]]], str]:
+    """At most ``MAX_RANKS`` ranks' timelines, and what was left out ("" when nothing)."""
+    if len(timelines) <= MAX_RANKS:
+        return timelines, ""
+    kept = dict(list(timelines.items())[:MAX_RANKS])
+    return kept, f"; the first {MAX_RANKS} of {len(timelines)} ranks drawn"
+
+
 def _draw(ax: Any, timelines: dict[int, list[list[Any]]], title: str) -> set[str]:
     kinds: set[str] = set()
+    labels = sum(len(a) for a in timelines.values()) <= MAX_LABELS
     for row, (rank, actions) in enumerate(timelines.items()):
+        by_kind: dict[str, list[tuple[float, float]]] = {}
         for kind, stage, mb, start, end in actions:
-            ax.broken_barh([(start, max(end - start, 1e-3))], (row - 0.4, 0.8), facecolors=KIND_COLORS[kind],
-                           edgecolor="white", linewidth=0.4)
-            if end - start > 0:
+            by_kind.setdefault(kind, []).append((start, max(end - start, 1e-3)))
+            if labels and end - start > 0:
                 ax.text((start + end) / 2, row, f"{mb}", ha="center", va="center", fontsize=6, color="white")
+        for kind, bars in by_kind.items():
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=KIND_COLORS[kind], edgecolor="white", linewidth=0.4)
             kinds.add(kind)
+    if not labels:
+        title += " (too many actions to number)"
     ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in timelines])
     ax.invert_yaxis()
     ax.set_title(title, fontsize=9)
@@ -52,7 +73,7 @@ def timeline_plot(run: dict[str, Any], path: str) -> str | None:
     pipeline = run.get("pipeline") if isinstance(run, dict) else None
     if not isinstance(pipeline, dict):
         return None
-    measured = _checked(pipeline.get("timeline"))
+    measured, cut = _bounded(_checked(pipeline.get("timeline")))
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.6 + 0.9 * max(2, len(measured))), sharex=True)
     name = str(run.get("name", ""))
@@ -65,9 +86,12 @@ def timeline_plot(run: dict[str, Any], path: str) -> str | None:
     kinds = _draw(top, measured, f"{name}: measured ({pipeline.get('schedule')}, p = {pipeline.get('pp')}, "
                                  f"v = {pipeline.get('stages_per_rank')}, m = {pipeline.get('microbatches')}; bubble "
                                  + (f"{bubble:.0%} over the run" if isinstance(bubble, (int, float)) else "not measured")
-                                 + "); numbers are micro-batches, gaps idle")
-    ideal = ideal_timeline(measured)
-    if ideal:
+                                 + f"); numbers are micro-batches, gaps idle{cut}")
+    actions = sum(len(a) for a in measured.values())
+    ideal = ideal_timeline(measured) if actions <= MAX_IDEAL_ACTIONS else {}
+    if actions > MAX_IDEAL_ACTIONS:
+        no_data(bottom, f"not simulated: {actions:,} actions, over the {MAX_IDEAL_ACTIONS:,} drawn as an ideal schedule")
+    elif ideal:
         _draw(bottom, ideal, "ideal: the same actions at their median measured durations, no transfer time"
               + (f" (theory: bubble {theory:.0%})" if isinstance(theory, (int, float)) else ""))
     else:
