@@ -147,6 +147,7 @@ def test_recommend_at_a_world_size_not_run_ranks_the_predictions_with_their_erro
     assert what_if.returncode == 0, what_if.stderr
     assert "at 8 ranks of H100 (what-if, not measured here): fastest predicted that fits" in " ".join(what_if.stdout.split())
     assert "what-if: error not measured" in what_if.stdout
+    assert ".again" not in what_if.stdout and ".again" not in proc.stdout  # the A/A control is never a candidate
     for args, said in ((["--device", "H100"], "--device: give --world-size too"),
                        (["-n", "8", "--device", "TPU"], "--device 'TPU': known:"),
                        (["-n", str(2 * (os.cpu_count() or 1) + 1)], "name the what-if: --device A100"),

@@ -248,3 +248,16 @@ def test_the_verdict_rule():
     assert speed_verdict(150, 100, 0.2, 0.2, None)["verdict"] == "faster"
     assert speed_verdict(150, 100, None, None, None)["verdict"] == "untested"
     assert speed_verdict(150, 100, None, 0.1, 0.6)["verdict"] == "tie"  # no step spread, a 60% A/A move
+
+
+def test_a_run_that_never_started_does_not_change_the_ranking_basis():
+    """A failed run with no start record names no device: the others' "cpu" stands (busy-time ranking stays on)."""
+    from types import SimpleNamespace
+
+    from shardscope.analysis.recommend import device_of
+
+    started = SimpleNamespace(start={0: {"device": "cpu"}})
+    never = SimpleNamespace(start={})
+    assert device_of({"ddp": started, "zero2": never, "fsdp2": started}) == "cpu"
+    assert device_of({"a": SimpleNamespace(start={0: {"device": "cuda:0"}}), "b": never}) == "cuda"
+    assert device_of({"a": never}) == "unknown"

@@ -224,12 +224,20 @@ def smallest_fitting_world_size(c: Any, run: Any, device_memory_bytes: int) -> i
     return None
 
 
+def device_of(states: dict[str, Any]) -> str:
+    """"cpu", "cuda" or "unknown": what the runs that started ran on. A run with no start record (it failed before
+    its first record) names no device and changes nothing: the ranking's basis never follows a failure."""
+    devices = {str((st.start.get(0) or {}).get("device", "")) for st in states.values()} - {""}
+    if devices and all(d == "cpu" for d in devices):
+        return "cpu"
+    return "cuda" if any(d.startswith("cuda") for d in devices) else "unknown"
+
+
 def section(c: Any, states: dict[str, Any], summary: dict[str, Any],
             device_memory_bytes: int | None = None) -> dict[str, Any]:
     """The recommendation for a comparison ``c`` whose runs are folded into ``states`` (``RunState``s)."""
     spreads = {name: relative_spread(timed_rates(st.throughput)) for name, st in states.items()}
-    devices = {str((st.start.get(0) or {}).get("device", "")) for st in states.values()}
-    device = "cpu" if devices == {"cpu"} else ("cuda" if any(d.startswith("cuda") for d in devices) else "unknown")
+    device = device_of(states)
     fits_at = ({r.name: smallest_fitting_world_size(c, r, device_memory_bytes) for r in c.runs}
                if device_memory_bytes else None)
     return recommend(summary, spreads, device, device_memory_bytes, fits_at)

@@ -6,6 +6,8 @@ measurement). A what-if on GPUs (``device``) has no error measured here and says
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from shardscope.config import Comparison
@@ -45,7 +47,9 @@ def at_scale(out_dir: str, world_size: int, device: DeviceSpec | None = None,
     not a finished comparison."""
     from shardscope.analysis import fold
 
-    c, notes = comparison_at(fold.load_comparison(out_dir), world_size)
+    loaded = fold.load_comparison(out_dir)  # the A/A control is the baseline again: never a candidate
+    loaded = dataclasses.replace(loaded, runs=[r for r in loaded.runs if not r.control_of])
+    c, notes = comparison_at(loaded, world_size)
     model = predict.calibrate([out_dir])
     result = predict.predict_comparison(c, model, device)
     errors = (model.fit_error or {}).get("runs") or {}
