@@ -417,3 +417,14 @@ def test_a_one_size_gpu_calibration_predicts_only_models_near_its_size():
     two = predict_fit.fit(sizes, cores=16)
     assert "per_layer_token_s" in two.coefficients["forward"]  # two sizes: a per-layer cost, carried to any size
     assert predict.predict_run(wide, wide.run("ddp"), two)["why"] is None
+
+
+def test_an_overhead_that_would_fit_below_zero_is_taken_as_zero_and_said():
+    """A strategy that measured faster than the reference's compute for the same FLOPs (a busy machine's noise):
+    its fitted overhead is 0, never negative, and the note says so."""
+    c = smoke()
+    faster = {p: -v / 2 for p, v in OVERHEAD.items()}  # fsdp2 "cheaper" than DDP's compute
+    runs = [synthetic(c, "ddp", ONE_SIZE), synthetic(c, "fsdp2", ONE_SIZE, faster)]
+    model = predict_fit.fit(runs, cores=8)
+    assert model.overhead["fsdp2"] == dict.fromkeys(OVERHEAD, 0.0)
+    assert any("fsdp2: its fitted framework overhead would be below zero" in n for n in model.notes), model.notes

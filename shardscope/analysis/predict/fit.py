@@ -333,8 +333,14 @@ def fit(runs: list[CalibrationRun], cores: int | None = None,
     for strategy in sorted({r.strategy for r in usable}):
         mine = [r for r in usable if r.strategy == strategy]
         tensors = sum(r.work.param_tensors for r in mine)  # type: ignore[union-attr]
-        overhead[strategy] = {p: (sum(comp[key(r)][p] for r in mine) - sum(
+        fitted = {p: (sum(comp[key(r)][p] for r in mine) - sum(
             reference_compute(r.work, coefficients)[p] for r in mine)) / tensors for p in PHASE_KEYS}  # type: ignore[arg-type]
+        below = {p: v for p, v in fitted.items() if v < 0}
+        if below:  # measured faster than the reference's compute of the same FLOPs: noise, not a negative cost
+            notes.append(f"{strategy}: its fitted framework overhead would be below zero in "
+                         f"{', '.join(sorted(below))} (it measured faster than the reference's compute for the same "
+                         "FLOPs, this machine's noise): taken as 0")
+        overhead[strategy] = {p: max(0.0, v) for p, v in fitted.items()}
     families: dict[str, list[str]] = {}
     for r in usable:
         families.setdefault(r.work.family, []).append(r.strategy)  # type: ignore[union-attr]
