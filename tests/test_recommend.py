@@ -205,7 +205,7 @@ def test_the_a_a_control_widens_the_band_and_is_not_ranked():
     assert "ddp.again" not in rec["runs"] and rec["no_clear_difference"] == ["ddp", "zero2"]
     line = next(x for x in rec["lines"] if x.startswith("zero2 vs ddp"))
     assert "throughput not distinguishable on this machine now (0.90x, band ±13.6%: A/A moved 13.6%)" in line, line
-    assert rec["lines"][-1].startswith("A/A control: ddp run again moved 13.6%")
+    assert rec["lines"][-1].startswith("A/A control, in wall-clock tokens/s: ddp run again moved 13.6%")
     # The same gap with a quiet control is a verdict, with its interval.
     s["noise"]["between"].update(control_rate=9900, moved=10000 / 9900 - 1)
     rec = recommend.recommend(s, {"ddp": 0.01, "zero2": 0.01, "ddp.again": 0.01}, "cuda")
@@ -261,3 +261,17 @@ def test_a_run_that_never_started_does_not_change_the_ranking_basis():
     assert device_of({"ddp": started, "zero2": never, "fsdp2": started}) == "cpu"
     assert device_of({"a": SimpleNamespace(start={0: {"device": "cuda:0"}}), "b": never}) == "cuda"
     assert device_of({"a": never}) == "unknown"
+
+
+def test_the_a_a_figure_is_on_the_rankings_basis_said_once():
+    """Ranked by busy CPU time per token, the A/A line gives the control's move on that basis, and says so."""
+    from shardscope.analysis import noise
+
+    n = {"between": {"measured": True, "control": "ddp.again", "baseline": "ddp", "steps": 10,
+                     "baseline_rate": 10000, "control_rate": 5000, "moved": 1.0},
+         "busy_per_token": {"ddp": 1e-4, "ddp.again": 1.02e-4}}
+    busy = noise.line(n, busy=True)
+    assert busy.startswith("A/A control, in busy CPU time per token (the basis of the ranking): ddp run again "
+                           "moved 2.0%"), busy
+    assert "100.0%" not in busy  # the wall-clock move is not beside it
+    assert noise.line(n).startswith("A/A control, in wall-clock tokens/s: ddp run again moved 100.0%")

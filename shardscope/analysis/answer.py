@@ -69,7 +69,7 @@ def lines(summary: dict[str, Any]) -> list[str]:
     out.append(_loss(summary))
     out += [line for line in rec_lines if ": left out of the recommendation" in line]
     out += waited
-    out.append(noise.line(summary.get("noise") or {}))
+    out.append(noise.line(summary.get("noise") or {}, rec.get("ranked_by") == "tokens per busy CPU second"))
     out += [f"caveat: {c}" for c in rec.get("caveats") or []]
     return out[:MAX_LINES]
 

@@ -71,11 +71,24 @@ def section(c: Comparison, states: dict[str, RunState], stragglers: dict[str, An
             "busy_per_token": busy}
 
 
-def line(noise: dict[str, Any]) -> str:
-    """One sentence on the between-run noise, for the answer and the recommendation."""
+def busy_move(noise: dict[str, Any]) -> float | None:
+    """How far the A/A control moved from its baseline in busy CPU time per token (None where either is missing)."""
+    between = (noise or {}).get("between") or {}
+    per_token = (noise or {}).get("busy_per_token") or {}
+    a, b = per_token.get(between.get("control")), per_token.get(between.get("baseline"))
+    return move_of(a, b) if between.get("measured") and a and b else None
+
+
+def line(noise: dict[str, Any], busy: bool = False) -> str:
+    """One sentence on the between-run noise, for the answer and the recommendation, on the basis the runs are
+    ranked by: wall-clock tokens/s, or with ``busy`` busy CPU time per token (one figure per answer, said once)."""
     between = (noise or {}).get("between") or {}
     if not between.get("measured"):
         return f"between-run noise not measured ({between.get('why', 'no A/A control')})"
-    return (f"A/A control: {between['baseline']} run again moved {between['moved']:.1%} "
+    moved = busy_move(noise) if busy else None
+    if moved is not None:
+        return (f"A/A control, in busy CPU time per token (the basis of the ranking): {between['baseline']} run again "
+                f"moved {moved:.1%}: a difference inside that is not a difference on this machine now")
+    return (f"A/A control, in wall-clock tokens/s: {between['baseline']} run again moved {between['moved']:.1%} "
             f"({between['control_rate']:,.0f} vs {between['baseline_rate']:,.0f} over its first {between['steps']} "
             "steps): a throughput difference inside that is not a difference on this machine now")

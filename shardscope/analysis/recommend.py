@@ -40,11 +40,7 @@ def _between(summary: dict[str, Any], busy: bool = False) -> float | None:
     between = (summary.get("noise") or {}).get("between") or {}
     if not between.get("measured"):
         return None
-    if not busy:
-        return between.get("moved")
-    per_token = (summary.get("noise") or {}).get("busy_per_token") or {}
-    a, b = per_token.get(between.get("control")), per_token.get(between.get("baseline"))
-    return move_of(a, b) if a and b else None
+    return noise.busy_move(summary.get("noise") or {}) if busy else between.get("moved")
 
 
 class _Measure:
@@ -202,7 +198,7 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
             elif entry["fits"] is None:
                 lines.append(f"{r['name']}: fit in {fmt_bytes(device_memory_bytes)} not measured (no peak memory)")
     if summary.get("noise"):
-        lines.append(noise.line(summary["noise"]))
+        lines.append(noise.line(summary["noise"], measure.busy))
     caveats = [GPU_CAVEAT] if device == "cpu" else []
     return {"device": device, "device_memory_bytes": device_memory_bytes, "unit": unit, "fastest": fastest,
             "no_clear_difference": [fastest, *tied] if tied else [], "runs": per_run, "lines": lines,
