@@ -183,7 +183,12 @@ def recommend(summary: dict[str, Any], spreads: dict[str, float | None], device:
                 entry["model_states_saved_bytes"] = states[1] - states[0]
                 if gpu:
                     mem += f" (model states {fmt_bytes(states[1])} -> {fmt_bytes(states[0])}, counted exactly)"
-            lines.append(f"{r['name']} vs {base['name']}: {mem}, {cost} ({_rate(r):,.0f} vs {_rate(base):,.0f} {unit})")
+            # the bracketed figures on the ratio's own basis: a run with more wall-clock tokens/s is never said to cost
+            shown = ((measure.of(r), measure.of(base), "tokens per busy CPU s") if measure.busy
+                     else (_rate(r), _rate(base), unit))
+            figures = (f" ({shown[0]:,.0f} vs {shown[1]:,.0f} {shown[2]})"
+                       if shown[0] is not None and shown[1] is not None else "")
+            lines.append(f"{r['name']} vs {base['name']}: {mem}, {cost}{figures}")
     if device_memory_bytes:
         for r in runs:
             entry = per_run[r["name"]]
