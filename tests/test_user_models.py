@@ -204,12 +204,15 @@ COMMANDS = [["report", "{out}"], ["diff", "{out}", "{out}"], ["recommend", "{out
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_command_reads_a_user_models_comparison(comparisons, model):
     """report, diff, recommend, explain, estimate, slurm, predict and why on the user's model: exit 0, no traceback,
-    and the figures that name the model come from its description (its parameter count)."""
+    and the figures that name the model come from its description (its parameter count). ``why`` re-runs a module
+    read from the run directory only with ``--trust-code`` (presets/trust.py; tests/test_trust_code.py)."""
     proc, out = comparisons(model)
     preset = str(Path(out).parent / "user.toml")
     described = json.load(open(os.path.join(out, "comparison.json"), encoding="utf-8"))["model"]["described"]
     for args in COMMANDS:
         argv = [a.format(out=out, preset=preset) for a in args]
+        if args[0] == "why" and model == "module":  # re-runs build the directory's module: the user names it again
+            argv.append("--trust-code")
         done = subprocess.run([sys.executable, "-m", "shardscope.cli", *argv], capture_output=True, text=True,
                               timeout=600, cwd=Path(out).parent, env={**os.environ, "COLUMNS": "200"})
         assert done.returncode == 0 and "Traceback" not in done.stderr, (argv, done.stdout[-2000:], done.stderr[-2000:])
