@@ -44,6 +44,15 @@ SMALL = {  # every spelling transformers' configs use for a size, shrunk
 }
 
 
+# Sizes that must shrink beside the width (each set only when the default is larger): key/value heads, rotary and
+# latent-attention widths that must fit a 16-wide head, the dense layers before the routed ones.
+SHRUNK_TOO = {"num_key_value_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2, "rotary_dim": 8,
+              "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 32,
+              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "num_shared_experts": 1,
+              "n_shared_experts": 1, "shared_expert_intermediate_size": 128, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+
+
 def tiny_config(model_type: str) -> tuple[dict | None, str]:
     """(config values, "") for ``model_type`` shrunk, or (None, why it is skipped)."""
     from transformers import AutoConfig
@@ -58,18 +67,19 @@ def tiny_config(model_type: str) -> tuple[dict | None, str]:
     if getattr(config, "sub_configs", None):
         return None, f"composite ({', '.join(sorted(config.sub_configs))})"
     values = config.to_dict()
+    depth = next((values[k] for k in SMALL[2] if isinstance(values.get(k), int)), 0)
     for size, keys in SMALL.items():
         for key in keys:
             if isinstance(values.get(key), int) and not isinstance(values.get(key), bool):
                 values[key] = size
-    for key in ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"):
-        if isinstance(values.get(key), int):
-            values[key] = 2
+    for key, size in SHRUNK_TOO.items():
+        if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > size:
+            values[key] = size
     if isinstance(values.get("num_experts_per_tok"), int):
         values["num_experts_per_tok"] = 2
-    for key in ("layer_types", "block_types", "layers_block_type"):  # per-layer lists follow the depth
-        if isinstance(values.get(key), list) and values[key]:
-            values[key] = (values[key] * 2)[:2]
+    for key, value in list(values.items()):  # per-layer lists follow the depth (layer types, per-layer sizes)
+        if isinstance(value, list) and value and depth and len(value) == depth:
+            values[key] = value[:2]
     values["model_type"] = model_type
     values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     values.pop("auto_map", None)
