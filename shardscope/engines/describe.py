@@ -197,7 +197,8 @@ def training_step(model: nn.Module, spec: ModelSpec, blocks: nn.ModuleList) -> d
     x, kind = _sample(spec)
     saved = _Saved(model, blocks)
     try:
-        gathers = _Gathers({id(p) for p in model.parameters()}, saved.params)
+        stacked = {id(p) for p in model.parameters() if p.dim() == 3}  # experts' weights, stacked: only they gather
+        gathers = _Gathers(stacked, saved.params) if stacked else contextlib.nullcontext()
         with flop_counter() as counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), gathers:
             out = model(x)
             if not isinstance(out, torch.Tensor):
