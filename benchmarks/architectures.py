@@ -114,7 +114,8 @@ def judge(model_type: str, work: Path, real: bool) -> dict[str, str]:
     for line in (proc.stdout + "\n" + proc.stderr).splitlines():
         if "left out:" in line and "note: run " in line and line.split("run ", 1)[-1].split(" ", 1)[0] in {r[0] for r in RUNS}:
             name = line.split("note: run ", 1)[1].split(" ", 1)[0]
-            cells[name] = "left out: " + line.split(" left out: ", 1)[1].split(": ", 1)[-1].strip()
+            reason = line.split(" left out: ", 1)[1].split(": ", 1)[-1].strip()
+            cells[name] = "left out: " + reason.replace(f"model.path = '{folder}': ", "")
     if proc.returncode == 2 and not real:
         error = next((ln for ln in proc.stderr.splitlines() if "error:" in ln), proc.stderr.strip()[-300:])
         error = error.split("error: ", 1)[-1].replace(f"{folder / 'p.toml'}: ", "").replace(f"model.path = '{folder}': ", "")
